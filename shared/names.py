@@ -1,0 +1,85 @@
+"""The one owner of topic names, Redis keys and on-disk paths.
+
+Every service imports names from here so a rename happens in one place and the
+compose file, the CLI and the tests cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Topics(BaseModel):
+    """Kafka topic names; configurable (``REIN_TOPICS__CHUNKS=...``), these are the defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    chunks: str = "rollout.chunks"
+    """One record per engine generation call (key: group id)."""
+    events: str = "rollout.events"
+    """Session finished / rejected, group dispatched (key: group id)."""
+    groups: str = "rollout.groups"
+    """Every completed group with full trajectories: the audit log replay reads (key: group id)."""
+    batches: str = "train.batches"
+    """Batch manifests (key: batch id)."""
+    weights: str = "weights"
+    """Weight version published / applied (key: version label)."""
+    decisions: str = "staleness.decisions"
+    """One window decision per completed group (key: group id)."""
+    retries: str = "rollout.retries"
+    """Retry requests for failed groups, consumed by the rollout runner (key: prompt id)."""
+
+    def all(self) -> list[str]:
+        return [self.chunks, self.events, self.groups, self.batches, self.weights, self.decisions, self.retries]
+
+
+class RedisKeys:
+    """Redis key layout. ``prefix`` namespaces one deployment (tests use a fresh one each)."""
+
+    def __init__(self, prefix: str = "rein") -> None:
+        self.prefix = prefix
+
+    @property
+    def registry(self) -> str:
+        """Hash label -> published sequence number."""
+        return f"{self.prefix}:versions:registry"
+
+    @property
+    def registry_order(self) -> str:
+        """Sorted set label scored by sequence: ZRANK is the label's index, O(log n)."""
+        return f"{self.prefix}:versions:order"
+
+    @property
+    def unregistered(self) -> str:
+        """Sorted set of labels seen in data but never published, scored by observation rank."""
+        return f"{self.prefix}:versions:unregistered"
+
+    @property
+    def unregistered_counter(self) -> str:
+        """Counter giving the next observation rank of an unregistered label."""
+        return f"{self.prefix}:versions:unregistered_next"
+
+    @property
+    def window(self) -> str:
+        """Hash with the window state: current label, current index, cumulative drop counters."""
+        return f"{self.prefix}:window"
+
+    @property
+    def pending(self) -> str:
+        """Hash group id -> encoded pending group (kept groups waiting for the next batch)."""
+        return f"{self.prefix}:window:pending"
+
+    @property
+    def pending_order(self) -> str:
+        """List of pending group ids in arrival order."""
+        return f"{self.prefix}:window:pending_order"
+
+    @property
+    def decided(self) -> str:
+        """Hash group id -> decision name: makes each completed group's decision idempotent."""
+        return f"{self.prefix}:window:decided"
+
+    @property
+    def prompt_drops(self) -> str:
+        """Hash prompt id -> number of groups of that prompt dropped after the last retry."""
+        return f"{self.prefix}:prompt_drops"

@@ -1,0 +1,363 @@
+"""Record types of every Kafka topic, and their msgpack wire form.
+
+Wire form: a msgpack map ``{"schema": SCHEMA_VERSION, "type": <record type>,
+"data": {...fields}}``. :func:`decode` checks size, envelope, schema version and
+fields, and raises :class:`DecodeError` naming the problem; consumers count,
+log and skip such records (STYLE 7) instead of crashing.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+SCHEMA_VERSION = 1
+DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+
+
+def _now() -> float:
+    return time.time()
+
+
+def new_id(prefix: str) -> str:
+    """A fresh id; ids are never prefixes of each other (SGLang matches rids by prefix)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Record(BaseModel):
+    """Base of every record: typed, frozen, unknown fields rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    type: str
+    ts: float = Field(default_factory=_now)
+    """Wall-clock time the record was made (per record, never one import-time value)."""
+
+    topic_attr: ClassVar[str] = ""
+    """Attribute of :class:`shared.names.Topics` naming the topic this record goes to."""
+
+    def key(self) -> str:
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------- rollout.chunks
+
+
+class Chunk(Record):
+    """One engine generation call of a session (a resumed generation has several chunks).
+
+    ``context_ids`` are the tokens appended to the session's sequence before this
+    chunk's output (new messages and the assistant header); empty for a chunk that
+    continues a preempted generation. Concatenating ``context_ids + output_ids`` of
+    a segment's chunks in ``seq`` order rebuilds the segment exactly.
+    """
+
+    topic_attr: ClassVar[str] = "chunks"
+    type: Literal["chunk"] = "chunk"
+    session_id: str
+    group_id: str
+    prompt_id: str = ""
+    attempt: int = Field(default=0, ge=0)
+    turn_id: str = ""
+    seq: int = Field(ge=0)
+    """Position of this chunk in the session (0, 1, 2, ...); the collector orders by it."""
+    segment_index: int = Field(ge=0)
+    chunk_index: int = Field(ge=0)
+    """Position inside one chat call (0 for the first engine request of the call)."""
+    context_ids: list[int] = Field(default_factory=list)
+    output_ids: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    version: str | None = None
+    """Normalised label of the weights that produced every output token of this chunk."""
+    finish_reason: Literal["stop", "length", "abort"]
+    rid: str = ""
+    engine: str = ""
+
+    def key(self) -> str:
+        return self.group_id
+
+
+# --------------------------------------------------------------------------- rollout.events
+
+
+class GroupDispatched(Record):
+    """The rollout runner started ``group_size`` sessions of one prompt (attempt 0, 1, ...)."""
+
+    topic_attr: ClassVar[str] = "events"
+    type: Literal["group_dispatched"] = "group_dispatched"
+    group_id: str
+    prompt_id: str
+    attempt: int = Field(default=0, ge=0)
+    session_ids: list[str] = Field(min_length=1)
+    prompt: dict[str, Any] = Field(default_factory=dict)
+    """The task's prompt payload, so a retry can be dispatched from the record alone."""
+
+    def key(self) -> str:
+        return self.group_id
+
+
+class SessionFinished(Record):
+    """The agent finished a session and reported its reward."""
+
+    topic_attr: ClassVar[str] = "events"
+    type: Literal["session_finished"] = "session_finished"
+    session_id: str
+    group_id: str
+    reward: float
+    status: Literal["completed", "truncated", "failed"] = "completed"
+    num_chunks: int = Field(ge=0)
+    """How many chunk records the session produced: the collector waits for all of them."""
+
+    def key(self) -> str:
+        return self.group_id
+
+
+class SessionRejected(Record):
+    """The proxy rejected the session (span cap, version change, preempt) or it errored."""
+
+    topic_attr: ClassVar[str] = "events"
+    type: Literal["session_rejected"] = "session_rejected"
+    session_id: str
+    group_id: str
+    error: str
+    detail: dict[str, Any] = Field(default_factory=dict)
+    num_chunks: int = Field(ge=0)
+
+    def key(self) -> str:
+        return self.group_id
+
+
+# --------------------------------------------------------------------------- rollout.groups
+
+
+class Segment(BaseModel):
+    """One training sample cut from a trajectory; all lists have one entry per token."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    segment_index: int = Field(ge=0)
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    """Rollout logprob per token (0.0 on context tokens)."""
+    versions: list[str | None]
+    """Version per token (None on context tokens)."""
+    finish_reason: str = "stop"
+
+
+class Trajectory(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    session_id: str
+    status: Literal["completed", "truncated", "failed", "rejected"]
+    reward: float = 0.0
+    error: str = ""
+    segments: list[Segment]
+
+
+class CompletedGroup(Record):
+    """A GRPO group whose sessions all finished or were rejected: the audit log."""
+
+    topic_attr: ClassVar[str] = "groups"
+    type: Literal["group"] = "group"
+    group_id: str
+    prompt_id: str
+    attempt: int = Field(default=0, ge=0)
+    failed: bool
+    trajectories: list[Trajectory]
+    prompt: dict[str, Any] = Field(default_factory=dict)
+
+    def key(self) -> str:
+        return self.group_id
+
+
+# --------------------------------------------------------------------------- staleness.decisions / train.batches
+
+
+class WindowInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    keep_versions: int
+    current_version: str | None
+    current_index: int | None
+    cutoff_index: int | None
+
+
+class DecisionRecord(Record):
+    """One window decision about one group (see ``shared.staleness.Decision``)."""
+
+    topic_attr: ClassVar[str] = "decisions"
+    type: Literal["decision"] = "decision"
+    group_id: str
+    prompt_id: str
+    attempt: int = Field(ge=0)
+    decision: Literal["kept", "dropped_stale", "dropped_retroactive", "failed_retry", "failed_dropped"]
+    versions: list[str]
+    window: WindowInfo
+    collector: str = ""
+
+    def key(self) -> str:
+        return self.group_id
+
+
+class GroupRef(BaseModel):
+    """Where a completed group lives on ``rollout.groups``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    group_id: str
+    partition: int = Field(ge=0)
+    offset: int = Field(ge=0)
+
+
+class GapInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    min: int
+    max: int
+    mean: float
+
+
+class BatchManifest(Record):
+    """One training batch: group references, the window then, drops since the last batch."""
+
+    topic_attr: ClassVar[str] = "batches"
+    type: Literal["batch"] = "batch"
+    batch_id: str
+    index: int = Field(ge=0)
+    groups: list[GroupRef] = Field(min_length=1)
+    window: WindowInfo
+    version_gap: GapInfo | None
+    dropped: list[dict[str, str]] = Field(default_factory=list)
+    """``{"group_id", "decision"}`` of each drop since the previous manifest."""
+    drops_in_batch: int = Field(ge=0)
+    drops_cumulative: int = Field(ge=0)
+
+    def key(self) -> str:
+        return self.batch_id
+
+
+# --------------------------------------------------------------------------- weights
+
+
+class WeightPublished(Record):
+    """The trainer wrote a checkpoint; ``seq`` orders versions for every window."""
+
+    topic_attr: ClassVar[str] = "weights"
+    type: Literal["weight_published"] = "weight_published"
+    version: str = Field(min_length=1)
+    seq: int = Field(ge=0)
+    path: str
+    digest: str
+    step: int = Field(ge=0)
+
+    def key(self) -> str:
+        return self.version
+
+
+class WeightApplied(Record):
+    """The broadcaster loaded a version on every engine and resumed every proxy."""
+
+    topic_attr: ClassVar[str] = "weights"
+    type: Literal["weight_applied"] = "weight_applied"
+    version: str = Field(min_length=1)
+    seq: int = Field(ge=0)
+    digest: str
+    engines: list[str] = Field(default_factory=list)
+
+    def key(self) -> str:
+        return self.version
+
+
+# --------------------------------------------------------------------------- rollout.retries
+
+
+class RetryRequest(Record):
+    """Run this prompt's group again (attempt counts from 0; the prompt keeps its id)."""
+
+    topic_attr: ClassVar[str] = "retries"
+    type: Literal["retry"] = "retry"
+    prompt_id: str
+    attempt: int = Field(ge=1)
+    previous_group_id: str
+    prompt: dict[str, Any] = Field(default_factory=dict)
+
+    def key(self) -> str:
+        return self.prompt_id
+
+
+AnyRecord = Annotated[
+    Chunk
+    | GroupDispatched
+    | SessionFinished
+    | SessionRejected
+    | CompletedGroup
+    | DecisionRecord
+    | BatchManifest
+    | WeightPublished
+    | WeightApplied
+    | RetryRequest,
+    Field(discriminator="type"),
+]
+_ADAPTER: TypeAdapter[AnyRecord] = TypeAdapter(AnyRecord)
+RECORD_TYPES: dict[str, type[Record]] = {
+    cls.model_fields["type"].default: cls
+    for cls in (
+        Chunk,
+        GroupDispatched,
+        SessionFinished,
+        SessionRejected,
+        CompletedGroup,
+        DecisionRecord,
+        BatchManifest,
+        WeightPublished,
+        WeightApplied,
+        RetryRequest,
+    )
+}
+
+
+class DecodeError(ValueError):
+    """A record could not be decoded; ``reason`` is a short label for metrics."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+def encode(record: Record) -> bytes:
+    """The msgpack envelope of ``record``."""
+    data = record.model_dump(mode="json", exclude={"type"})
+    packed: bytes = msgpack.packb({"schema": SCHEMA_VERSION, "type": record.type, "data": data}, use_bin_type=True)
+    return packed
+
+
+def decode(raw: bytes | None, max_bytes: int = DEFAULT_MAX_BYTES) -> Record:
+    """Decode one wire record or raise DecodeError naming what is wrong."""
+    if raw is None:
+        raise DecodeError("empty", "record has no value (tombstone)")
+    if len(raw) > max_bytes:
+        raise DecodeError("oversize", f"record is {len(raw)} bytes, limit is {max_bytes}")
+    try:
+        envelope = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage input
+        raise DecodeError("not_msgpack", f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(envelope, dict):
+        raise DecodeError("bad_envelope", f"expected a map envelope, got {type(envelope).__name__}")
+    missing = [k for k in ("schema", "type", "data") if k not in envelope]
+    if missing:
+        raise DecodeError("bad_envelope", f"envelope lacks {', '.join(missing)}")
+    if envelope["schema"] != SCHEMA_VERSION:
+        raise DecodeError("schema_version", f"schema {envelope['schema']!r}, this build reads {SCHEMA_VERSION}")
+    kind = envelope["type"]
+    if kind not in RECORD_TYPES:
+        raise DecodeError("unknown_type", f"record type {kind!r} is not one of {sorted(RECORD_TYPES)}")
+    data = envelope["data"]
+    if not isinstance(data, dict):
+        raise DecodeError("bad_envelope", f"data must be a map, got {type(data).__name__}")
+    try:
+        record: Record = _ADAPTER.validate_python({**data, "type": kind})
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'][1:]) or '<record>'}: {err['msg']}" for err in exc.errors()[:5]
+        )
+        raise DecodeError("invalid_fields", f"{kind}: {problems}") from None
+    return record

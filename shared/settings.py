@@ -1,0 +1,107 @@
+"""Typed settings: the only module that reads the environment.
+
+Every service defines one subclass of :class:`ServiceSettings` and builds it once
+in its ``__main__`` with :func:`load`. Variables use the ``REIN_`` prefix and
+``__`` for nesting (``REIN_KAFKA__BOOTSTRAP_SERVERS``). Unknown keys and invalid
+values fail at start with the variable's name, never later in a request path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.names import Topics
+
+ENV_PREFIX = "REIN_"
+NESTED_DELIMITER = "__"
+
+
+class SettingsError(ValueError):
+    """Settings failed validation; the message names the environment variables."""
+
+
+class KafkaSettings(BaseModel):
+    """Where the broker is and how producers and consumers behave."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bootstrap_servers: str = "127.0.0.1:9092"
+    """Comma-separated host:port list of the Kafka brokers."""
+    client_id: str = "rein"
+    """Prefix of the client id each producer and consumer reports to the broker."""
+    request_timeout_ms: int = Field(default=30_000, gt=0)
+    """Bound on every broker request, so a dead broker gives an error instead of a hang."""
+    max_record_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    """Largest record a consumer will decode; bigger ones are counted and skipped."""
+
+
+class RedisSettings(BaseModel):
+    """Shared state store (version registry, window, pending groups)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = "redis://127.0.0.1:6379/0"
+    """redis:// URL of the server."""
+    key_prefix: str = "rein"
+    """Namespace of every key this deployment writes."""
+    socket_timeout_s: float = Field(default=5.0, gt=0)
+    """Bound on every Redis call, so a dead server gives an error instead of a hang."""
+
+
+class ServiceSettings(BaseSettings):
+    """Base of every service's settings: the broker, Redis and topic names."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=NESTED_DELIMITER,
+        extra="forbid",
+        validate_default=True,
+    )
+
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    topics: Topics = Field(default_factory=Topics)
+    log_level: str = "info"
+    """structlog level: debug, info, warning, error."""
+    log_json: bool = True
+    """JSON lines (services) or a readable console format (CLI, local debugging)."""
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def env_name(loc: tuple[int | str, ...]) -> str:
+    """The environment variable that sets the field at ``loc``."""
+    return ENV_PREFIX + NESTED_DELIMITER.join(str(part).upper() for part in loc)
+
+
+def load(cls: type[S], **overrides: Any) -> S:
+    """Build ``cls`` from the environment (plus explicit overrides) or raise SettingsError.
+
+    The error lists every invalid variable by its environment name, so a typo in a
+    compose file is found at start.
+    """
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        lines = [f"invalid settings for {cls.__name__}:"]
+        for err in exc.errors():
+            loc = tuple(err.get("loc", ()))
+            lines.append(f"  {env_name(loc)}: {err['msg']} (got {err.get('input')!r})")
+        raise SettingsError("\n".join(lines)) from None
+
+
+def child_env(overrides: dict[str, str]) -> dict[str, str]:
+    """Environment for a service subprocess: this process's variables minus ``REIN_*``, plus ``overrides``.
+
+    Parent ``REIN_*`` variables are dropped because they are per service (``REIN_PORT``
+    means something else to each); the launcher sets every service's own explicitly.
+    """
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    env.update(overrides)
+    return env

@@ -1,0 +1,360 @@
+"""The staleness rules, pure: span cap, batch window, loss mask.
+
+No I/O here. The proxy applies :func:`check_span`, the collector folds groups
+through :func:`window_step`, the trainer applies :func:`mask_nonlast_version_tokens`,
+and ``rein replay`` reuses the same window so a what-if answer is the live rule.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from shared.versions import distinct_real, real_version
+
+# --------------------------------------------------------------------------- span cap (proxy)
+
+
+@dataclass(frozen=True)
+class SpanRejection:
+    """A session would span more real versions than ``max_preempts + 1``."""
+
+    versions: tuple[str, ...]
+    max_preempts: int
+    session_id: str
+
+    @property
+    def version_span(self) -> int:
+        return len(self.versions)
+
+    @property
+    def version_switches(self) -> int:
+        return max(0, len(self.versions) - 1)
+
+    @property
+    def max_version_span(self) -> int:
+        return self.max_preempts + 1
+
+    def detail(self) -> dict[str, object]:
+        """The DESIGN body of a 502 ``partial_rollout_staleness_exceeded``."""
+        return {
+            "error": "partial_rollout_staleness_exceeded",
+            "message": (
+                f"session {self.session_id} would span {self.version_span} weight versions "
+                f"{list(self.versions)}; at most {self.max_version_span} allowed (max_preempts={self.max_preempts})"
+            ),
+            "versions": list(self.versions),
+            "version_span": self.version_span,
+            "version_switches": self.version_switches,
+            "max_preempts": self.max_preempts,
+            "max_version_span": self.max_version_span,
+            "session_id": self.session_id,
+        }
+
+
+def check_span(
+    session_versions: Iterable[object],
+    candidate_versions: Iterable[object],
+    max_preempts: int | None,
+    session_id: str,
+) -> SpanRejection | None:
+    """Reject when the session's distinct real versions plus the candidates exceed the cap.
+
+    ``session_versions`` are every version the session recorded (all turns and
+    segments, observation order); ``candidate_versions`` are the engine's current
+    version (before generating) or the new chunk's versions (after it). Distinct
+    versions count, not preempt events: a switch between turns costs the same as a
+    mid-generation preempt, a preempt that resumes on the same version costs
+    nothing. ``None`` means no cap.
+    """
+    if max_preempts is None:
+        return None
+    if max_preempts < 0:
+        raise ValueError(f"max_preempts must be >= 0 or None, got {max_preempts}")
+    versions = distinct_real([*session_versions, *candidate_versions])
+    if len(versions) > max_preempts + 1:
+        return SpanRejection(tuple(versions), max_preempts, session_id)
+    return None
+
+
+# --------------------------------------------------------------------------- loss mask (trainer)
+
+
+def mask_nonlast_version_tokens(loss_mask: Sequence[int], versions: Sequence[object]) -> list[int]:
+    """Keep only trainable tokens of the version of the last trainable real token.
+
+    With zero or one distinct real version among trainable tokens (mask 1) the mask
+    is returned unchanged (unknown-version tokens stay trained). With two or more,
+    a token stays 1 only if it was 1, its version is real and equals the version of
+    the last trainable real token in sequence order, so ``A,B,A`` keeps both ``A``
+    runs. Never turns a 0 into a 1; idempotent.
+    """
+    if len(loss_mask) != len(versions):
+        raise ValueError(f"loss_mask has {len(loss_mask)} entries but versions has {len(versions)}")
+    trainable = [real_version(v) if m else None for m, v in zip(loss_mask, versions, strict=True)]
+    real = [v for v in trainable if v is not None]
+    if len(set(real)) < 2:
+        return [1 if m else 0 for m in loss_mask]
+    last = real[-1]
+    return [1 if v == last else 0 for v in trainable]
+
+
+# --------------------------------------------------------------------------- batch window (collector)
+
+
+@dataclass(frozen=True)
+class SegmentEnd:
+    """One sample of a group as the window sees it: which trajectory, which segment, which end version."""
+
+    trajectory_id: str | None
+    segment_index: int
+    end_version: object
+
+
+def trajectory_versions(samples: Sequence[SegmentEnd]) -> dict[str, str]:
+    """Trajectory id -> end version of its highest segment (ties: the later sample).
+
+    Samples without a trajectory id or without a real end version are ignored, so
+    unversioned samples never make a group stale. Insertion order is first-seen.
+    """
+    best: dict[str, tuple[int, int, str]] = {}
+    for position, sample in enumerate(samples):
+        version = real_version(sample.end_version)
+        if version is None or sample.trajectory_id is None or sample.trajectory_id == "":
+            continue
+        key = str(sample.trajectory_id)
+        rank = (int(sample.segment_index), position)
+        held = best.get(key)
+        if held is None or rank >= held[:2]:
+            best[key] = (rank[0], rank[1], version)
+    return {key: value[2] for key, value in best.items()}
+
+
+def validate_keep_versions(keep_versions: int) -> int:
+    """0 turns the window off; negative values are an error at start."""
+    if isinstance(keep_versions, bool) or not isinstance(keep_versions, int):
+        raise ValueError(f"keep_versions must be an integer >= 0, got {keep_versions!r}")
+    if keep_versions < 0:
+        raise ValueError(f"keep_versions must be an integer >= 0 (0 = off), got {keep_versions}")
+    return keep_versions
+
+
+def cutoff_index(current_index: int | None, keep_versions: int) -> int | None:
+    """Lowest index still inside the window; None when off or nothing observed."""
+    if keep_versions == 0 or current_index is None:
+        return None
+    return max(0, current_index - keep_versions + 1)
+
+
+def is_stale(version_indices: Iterable[int], current_index: int | None, keep_versions: int) -> bool:
+    """A group is stale when any trajectory's version index is below the cutoff."""
+    cutoff = cutoff_index(current_index, keep_versions)
+    if cutoff is None:
+        return False
+    return any(index < cutoff for index in version_indices)
+
+
+@dataclass(frozen=True)
+class GapStats:
+    """Version gap (current index - trajectory's version index) over trajectories."""
+
+    min: int
+    max: int
+    mean: float
+    count: int
+
+
+def version_gaps(current_index: int | None, version_indices: Iterable[int]) -> GapStats | None:
+    """min/max/mean gap, or None when there is no current version or no versioned trajectory."""
+    if current_index is None:
+        return None
+    gaps = [current_index - index for index in version_indices]
+    if not gaps:
+        return None
+    return GapStats(min(gaps), max(gaps), sum(gaps) / len(gaps), len(gaps))
+
+
+class Decision(enum.StrEnum):
+    """What the window did with one completed group. Each group gets exactly one final decision."""
+
+    KEPT = "kept"
+    """Pending for the next batch (final once the group is in a manifest)."""
+    DROPPED_STALE = "dropped_stale"
+    """Outside the window when it completed."""
+    DROPPED_RETROACTIVE = "dropped_retroactive"
+    """Was pending; the window advanced and left it behind."""
+    FAILED_RETRY = "failed_retry"
+    """A session was rejected or failed; the prompt is retried whole."""
+    FAILED_DROPPED = "failed_dropped"
+    """Failed on its last attempt; dropped and counted per prompt."""
+
+
+@dataclass(frozen=True)
+class WindowGroup:
+    """A completed group as the window judges it."""
+
+    group_id: str
+    prompt_id: str
+    attempt: int
+    failed: bool
+    versions: tuple[str, ...]
+    """One end version per versioned trajectory (see :func:`trajectory_versions`)."""
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    keep_versions: int
+    batch_groups: int
+    max_retries: int = 2
+
+    def __post_init__(self) -> None:
+        validate_keep_versions(self.keep_versions)
+        if self.batch_groups < 1:
+            raise ValueError(f"batch_groups must be >= 1, got {self.batch_groups}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+
+
+@dataclass(frozen=True)
+class WindowState:
+    """Everything the window remembers between groups (lives in Redis for the collector)."""
+
+    current: str | None = None
+    pending: tuple[WindowGroup, ...] = ()
+    batches: int = 0
+    dropped_since_batch: tuple[tuple[str, str], ...] = ()
+    """(group id, decision) of drops since the last manifest."""
+    drops_total: int = 0
+
+
+@dataclass(frozen=True)
+class WindowSnapshot:
+    keep_versions: int
+    current_version: str | None
+    current_index: int | None
+    cutoff_index: int | None
+
+
+@dataclass(frozen=True)
+class GroupDecision:
+    group_id: str
+    prompt_id: str
+    attempt: int
+    decision: Decision
+    window: WindowSnapshot
+    versions: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Groups taken for one training step, with the window state and drops since the last batch."""
+
+    index: int
+    groups: tuple[WindowGroup, ...]
+    window: WindowSnapshot
+    gap: GapStats | None
+    dropped: tuple[tuple[str, str], ...]
+    drops_total: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    state: WindowState
+    decisions: tuple[GroupDecision, ...]
+    batch: Batch | None = None
+    advanced: bool = False
+
+
+IndexOf = Callable[[str], int]
+
+
+def _snapshot(state_current: str | None, index_of: IndexOf, keep: int) -> WindowSnapshot:
+    current_index = index_of(state_current) if state_current is not None else None
+    return WindowSnapshot(keep, state_current, current_index, cutoff_index(current_index, keep))
+
+
+def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, config: WindowConfig) -> StepResult:
+    """Fold one completed group into the window.
+
+    Order (DESIGN): observe the group's versions -> if the window advanced, remove
+    pending groups now outside it -> judge the new group -> take a batch when
+    enough groups are pending. A failed group is judged before it is observed and
+    never moves the window (the reference's W18). ``index_of`` gives registry order
+    for every label in ``group.versions`` and in pending groups.
+    """
+    keep = config.keep_versions
+    decisions: list[GroupDecision] = []
+    dropped = list(state.dropped_since_batch)
+    drops_total = state.drops_total
+    current = state.current
+    pending = list(state.pending)
+    advanced = False
+
+    if group.failed:
+        final = group.attempt >= config.max_retries
+        kind = Decision.FAILED_DROPPED if final else Decision.FAILED_RETRY
+        snap = _snapshot(current, index_of, keep)
+        decisions.append(GroupDecision(group.group_id, group.prompt_id, group.attempt, kind, snap, group.versions))
+        if final:
+            dropped.append((group.group_id, kind.value))
+            drops_total += 1
+        new_state = replace(state, dropped_since_batch=tuple(dropped), drops_total=drops_total)
+        return StepResult(new_state, tuple(decisions))
+
+    if group.versions:
+        newest = max(group.versions, key=index_of)
+        if current is None or index_of(newest) > index_of(current):
+            current = newest
+            advanced = True
+    snap = _snapshot(current, index_of, keep)
+
+    if advanced and pending:
+        still: list[WindowGroup] = []
+        for held in pending:
+            if is_stale((index_of(v) for v in held.versions), snap.current_index, keep):
+                decisions.append(
+                    GroupDecision(
+                        held.group_id, held.prompt_id, held.attempt, Decision.DROPPED_RETROACTIVE, snap, held.versions
+                    )
+                )
+                dropped.append((held.group_id, Decision.DROPPED_RETROACTIVE.value))
+                drops_total += 1
+            else:
+                still.append(held)
+        pending = still
+
+    if is_stale((index_of(v) for v in group.versions), snap.current_index, keep):
+        kind = Decision.DROPPED_STALE
+        dropped.append((group.group_id, kind.value))
+        drops_total += 1
+    else:
+        kind = Decision.KEPT
+        pending.append(group)
+    decisions.append(GroupDecision(group.group_id, group.prompt_id, group.attempt, kind, snap, group.versions))
+
+    batch: Batch | None = None
+    batches = state.batches
+    if len(pending) >= config.batch_groups:
+        taken, pending = tuple(pending[: config.batch_groups]), pending[config.batch_groups :]
+        gap = version_gaps(snap.current_index, (index_of(v) for g in taken for v in g.versions))
+        batch = Batch(batches, taken, snap, gap, tuple(dropped), drops_total)
+        batches += 1
+        dropped = []
+
+    new_state = WindowState(current, tuple(pending), batches, tuple(dropped), drops_total)
+    return StepResult(new_state, tuple(decisions), batch, advanced)
+
+
+@dataclass
+class WindowReplay:
+    """Folds a recorded stream through the window in memory (``rein replay``, tests)."""
+
+    config: WindowConfig
+    index_of: IndexOf
+    state: WindowState = field(default_factory=WindowState)
+
+    def feed(self, group: WindowGroup) -> StepResult:
+        result = window_step(self.state, group, self.index_of, self.config)
+        self.state = result.state
+        return result

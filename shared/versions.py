@@ -1,0 +1,111 @@
+"""Weight-version labels and their order.
+
+A label is an opaque string. It is normalised once, where it enters the system
+(:func:`real_version`), and ordered by the sequence number the trainer published
+with it, never by text and never by when a collector first saw it (the
+reference's W1). Labels nobody published (an engine started with its own label)
+are placed after the published ones, in observation order, and counted.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+NOT_REAL = frozenset({"", "-1", "unknown", "none"})
+
+
+def real_version(value: object) -> str | None:
+    """The normalised label, or None when ``value`` carries no real version.
+
+    Not real: None, and after strip + lower-case ``""``, ``"-1"``, ``"unknown"``,
+    ``"none"``. Integers count by their string form (``0`` is real, ``-1`` is not).
+    The stripped label keeps its case.
+    """
+    if value is None or isinstance(value, bool):
+        return None
+    text = str(value).strip()
+    if text.lower() in NOT_REAL:
+        return None
+    return text
+
+
+def distinct_real(values: Iterable[object]) -> list[str]:
+    """Distinct real labels of ``values`` in first-occurrence order."""
+    seen: dict[str, None] = {}
+    for value in values:
+        label = real_version(value)
+        if label is not None and label not in seen:
+            seen[label] = None
+    return list(seen)
+
+
+class VersionRegistry:
+    """Published labels ordered by sequence number, then unregistered ones by observation.
+
+    ``index(label)`` is O(log n) in the number of published versions, so a window
+    decision stays flat as the registry grows (the reference's ``list.index`` did
+    not). The Redis-backed registry of the collector keeps the same order with a
+    sorted set; this class is the rule and the in-memory form (replay, tests).
+    """
+
+    def __init__(self) -> None:
+        self._seq: dict[str, int] = {}
+        self._sorted_seqs: list[int] = []
+        self._unregistered: dict[str, int] = {}
+
+    def publish(self, label: object, seq: int) -> bool:
+        """Register ``label`` at sequence ``seq``; True when it was new.
+
+        Publishing the same label again with the same sequence is a no-op (events
+        are replayed from Kafka); a different sequence for a known label, or a
+        sequence already used by another label, is an error.
+        """
+        name = real_version(label)
+        if name is None:
+            raise ValueError(f"cannot publish a non-real version label {label!r}")
+        if seq < 0:
+            raise ValueError(f"sequence number must be >= 0, got {seq}")
+        known = self._seq.get(name)
+        if known is not None:
+            if known != seq:
+                raise ValueError(f"version {name!r} already published with sequence {known}, not {seq}")
+            return False
+        pos = bisect.bisect_left(self._sorted_seqs, seq)
+        if pos < len(self._sorted_seqs) and self._sorted_seqs[pos] == seq:
+            raise ValueError(f"sequence {seq} already used by another version")
+        self._sorted_seqs.insert(pos, seq)
+        self._seq[name] = seq
+        self._unregistered.pop(name, None)
+        return True
+
+    def observe(self, label: object) -> str | None:
+        """Note a label seen in data; unknown real labels become unregistered. Returns the label."""
+        name = real_version(label)
+        if name is not None and name not in self._seq and name not in self._unregistered:
+            self._unregistered[name] = len(self._unregistered)
+        return name
+
+    def is_registered(self, label: str) -> bool:
+        return label in self._seq
+
+    def sequence(self, label: str) -> int | None:
+        return self._seq.get(label)
+
+    def index(self, label: str) -> int:
+        """Position of ``label`` in the order; KeyError for a label never published nor observed."""
+        seq = self._seq.get(label)
+        if seq is not None:
+            return bisect.bisect_left(self._sorted_seqs, seq)
+        rank = self._unregistered.get(label)
+        if rank is None:
+            raise KeyError(f"version {label!r} was never published nor observed")
+        unregistered_ranks = sorted(self._unregistered.values())
+        return len(self._sorted_seqs) + bisect.bisect_left(unregistered_ranks, rank)
+
+    @property
+    def unregistered(self) -> list[str]:
+        return sorted(self._unregistered, key=self._unregistered.__getitem__)
+
+    def __len__(self) -> int:
+        return len(self._seq) + len(self._unregistered)

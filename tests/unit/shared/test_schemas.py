@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared import schemas
+from shared.schemas import (
+    BatchManifest,
+    Chunk,
+    DecodeError,
+    GroupRef,
+    WeightPublished,
+    WindowInfo,
+    decode,
+    encode,
+)
+
+
+def _chunk(**kw: object) -> Chunk:
+    base: dict[str, object] = dict(
+        session_id="s", group_id="g", seq=0, segment_index=0, chunk_index=0, finish_reason="stop"
+    )
+    base.update(kw)
+    return Chunk.model_validate(base)
+
+
+def test_round_trip_keeps_every_field() -> None:
+    c = _chunk(output_ids=[4, 5], logprobs=[-0.5, -1.0], version="v3", context_ids=[1, 2])
+    assert decode(encode(c)) == c
+
+
+def test_manifest_round_trip() -> None:
+    m = BatchManifest(
+        batch_id="b-1",
+        index=0,
+        groups=[GroupRef(group_id="g", partition=1, offset=7)],
+        window=WindowInfo(keep_versions=2, current_version="v3", current_index=3, cutoff_index=2),
+        version_gap=None,
+        drops_in_batch=0,
+        drops_cumulative=4,
+    )
+    assert decode(encode(m)) == m
+    assert m.key() == "b-1"
+
+
+def test_each_record_has_its_own_timestamp() -> None:
+    a = WeightPublished(version="v1", seq=1, path="p", digest="d", step=1)
+    b = WeightPublished(version="v1", seq=1, path="p", digest="d", step=1)
+    assert a.ts <= b.ts and type(a).model_fields["ts"].default_factory is not None
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"\xc1\xc1", "not_msgpack"),
+        (msgpack.packb([1, 2]), "bad_envelope"),
+        (msgpack.packb({"schema": 1, "type": "chunk"}), "bad_envelope"),
+        (msgpack.packb({"schema": 99, "type": "chunk", "data": {}}), "schema_version"),
+        (msgpack.packb({"schema": 1, "type": "nope", "data": {}}), "unknown_type"),
+        (msgpack.packb({"schema": 1, "type": "chunk", "data": []}), "bad_envelope"),
+        (None, "empty"),
+    ],
+)
+def test_malformed_records_name_the_problem(raw: bytes | None, reason: str) -> None:
+    with pytest.raises(DecodeError) as info:
+        decode(raw)
+    assert info.value.reason == reason
+
+
+def test_invalid_fields_are_named() -> None:
+    raw = msgpack.packb({"schema": 1, "type": "chunk", "data": {"session_id": "s", "group_id": "g", "seq": -1}})
+    with pytest.raises(DecodeError, match=r"seq: .*greater than or equal") as info:
+        decode(raw)
+    assert info.value.reason == "invalid_fields"
+
+
+def test_unknown_fields_are_rejected() -> None:
+    data = encode(_chunk())
+    env = msgpack.unpackb(data)
+    env["data"]["surprise"] = 1
+    with pytest.raises(DecodeError, match="surprise"):
+        decode(msgpack.packb(env))
+
+
+def test_oversize_is_rejected_before_parsing() -> None:
+    with pytest.raises(DecodeError) as info:
+        decode(encode(_chunk(output_ids=list(range(1000)))), max_bytes=100)
+    assert info.value.reason == "oversize"
+
+
+@given(st.binary(max_size=200))
+def test_garbage_never_raises_anything_but_decode_error(raw: bytes) -> None:
+    try:
+        decode(raw)
+    except DecodeError:
+        pass
+
+
+def test_ids_are_never_prefixes_of_each_other() -> None:
+    ids = [schemas.new_id("rid") for _ in range(200)]
+    assert not any(a != b and b.startswith(a) for a in ids for b in ids)

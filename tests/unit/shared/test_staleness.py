@@ -1,0 +1,286 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.staleness import (
+    Decision,
+    SegmentEnd,
+    WindowConfig,
+    WindowGroup,
+    WindowReplay,
+    WindowState,
+    check_span,
+    cutoff_index,
+    is_stale,
+    mask_nonlast_version_tokens,
+    trajectory_versions,
+    validate_keep_versions,
+    version_gaps,
+    window_step,
+)
+from shared.versions import VersionRegistry
+
+# --------------------------------------------------------------------------- span cap
+
+
+def test_span_detail_matches_design_body() -> None:
+    rej = check_span(["v1", "-1", "v2"], ["v3"], max_preempts=1, session_id="s1")
+    assert rej is not None
+    assert rej.detail() == {
+        "error": "partial_rollout_staleness_exceeded",
+        "message": rej.detail()["message"],
+        "versions": ["v1", "v2", "v3"],
+        "version_span": 3,
+        "version_switches": 2,
+        "max_preempts": 1,
+        "max_version_span": 2,
+        "session_id": "s1",
+    }
+
+
+def test_span_zero_rejects_first_switch_and_unlimited_never() -> None:
+    assert check_span(["v1"], ["v1"], 0, "s") is None
+    assert check_span(["v1"], ["v2"], 0, "s") is not None
+    assert check_span([f"v{i}" for i in range(50)], ["v99"], None, "s") is None
+
+
+def test_span_ignores_unknown_versions_and_counts_distinct_not_events() -> None:
+    assert check_span(["v1", "unknown", None, "", " NONE "], ["-1", "v1", "v1"], 0, "s") is None
+    assert check_span(["v1", "v2", "v1", "v2"], ["v1"], 1, "s") is None
+
+
+def test_span_rejects_negative_cap() -> None:
+    with pytest.raises(ValueError):
+        check_span([], [], -1, "s")
+
+
+# --------------------------------------------------------------------------- mask
+
+
+def test_mask_aba_keeps_both_a_runs() -> None:
+    assert mask_nonlast_version_tokens([1, 1, 1, 1, 1], ["A", "A", "B", "A", "A"]) == [1, 1, 0, 1, 1]
+
+
+def test_mask_last_is_positional_not_newest() -> None:
+    assert mask_nonlast_version_tokens([1, 1, 1], ["v2", "v1", "v1"]) == [0, 1, 1]
+
+
+def test_mask_unknown_trainable_tokens_masked_only_in_mixed_case() -> None:
+    assert mask_nonlast_version_tokens([1, 1, 1], ["v1", "unknown", "v1"]) == [1, 1, 1]
+    assert mask_nonlast_version_tokens([1, 1, 1, 1], ["v1", "unknown", "v2", "v2"]) == [0, 0, 1, 1]
+
+
+def test_mask_versions_on_context_tokens_play_no_part() -> None:
+    assert mask_nonlast_version_tokens([0, 1, 0, 1], ["-1", "v1", "v2", "v1"]) == [0, 1, 0, 1]
+
+
+def test_mask_length_mismatch_is_an_error() -> None:
+    with pytest.raises(ValueError, match="versions has 1"):
+        mask_nonlast_version_tokens([1, 1], ["v1"])
+
+
+version_values = st.sampled_from(["A", "B", "C", "unknown", "-1", None, ""])
+
+
+@given(st.lists(st.tuples(st.integers(0, 1), version_values), max_size=40))
+def test_mask_never_turns_zero_into_one_and_is_idempotent(pairs: list[tuple[int, object]]) -> None:
+    mask = [m for m, _ in pairs]
+    versions = [v for _, v in pairs]
+    once = mask_nonlast_version_tokens(mask, versions)
+    assert all(new <= old for new, old in zip(once, mask, strict=True))
+    assert mask_nonlast_version_tokens(once, versions) == once
+
+
+# --------------------------------------------------------------------------- trajectory version of a group
+
+
+def test_highest_segment_decides() -> None:
+    samples = [SegmentEnd("t1", 1, "v3"), SegmentEnd("t1", 0, "v1"), SegmentEnd("t2", 0, "v2")]
+    assert trajectory_versions(samples) == {"t1": "v3", "t2": "v2"}
+
+
+def test_segment_tie_goes_to_the_later_record() -> None:
+    samples = [SegmentEnd("t1", 2, "v1"), SegmentEnd("t1", 2, "v2")]
+    assert trajectory_versions(samples) == {"t1": "v2"}
+
+
+def test_unversioned_samples_and_missing_ids_are_ignored() -> None:
+    samples = [SegmentEnd("t1", 0, "unknown"), SegmentEnd(None, 0, "v1"), SegmentEnd("", 3, "v1"), SegmentEnd("t2", 0, "v1")]
+    assert trajectory_versions(samples) == {"t2": "v1"}
+
+
+def test_unversioned_higher_segment_does_not_hide_lower_versioned_one() -> None:
+    assert trajectory_versions([SegmentEnd("t", 0, "v1"), SegmentEnd("t", 1, None)]) == {"t": "v1"}
+
+
+# --------------------------------------------------------------------------- window rules
+
+
+def test_keep_versions_zero_is_off_and_negative_rejected() -> None:
+    assert validate_keep_versions(0) == 0
+    assert cutoff_index(10, 0) is None
+    assert not is_stale([0], 10, 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        validate_keep_versions(-1)
+    with pytest.raises(ValueError):
+        WindowConfig(keep_versions=-2, batch_groups=1)
+
+
+def test_one_stale_trajectory_drops_whole_group() -> None:
+    assert is_stale([5, 5, 3], current_index=5, keep_versions=2)
+    assert not is_stale([5, 4, 4], current_index=5, keep_versions=2)
+
+
+def test_gap_stats() -> None:
+    gap = version_gaps(5, [5, 4, 3])
+    assert gap is not None and (gap.min, gap.max, gap.mean, gap.count) == (0, 2, 1.0, 3)
+    assert version_gaps(None, [1]) is None
+    assert version_gaps(3, []) is None
+
+
+def _registry(n: int) -> VersionRegistry:
+    reg = VersionRegistry()
+    for i in range(n):
+        reg.publish(f"v{i}", i)
+    return reg
+
+
+def _group(gid: str, *versions: str, failed: bool = False, attempt: int = 0) -> WindowGroup:
+    return WindowGroup(gid, f"p-{gid}", attempt, failed, tuple(versions))
+
+
+def _run(keep: int, groups: list[WindowGroup], batch: int = 100, n: int = 10) -> WindowReplay:
+    replay = WindowReplay(WindowConfig(keep, batch), _registry(n).index)
+    for g in groups:
+        replay.feed(g)
+    return replay
+
+
+def test_sliding_window_drops_old_groups() -> None:
+    replay = WindowReplay(WindowConfig(2, 100), _registry(5).index)
+    assert [d.decision for d in replay.feed(_group("a", "v0")).decisions] == [Decision.KEPT]
+    assert [d.decision for d in replay.feed(_group("b", "v1")).decisions] == [Decision.KEPT]
+    moved = replay.feed(_group("c", "v2"))
+    assert [(d.group_id, d.decision) for d in moved.decisions] == [
+        ("a", Decision.DROPPED_RETROACTIVE),
+        ("c", Decision.KEPT),
+    ]
+    assert [d.decision for d in replay.feed(_group("d", "v0")).decisions] == [Decision.DROPPED_STALE]
+    assert [g.group_id for g in replay.state.pending] == ["b", "c"]
+
+
+def test_retroactive_removal_only_when_window_advances() -> None:
+    replay = WindowReplay(WindowConfig(1, 100), _registry(5).index)
+    replay.feed(_group("a", "v1"))
+    same = replay.feed(_group("b", "v1"))
+    assert not same.advanced and [d.decision for d in same.decisions] == [Decision.KEPT]
+    moved = replay.feed(_group("c", "v2"))
+    assert moved.advanced
+    assert [(d.group_id, d.decision) for d in moved.decisions] == [
+        ("a", Decision.DROPPED_RETROACTIVE),
+        ("b", Decision.DROPPED_RETROACTIVE),
+        ("c", Decision.KEPT),
+    ]
+    assert [g.group_id for g in replay.state.pending] == ["c"]
+
+
+def test_late_straggler_with_older_published_label_is_stale_and_does_not_move_window() -> None:
+    replay = WindowReplay(WindowConfig(1, 100), _registry(5).index)
+    replay.feed(_group("new", "v3"))
+    late = replay.feed(_group("late", "v1"))
+    assert not late.advanced
+    assert late.decisions[-1].decision == Decision.DROPPED_STALE
+    assert replay.state.current == "v3"
+    assert [g.group_id for g in replay.state.pending] == ["new"]
+
+
+def test_failed_group_never_moves_window_and_retries_then_drops() -> None:
+    replay = WindowReplay(WindowConfig(1, 100, max_retries=2), _registry(5).index)
+    replay.feed(_group("a", "v1"))
+    r0 = replay.feed(_group("f0", "v4", failed=True, attempt=0))
+    r2 = replay.feed(_group("f2", "v4", failed=True, attempt=2))
+    assert r0.decisions[0].decision == Decision.FAILED_RETRY
+    assert r2.decisions[0].decision == Decision.FAILED_DROPPED
+    assert replay.state.current == "v1"
+    assert replay.state.drops_total == 1
+    assert [g.group_id for g in replay.state.pending] == ["a"]
+
+
+def test_batch_taken_with_gap_and_drops_since_last_batch() -> None:
+    replay = WindowReplay(WindowConfig(2, 2), _registry(5).index)
+    replay.feed(_group("a", "v0"))
+    replay.feed(_group("b", "v2"))  # drops a retroactively
+    res = replay.feed(_group("c", "v1", "v2"))
+    assert res.batch is not None
+    assert [g.group_id for g in res.batch.groups] == ["b", "c"]
+    assert res.batch.dropped == (("a", "dropped_retroactive"),)
+    assert res.batch.window.current_index == 2 and res.batch.window.cutoff_index == 1
+    assert res.batch.gap is not None and (res.batch.gap.min, res.batch.gap.max) == (0, 1)
+    assert replay.state.pending == () and replay.state.dropped_since_batch == ()
+    assert res.batch.index == 0 and replay.state.batches == 1
+
+
+def test_unversioned_group_is_never_dropped() -> None:
+    replay = _run(1, [_group("a", "v5"), _group("b")])
+    assert [g.group_id for g in replay.state.pending] == ["a", "b"]
+
+
+def test_window_off_keeps_everything_but_tracks_current() -> None:
+    replay = _run(0, [_group("a", "v5"), _group("b", "v0")])
+    assert len(replay.state.pending) == 2 and replay.state.current == "v5"
+
+
+# --------------------------------------------------------------------------- property: never drops a fresh group
+
+group_strategy = st.lists(
+    st.tuples(st.lists(st.integers(0, 9), min_size=0, max_size=4), st.booleans()), min_size=1, max_size=30
+)
+
+
+@given(group_strategy, st.integers(1, 5), st.integers(1, 4))
+def test_window_never_drops_group_within_newest_keep_versions(
+    raw: list[tuple[list[int], bool]], keep: int, batch_groups: int
+) -> None:
+    reg = _registry(10)
+    replay = WindowReplay(WindowConfig(keep, batch_groups), reg.index)
+    newest_seen = -1
+    for i, (idxs, failed) in enumerate(raw):
+        group = _group(f"g{i}", *(f"v{x}" for x in idxs), failed=failed)
+        result = replay.feed(group)
+        if not failed and idxs:
+            newest_seen = max(newest_seen, *idxs)
+        for d in result.decisions:
+            if d.decision in (Decision.DROPPED_STALE, Decision.DROPPED_RETROACTIVE):
+                # A dropped group has a trajectory strictly older than the newest keep versions seen.
+                assert min(reg.index(v) for v in d.versions) < newest_seen - keep + 1
+        # Every pending group is inside the window at all times.
+        current = replay.state.current
+        if current is not None:
+            cut = reg.index(current) - keep + 1
+            assert all(reg.index(v) >= cut for g in replay.state.pending for v in g.versions)
+
+
+@given(group_strategy, st.integers(0, 3), st.integers(1, 4))
+def test_every_group_gets_exactly_one_final_outcome(
+    raw: list[tuple[list[int], bool]], keep: int, batch_groups: int
+) -> None:
+    replay = WindowReplay(WindowConfig(keep, batch_groups, max_retries=0), _registry(10).index)
+    outcomes: dict[str, list[str]] = {}
+    for i, (idxs, failed) in enumerate(raw):
+        result = replay.feed(_group(f"g{i}", *(f"v{x}" for x in idxs), failed=failed))
+        for d in result.decisions:
+            if d.decision != Decision.KEPT:
+                outcomes.setdefault(d.group_id, []).append(d.decision.value)
+        if result.batch is not None:
+            for g in result.batch.groups:
+                outcomes.setdefault(g.group_id, []).append("batch")
+    for g in replay.state.pending:
+        outcomes.setdefault(g.group_id, []).append("pending")
+    assert sorted(outcomes) == sorted(f"g{i}" for i in range(len(raw)))
+    assert all(len(v) == 1 for v in outcomes.values()), outcomes
+
+
+def test_state_default_is_empty() -> None:
+    assert WindowState().current is None and WindowState().pending == ()
