@@ -1,0 +1,248 @@
+"""Kafka helpers: idempotent producer, manual-commit consumer, topic creation.
+
+The thin adapter between services and kafka-python (STYLE 4): services hand in
+and get back typed records (``shared.schemas``); malformed records are counted,
+logged and skipped through one hook, never raised into a service loop; offsets
+are committed only when the caller says its output is durable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError, NoBrokersAvailable, TopicAlreadyExistsError
+from kafka.structs import OffsetAndMetadata
+
+from shared import log
+from shared.schemas import DEFAULT_MAX_BYTES, DecodeError, Record, decode, encode
+from shared.settings import KafkaSettings
+
+_log = log.get(__name__)
+
+
+class BusUnavailable(RuntimeError):
+    """The Kafka broker could not be reached within the configured bound."""
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """Where a produced record landed."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Polled:
+    """A decoded record with its position, for commit bookkeeping and references."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    record: Record
+    timestamp_ms: int
+
+
+DecodeHook = Callable[[str, int, int, DecodeError], None]
+
+
+def _servers(settings: KafkaSettings) -> list[str]:
+    return [s.strip() for s in settings.bootstrap_servers.split(",") if s.strip()]
+
+
+def _connect(factory: Callable[[], object], what: str, settings: KafkaSettings, attempts: int = 5) -> object:
+    """Build a client, retrying a bounded number of times on an unreachable broker."""
+    delay = 0.5
+    for attempt in range(1, attempts + 1):
+        try:
+            return factory()
+        except NoBrokersAvailable as exc:
+            if attempt == attempts:
+                raise BusUnavailable(
+                    f"{what}: no Kafka broker answered at {settings.bootstrap_servers} after {attempts} attempts"
+                ) from exc
+            _log.warning("kafka_unavailable", what=what, attempt=attempt, retry_in_s=delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+    raise AssertionError("unreachable")
+
+
+class Producer:
+    """Idempotent producer (acks=all); ``send`` returns once the broker has the record."""
+
+    def __init__(self, settings: KafkaSettings, client_suffix: str = "producer") -> None:
+        self._settings = settings
+        self._timeout_s = settings.request_timeout_ms / 1000
+        self._producer: KafkaProducer = _connect(
+            lambda: KafkaProducer(
+                bootstrap_servers=_servers(settings),
+                client_id=f"{settings.client_id}-{client_suffix}",
+                acks="all",
+                enable_idempotence=True,
+                linger_ms=2,
+                request_timeout_ms=settings.request_timeout_ms,
+                max_request_size=min(settings.max_record_bytes, DEFAULT_MAX_BYTES),
+                key_serializer=lambda k: k.encode("utf-8"),
+            ),
+            "producer",
+            settings,
+        )
+
+    def send(self, topic: str, record: Record, key: str | None = None) -> Delivered:
+        """Produce one record and wait for the broker's ack (bounded by request_timeout_ms)."""
+        future = self.send_async(topic, record, key)
+        return self.wait(future)
+
+    def send_async(self, topic: str, record: Record, key: str | None = None) -> object:
+        """Queue one record; pair with :meth:`wait` or :meth:`flush`."""
+        return self._producer.send(topic, value=encode(record), key=key if key is not None else record.key())
+
+    def wait(self, future: object) -> Delivered:
+        try:
+            meta = future.get(timeout=self._timeout_s)  # type: ignore[attr-defined]
+        except KafkaError as exc:
+            raise BusUnavailable(f"producing to Kafka failed: {exc}") from exc
+        return Delivered(meta.topic, meta.partition, meta.offset)
+
+    def send_many(self, items: Iterable[tuple[str, Record]]) -> list[Delivered]:
+        """Produce several records and wait for all acks; order per partition is kept."""
+        futures = [self.send_async(topic, record) for topic, record in items]
+        return [self.wait(f) for f in futures]
+
+    def flush(self) -> None:
+        self._producer.flush(timeout=self._timeout_s)
+
+    def close(self) -> None:
+        self._producer.close(timeout=self._timeout_s)
+
+
+class Consumer:
+    """Consumer-group member with manual commit; yields decoded records, skips poison ones."""
+
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        topics: Sequence[str],
+        group_id: str | None,
+        *,
+        on_decode_error: DecodeHook | None = None,
+        from_beginning: bool = True,
+        client_suffix: str = "consumer",
+        max_poll_records: int = 500,
+        session_timeout_ms: int = 10_000,
+        heartbeat_interval_ms: int = 3_000,
+    ) -> None:
+        self._settings = settings
+        self._on_decode_error = on_decode_error
+        self.decode_errors = 0
+        self._consumer: KafkaConsumer = _connect(
+            lambda: KafkaConsumer(
+                *topics,
+                bootstrap_servers=_servers(settings),
+                client_id=f"{settings.client_id}-{client_suffix}",
+                group_id=group_id,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest" if from_beginning else "latest",
+                max_poll_records=max_poll_records,
+                session_timeout_ms=session_timeout_ms,
+                heartbeat_interval_ms=heartbeat_interval_ms,
+                request_timeout_ms=max(settings.request_timeout_ms, session_timeout_ms + 5_000),
+                fetch_max_bytes=max(settings.max_record_bytes, 1024 * 1024) * 4,
+                max_partition_fetch_bytes=max(settings.max_record_bytes, 1024 * 1024),
+                key_deserializer=lambda k: k.decode("utf-8", errors="replace") if k is not None else None,
+            ),
+            "consumer",
+            settings,
+        )
+
+    @property
+    def raw(self) -> KafkaConsumer:
+        """The underlying client, for assignment / seek / lag queries."""
+        return self._consumer
+
+    def poll(self, timeout_s: float = 1.0) -> list[Polled]:
+        """Decoded records from one poll, in partition order; malformed ones go to the hook."""
+        batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000))
+        out: list[Polled] = []
+        for tp, messages in batches.items():
+            for msg in messages:
+                try:
+                    record = decode(msg.value, self._settings.max_record_bytes)
+                except DecodeError as exc:
+                    self.decode_errors += 1
+                    _log.warning(
+                        "record_skipped", topic=tp.topic, partition=tp.partition, offset=msg.offset, error=str(exc)
+                    )
+                    if self._on_decode_error is not None:
+                        self._on_decode_error(tp.topic, tp.partition, msg.offset, exc)
+                    continue
+                out.append(Polled(tp.topic, tp.partition, msg.offset, msg.key, record, msg.timestamp))
+        return out
+
+    def commit(self, offsets: dict[tuple[str, int], int]) -> None:
+        """Commit ``(topic, partition) -> next offset to read`` (the last handled offset + 1)."""
+        if not offsets:
+            return
+        self._consumer.commit({TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()})
+
+    def close(self) -> None:
+        self._consumer.close(autocommit=False)
+
+
+def ensure_topics(settings: KafkaSettings, topics: Iterable[str], partitions: int = 4) -> list[str]:
+    """Create missing topics (replication 1 on a single broker); returns the ones created."""
+    admin: KafkaAdminClient = _connect(
+        lambda: KafkaAdminClient(
+            bootstrap_servers=_servers(settings),
+            client_id=f"{settings.client_id}-admin",
+            request_timeout_ms=settings.request_timeout_ms,
+        ),
+        "admin",
+        settings,
+    )
+    try:
+        existing = set(admin.list_topics())
+        wanted = [t for t in dict.fromkeys(topics) if t not in existing]
+        created: list[str] = []
+        for name in wanted:
+            try:
+                admin.create_topics([NewTopic(name, partitions, 1)])
+                created.append(name)
+            except TopicAlreadyExistsError:
+                pass
+        return created
+    finally:
+        admin.close()
+
+
+def read_at(settings: KafkaSettings, topic: str, partition: int, offset: int, timeout_s: float = 10.0) -> Record:
+    """Fetch the single record at ``topic/partition/offset`` (group references in manifests)."""
+    consumer: KafkaConsumer = _connect(
+        lambda: KafkaConsumer(
+            bootstrap_servers=_servers(settings),
+            client_id=f"{settings.client_id}-reader",
+            group_id=None,
+            enable_auto_commit=False,
+            max_partition_fetch_bytes=max(settings.max_record_bytes, 1024 * 1024),
+        ),
+        "reader",
+        settings,
+    )
+    try:
+        tp = TopicPartition(topic, partition)
+        consumer.assign([tp])
+        consumer.seek(tp, offset)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for msg in consumer.poll(timeout_ms=500, max_records=1).get(tp, []):
+                if msg.offset == offset:
+                    return decode(msg.value, settings.max_record_bytes)
+        raise LookupError(f"no record at {topic}/{partition}@{offset} within {timeout_s}s")
+    finally:
+        consumer.close()

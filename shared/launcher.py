@@ -1,0 +1,174 @@
+"""Local processes without Docker: Kafka, Redis and rein services as child processes.
+
+Used by ``make demo``, ``rein up`` / ``rein down`` and the end-to-end tests. Each
+process writes its log under the run directory; everything started is stopped by
+PID (never a broad ``pkill``), in reverse order, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from shared import log
+from shared.settings import child_env
+
+_log = log.get(__name__)
+REPO = Path(__file__).resolve().parent.parent
+
+
+class LaunchError(RuntimeError):
+    """A process did not start or did not become healthy in time; the message has its log tail."""
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _script(name: str, *args: str, timeout_s: float = 180) -> dict[str, str]:
+    """Run a deploy/ script and parse its ``key=value`` stdout lines."""
+    proc = subprocess.run(
+        ["bash", str(REPO / "deploy" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise LaunchError(f"deploy/{name} {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    out: dict[str, str] = {}
+    for line in proc.stdout.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out
+
+
+@dataclass
+class Infra:
+    """A running Kafka broker and Redis server under ``data_dir``."""
+
+    data_dir: Path
+    kafka_bootstrap: str = ""
+    redis_url: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, data_dir: Path) -> Infra:
+        infra = cls(data_dir)
+        (data_dir / "kafka").mkdir(parents=True, exist_ok=True)
+        (data_dir / "redis").mkdir(parents=True, exist_ok=True)
+        _script("kafka.sh", "fetch", timeout_s=900)
+        _script("redis.sh", "install", timeout_s=900)
+        try:
+            redis = _script("redis.sh", "start", str(data_dir / "redis"))
+            infra.redis_url, infra.versions["redis"] = redis["url"], redis.get("version", "?")
+            kafka = _script("kafka.sh", "start", str(data_dir / "kafka"))
+            infra.kafka_bootstrap, infra.versions["kafka"] = kafka["bootstrap"], kafka.get("version", "?")
+        except BaseException:
+            infra.stop()
+            raise
+        return infra
+
+    def stop(self) -> None:
+        for name in ("kafka", "redis"):
+            if (self.data_dir / name).exists():
+                try:
+                    _script(f"{name}.sh", "stop", str(self.data_dir / name), timeout_s=60)
+                except (LaunchError, subprocess.TimeoutExpired) as exc:
+                    _log.error("infra_stop_failed", what=name, error=str(exc))
+
+
+@dataclass
+class Service:
+    """One rein service started as ``python -m <module>`` with its own environment."""
+
+    name: str
+    module: str
+    env: dict[str, str]
+    health_url: str | None
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        handle = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", self.module],
+            cwd=REPO,
+            env=child_env(self.env),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        handle.close()
+
+    def wait_healthy(self, timeout_s: float = 90) -> None:
+        if self.health_url is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise LaunchError(f"{self.name} exited with {self.proc.returncode}:\n{_tail(self.log_path)}")
+                try:
+                    if client.get(self.health_url).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+        raise LaunchError(f"{self.name} not healthy at {self.health_url} after {timeout_s}s:\n{_tail(self.log_path)}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 20) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@dataclass
+class Stack:
+    """Services started in order and stopped in reverse; a pid file lets ``rein down`` find them."""
+
+    run_dir: Path
+    services: list[Service] = field(default_factory=list)
+
+    def add(self, service: Service, wait: bool = True, timeout_s: float = 90) -> Service:
+        service.start()
+        self.services.append(service)
+        self._write_pids()
+        if wait:
+            service.wait_healthy(timeout_s)
+        return service
+
+    def dead(self) -> list[Service]:
+        return [s for s in self.services if not s.alive()]
+
+    def stop(self, on_stop: Callable[[str], None] | None = None) -> None:
+        for service in reversed(self.services):
+            if on_stop is not None:
+                on_stop(service.name)
+            service.stop()
+        self._write_pids()
+
+    def _write_pids(self) -> None:
+        pids = {s.name: s.proc.pid for s in self.services if s.proc is not None and s.proc.poll() is None}
+        (self.run_dir / "pids.json").write_text(json.dumps(pids, indent=2))

@@ -1,0 +1,127 @@
+"""Redis helpers: a bounded connection and the version registry shared by all services.
+
+The registry keeps DESIGN's order in Redis so it survives restarts and is the same
+for every replica: published labels by sequence number (a sorted set, so an index
+is O(log n)), then labels nobody published in observation order. Every change is
+one Lua script, hence atomic. Exactly one service (the weight broadcaster)
+publishes; collectors only observe; anyone can rebuild it from the ``weights`` topic.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+import redis
+
+from shared import log
+from shared.names import RedisKeys
+from shared.settings import RedisSettings
+from shared.versions import real_version
+
+_log = log.get(__name__)
+
+
+class StateUnavailable(RuntimeError):
+    """Redis could not be reached within the configured bound."""
+
+
+def connect(settings: RedisSettings, attempts: int = 5) -> redis.Redis:
+    """A client with socket timeouts, checked with PING (bounded retries, then a clear error)."""
+    client = redis.Redis.from_url(
+        settings.url,
+        socket_timeout=settings.socket_timeout_s,
+        socket_connect_timeout=settings.socket_timeout_s,
+        decode_responses=True,
+        health_check_interval=30,
+    )
+    delay = 0.25
+    for attempt in range(1, attempts + 1):
+        try:
+            client.ping()
+            return client
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if attempt == attempts:
+                raise StateUnavailable(
+                    f"Redis at {settings.url} did not answer after {attempts} attempts: {exc}"
+                ) from exc
+            _log.warning("redis_unavailable", url=settings.url, attempt=attempt, retry_in_s=delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+    raise AssertionError("unreachable")
+
+
+# KEYS: registry hash, registry order zset, unregistered zset; ARGV: label, seq
+_PUBLISH = """
+local known = redis.call('HGET', KEYS[1], ARGV[1])
+if known then
+  if tonumber(known) == tonumber(ARGV[2]) then return 0 end
+  return redis.error_reply('version ' .. ARGV[1] .. ' already published with sequence ' .. known)
+end
+local holders = redis.call('ZRANGEBYSCORE', KEYS[2], ARGV[2], ARGV[2])
+if #holders > 0 then
+  return redis.error_reply('sequence ' .. ARGV[2] .. ' already used by version ' .. holders[1])
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+return 1
+"""
+
+# KEYS: registry order zset, unregistered zset, unregistered counter; ARGV: labels...
+# Returns the index of every label, registering unknown ones as unregistered.
+_OBSERVE = """
+local published = redis.call('ZCARD', KEYS[1])
+local out = {}
+for i, label in ipairs(ARGV) do
+  local rank = redis.call('ZRANK', KEYS[1], label)
+  if rank then
+    out[i] = rank
+  else
+    if not redis.call('ZSCORE', KEYS[2], label) then
+      local n = redis.call('INCR', KEYS[3])
+      redis.call('ZADD', KEYS[2], n, label)
+    end
+    out[i] = published + redis.call('ZRANK', KEYS[2], label)
+  end
+end
+return out
+"""
+
+
+class RedisRegistry:
+    """The version registry in Redis (same order as ``shared.versions.VersionRegistry``)."""
+
+    def __init__(self, client: redis.Redis, keys: RedisKeys) -> None:
+        self.client = client
+        self.keys = keys
+        self._publish = client.register_script(_PUBLISH)
+        self._observe = client.register_script(_OBSERVE)
+
+    def publish(self, label: str, seq: int) -> bool:
+        """Register ``label`` at ``seq``; idempotent for the same pair, an error for a conflict."""
+        name = real_version(label)
+        if name is None:
+            raise ValueError(f"cannot publish a non-real version label {label!r}")
+        k = self.keys
+        try:
+            created = self._publish(keys=[k.registry, k.registry_order, k.unregistered], args=[name, seq])
+        except redis.ResponseError as exc:
+            raise ValueError(str(exc)) from None
+        return bool(created)
+
+    def observe(self, labels: list[str]) -> list[int]:
+        """Indices of ``labels`` (real, normalised), registering unknown ones after the published."""
+        if not labels:
+            return []
+        k = self.keys
+        result = self._observe(keys=[k.registry_order, k.unregistered, k.unregistered_counter], args=labels)
+        return [int(x) for x in cast(list[Any], result)]
+
+    def ordered(self) -> list[tuple[str, int]]:
+        """Published (label, seq) pairs in order."""
+        pairs = cast(list[tuple[str, float]], self.client.zrange(self.keys.registry_order, 0, -1, withscores=True))
+        return [(label, int(score)) for label, score in pairs]
+
+    def unregistered(self) -> list[str]:
+        return cast(list[str], self.client.zrange(self.keys.unregistered, 0, -1))
