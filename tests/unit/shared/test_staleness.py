@@ -18,7 +18,6 @@ from shared.staleness import (
     trajectory_versions,
     validate_keep_versions,
     version_gaps,
-    window_step,
 )
 from shared.versions import VersionRegistry
 

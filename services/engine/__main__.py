@@ -1,0 +1,21 @@
+"""``python -m services.engine``: read settings, configure logging, serve."""
+
+from __future__ import annotations
+
+import uvicorn
+
+from services.engine.app import create_app
+from services.engine.settings import EngineSettings
+from shared import log
+from shared.settings import load
+
+
+def main() -> None:
+    settings = load(EngineSettings)
+    log.configure("engine", settings.log_level, settings.log_json)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+                access_log=False)
+
+
+if __name__ == "__main__":
+    main()

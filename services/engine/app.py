@@ -1,0 +1,295 @@
+"""HTTP shell of the engine: ``create_app(settings) -> FastAPI``.
+
+Routes translate JSON to :class:`EngineRunner` calls and back; every piece of state
+(weights, batcher, decode task, metrics registry) is created in the lifespan and
+reached through ``request.state``. Errors are mapped to HTTP in one place
+(:func:`_install_error_handlers`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.engine.batcher import AdmissionError, Batcher, SamplingParams, StepReport, Weights
+from services.engine.batcher import Request as EngineRequest
+from services.engine.runner import EngineRunner, EngineUnavailableError, WeightUpdateError
+from services.engine.schemas import AbortBody, GenerateBody, UpdateWeightsBody, generate_response
+from services.engine.settings import EngineSettings
+from shared import checkpoint, log, metrics
+from shared.policy import PolicyConfig, init_policy
+from shared.tokenizer import TOKENIZER
+
+
+class EngineMetrics:
+    """The engine's Prometheus series, on a registry owned by one app instance."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = metrics.counter(registry, "engine/requests", "Finished generate requests",
+                                        ("finish_reason",))
+        self.tokens = metrics.counter(registry, "engine/generated_tokens", "Tokens sampled by the engine")
+        self.steps = metrics.counter(registry, "engine/decode_steps", "Batched decode steps run")
+        self.batch_size = Histogram(
+            metrics.prom_name("engine/batch_size"), "Requests decoded together in one step",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=registry,
+        )
+        self.active = metrics.gauge(registry, "engine/active_requests", "Requests currently decoding")
+        self.weight_info = metrics.gauge(registry, "engine/weight_info",
+                                         "1 for the weight version being served", ("weight_version", "digest"))
+        self.weight_updates = metrics.counter(registry, "engine/weight_updates", "Weight update calls",
+                                              ("result",))
+
+    def on_step(self, report: StepReport) -> None:
+        self.steps.inc()
+        self.batch_size.observe(report.batch_size)
+
+    def on_finish(self, req: EngineRequest) -> None:
+        self.requests.labels(finish_reason=req.finish_type or "unknown").inc()
+        self.tokens.inc(len(req.output_ids))
+
+    def set_weights(self, weights: Weights) -> None:
+        self.weight_info.clear()
+        self.weight_info.labels(weight_version=weights.version, digest=weights.digest).set(1)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("REIN_DEVICE=cuda but CUDA is not available")
+    return torch.device(name)
+
+
+def initial_weights(settings: EngineSettings, device: torch.device) -> Weights:
+    """The checkpoint at ``model_path``, or a policy initialised from ``seed``."""
+    path = settings.resolved_model_path()
+    if path is not None:
+        ckpt = checkpoint.load(path, device)
+        if ckpt.config.vocab_size != TOKENIZER.vocab_size:
+            raise RuntimeError(
+                f"checkpoint {path} has vocab_size {ckpt.config.vocab_size}, tokenizer has {TOKENIZER.vocab_size}"
+            )
+        return Weights(model=ckpt.model, version=ckpt.version, digest=ckpt.digest, step=ckpt.step,
+                       model_path=str(path))
+    model = init_policy(PolicyConfig(vocab_size=TOKENIZER.vocab_size), settings.seed)
+    model.to(device).eval()
+    return Weights(model=model, version=settings.initial_version, digest=checkpoint.digest(model.state_dict()),
+                   step=0, model_path=None)
+
+
+class BodyLimit:
+    """Pure ASGI middleware: 413 for request bodies over ``max_bytes`` (declared or streamed)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            body = message.get("body", b"")
+            total += len(body)
+            if total > self.max_bytes:
+                await self._reject(scope, receive, send)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        response = JSONResponse({"detail": f"request body exceeds {self.max_bytes} bytes"}, status_code=413)
+        await response(scope, receive, send)
+
+
+def _finish_reason(req: EngineRequest) -> dict[str, Any]:
+    if req.finish_type == "stop":
+        return {"type": "stop", "matched": req.matched_stop}
+    if req.finish_type == "length":
+        return {"type": "length", "length": len(req.output_ids)}
+    return {"type": "abort", "message": "request aborted"}
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def admission(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    async def unavailable(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=503)
+
+    async def weight_update(req: Request, exc: Exception) -> JSONResponse:
+        req.state.metrics.weight_updates.labels(result="refused").inc()
+        return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+
+    app.add_exception_handler(AdmissionError, admission)
+    app.add_exception_handler(EngineUnavailableError, unavailable)
+    app.add_exception_handler(WeightUpdateError, weight_update)
+
+
+def create_app(settings: EngineSettings) -> FastAPI:
+    logger = log.get("engine")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        torch.set_num_threads(settings.torch_threads)
+        device = resolve_device(settings.device)
+        weights = initial_weights(settings, device)
+        engine_metrics = EngineMetrics(CollectorRegistry(auto_describe=True))
+        engine_metrics.set_weights(weights)
+        batcher = Batcher(weights, end_id=TOKENIZER.end_id, pad_id=TOKENIZER.pad_id,
+                          max_batch_size=settings.max_batch_size, seed=settings.seed, device=device)
+        runner = EngineRunner(
+            batcher, weights_dir=settings.weights_dir, device=device, vocab_size=TOKENIZER.vocab_size,
+            step_delay_s=settings.step_delay_s, on_step=engine_metrics.on_step,
+            on_finish=engine_metrics.on_finish, log=logger,
+        )
+        runner.start()
+        logger.info("engine ready", weight_version=weights.version, digest=weights.digest,
+                    model_path=weights.model_path, device=str(device), params=weights.model.num_parameters())
+        try:
+            yield {"runner": runner, "metrics": engine_metrics, "settings": settings}
+        finally:
+            await runner.stop()
+
+    app = FastAPI(title="rein engine", lifespan=lifespan)
+    _install_error_handlers(app)
+
+    @app.post("/generate")
+    async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
+        if body.stream:
+            raise AdmissionError("stream=true is not supported by this engine")
+        runner: EngineRunner = request.state.runner
+        sp = body.sampling_params
+        params = SamplingParams(
+            max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+            stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
+        )
+        rid = body.rid if body.rid is not None else uuid.uuid4().hex
+        req = await runner.generate(rid, body.input_ids, params)
+        logprobs = None
+        if body.return_logprob:
+            logprobs = [
+                [lp, tok, TOKENIZER.id_to_token(tok) if body.return_text_in_logprobs else None]
+                for lp, tok in zip(req.logprobs, req.output_ids, strict=True)
+            ]
+        return generate_response(
+            rid=rid,
+            text=TOKENIZER.decode(req.output_ids, skip_special=sp.skip_special_tokens),
+            output_ids=list(req.output_ids),
+            finish_reason=_finish_reason(req),
+            prompt_tokens=len(req.input_ids),
+            weight_version=req.weight_version,
+            token_versions=list(req.versions),
+            logprobs=logprobs,
+        )
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortBody, request: Request) -> dict[str, Any]:
+        runner: EngineRunner = request.state.runner
+        aborted = runner.abort(body.rid or None, body.abort_all)
+        return {"success": bool(aborted), "aborted": aborted}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsBody, request: Request) -> dict[str, Any]:
+        runner: EngineRunner = request.state.runner
+        result = await runner.update_weights(body.model_path, body.weight_version, body.abort_all_requests)
+        engine_metrics: EngineMetrics = request.state.metrics
+        engine_metrics.set_weights(runner.batcher.weights)
+        engine_metrics.weight_updates.labels(result="applied").inc()
+        return {
+            "success": True,
+            "message": f"loaded {result.model_path}",
+            "weight_version": result.version,
+            "digest": result.digest,
+            "aborted": result.aborted,
+        }
+
+    async def model_info(request: Request) -> dict[str, Any]:
+        runner: EngineRunner = request.state.runner
+        weights = runner.batcher.weights
+        return {
+            "model_path": weights.model_path,
+            "weight_version": weights.version,
+            "digest": weights.digest,
+            "step": weights.step,
+            "context": weights.config.context,
+            "vocab_size": weights.config.vocab_size,
+            "active_requests": len(runner.batcher.active_rids()),
+            "active_rids": runner.batcher.active_rids(),
+            "is_generation": True,
+        }
+
+    app.add_api_route("/model_info", model_info, methods=["GET"])
+    app.add_api_route("/get_model_info", model_info, methods=["GET"])
+
+    @app.get("/debug/active")
+    async def debug_active(request: Request) -> dict[str, Any]:
+        """Active requests and their progress: lets tests wait until a generation is mid-flight."""
+        runner: EngineRunner = request.state.runner
+        return {
+            "weight_version": runner.batcher.weights.version,
+            "requests": [
+                {"rid": rid, "prompt_tokens": p, "completion_tokens": c} for rid, p, c in runner.batcher.progress()
+            ],
+        }
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        runner: EngineRunner = request.state.runner
+        if not runner.healthy:
+            return JSONResponse({"status": "error", "detail": repr(runner.error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict[str, Any]:
+        return {"success": True}
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request) -> Response:
+        engine_metrics: EngineMetrics = request.state.metrics
+        runner: EngineRunner = request.state.runner
+        engine_metrics.active.set(len(runner.batcher.active_rids()))
+        body, content_type = metrics.render(engine_metrics.registry)
+        return Response(body, media_type=content_type)
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    return app

@@ -1,0 +1,317 @@
+"""The decode loop's state machine: admit, step, finish, abort, swap weights.
+
+Pure core, no HTTP and no asyncio: tests drive it step by step.
+
+Lifecycle of a request::
+
+    admit ──▶ active ──step()*──▶ finished: stop   (sampled a stop token; it is in output_ids)
+                 │                          length (token budget spent or context window full)
+                 └──abort()───────▶ finished: abort (keeps the tokens generated so far)
+
+A finished request never changes again: a late abort finds nothing and reports it.
+
+Threading: :meth:`Batcher.step` is meant to run in a worker thread while the event
+loop admits, aborts and swaps weights. One lock guards the request table and the
+current weights; the forward pass runs outside it, on a snapshot of (batch, weights)
+taken at the start of the step. So
+
+- a request admitted during a step joins at the next step;
+- a request aborted during a step is finished at once with the tokens it had; the
+  token computed for it in that step is discarded;
+- weights swapped during a step are used from the next step. Each token is stamped
+  with the version of the weights that produced it (``Request.versions``); the
+  request's ``weight_version`` is the engine's version at the moment it finishes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from shared.policy import PolicyConfig, TinyPolicy
+
+FinishType = Literal["stop", "length", "abort"]
+
+
+class AdmissionError(ValueError):
+    """A request was refused before it started (maps to HTTP 400)."""
+
+
+class DuplicateRidError(AdmissionError):
+    """A request with the same rid is still active."""
+
+
+@dataclass(frozen=True)
+class Weights:
+    """The policy being served and its identity."""
+
+    model: TinyPolicy
+    version: str
+    digest: str
+    step: int
+    model_path: str | None
+
+    @property
+    def config(self) -> PolicyConfig:
+        return self.model.config
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. ``temperature == 0`` is greedy; ``top_k <= 0`` disables top-k."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. Mutated only by the batcher, under its lock."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    """log_softmax(logits / temperature) at each sampled token, before top-k/top-p filtering
+    (raw logits for greedy requests)."""
+    versions: list[str] = field(default_factory=list)
+    """Weight version that produced each output token."""
+    finish_type: FinishType | None = None
+    matched_stop: int | None = None
+    weight_version: str | None = None
+    """Engine weight version when the request finished."""
+
+    @property
+    def done(self) -> bool:
+        return self.finish_type is not None
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one decode step did."""
+
+    batch_size: int
+    finished: list[Request]
+    version: str | None
+
+
+class Batcher:
+    """Active requests plus the current weights; one :meth:`step` decodes one token for each."""
+
+    def __init__(
+        self,
+        weights: Weights,
+        *,
+        end_id: int,
+        max_batch_size: int = 256,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        pad_id: int = 0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self._weights = weights
+        self._end_id = end_id
+        self._pad_id = pad_id
+        self._max_batch = max_batch_size
+        self._device = torch.device(device)
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(seed)
+        self._active: dict[str, Request] = {}
+        self._lock = threading.Lock()
+
+    # ---- read-only views -------------------------------------------------------------
+    @property
+    def weights(self) -> Weights:
+        return self._weights
+
+    def active_rids(self) -> list[str]:
+        with self._lock:
+            return list(self._active)
+
+    def progress(self) -> list[tuple[str, int, int]]:
+        """``(rid, prompt_tokens, completion_tokens)`` of each active request, oldest first."""
+        with self._lock:
+            return [(r.rid, len(r.input_ids), len(r.output_ids)) for r in self._active.values()]
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._active)
+
+    # ---- transitions -----------------------------------------------------------------
+    def admit(self, rid: str, input_ids: Sequence[int], params: SamplingParams) -> Request:
+        """Register a request; it is decoded from the next step on.
+
+        Returns the request, which may already be finished (``length``) when its budget is
+        zero or the prompt fills the context window. Raises AdmissionError for a duplicate
+        active rid, an empty or too long prompt, or token ids outside the vocabulary.
+        """
+        ids = [int(t) for t in input_ids]
+        with self._lock:
+            config = self._weights.config
+            if not ids:
+                raise AdmissionError("input_ids is empty")
+            bad = [t for t in ids if not 0 <= t < config.vocab_size]
+            if bad:
+                raise AdmissionError(
+                    f"input_ids contains ids outside the vocabulary [0, {config.vocab_size}): {bad[:5]}"
+                )
+            if len(ids) > config.context:
+                raise AdmissionError(
+                    f"input of {len(ids)} tokens is longer than the context window of {config.context}"
+                )
+            if rid in self._active:
+                raise DuplicateRidError(f"request id {rid!r} is already active")
+            stops = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stops.add(self._end_id)
+            req = Request(rid=rid, input_ids=ids, params=params, stop_ids=frozenset(stops))
+            if params.max_new_tokens <= 0 or len(ids) >= config.context:
+                self._finish(req, "length")
+            else:
+                self._active[rid] = req
+            return req
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> list[Request]:
+        """Finish the active request with exactly this rid (or all of them) as ``abort``."""
+        with self._lock:
+            if abort_all:
+                targets = list(self._active.values())
+            elif rid is not None and rid in self._active:
+                targets = [self._active[rid]]
+            else:
+                targets = []
+            for req in targets:
+                self._finish(req, "abort")
+            return targets
+
+    def abort_request(self, req: Request) -> bool:
+        """Abort this very request object if it is still active (not a later one reusing its rid)."""
+        with self._lock:
+            if self._active.get(req.rid) is not req:
+                return False
+            self._finish(req, "abort")
+            return True
+
+    def swap_weights(self, weights: Weights) -> Weights:
+        """Serve ``weights`` from the next step on; returns the previous weights."""
+        with self._lock:
+            old, self._weights = self._weights, weights
+            return old
+
+    def step(self) -> StepReport:
+        """Decode one token for up to ``max_batch_size`` active requests (oldest first)."""
+        finished: list[Request] = []
+        with self._lock:
+            weights = self._weights
+            context = weights.config.context
+            for req in list(self._active.values()):
+                if req.length >= context:
+                    self._finish(req, "length")
+                    finished.append(req)
+            batch = list(self._active.values())[: self._max_batch]
+            prefixes = [req.input_ids + req.output_ids for req in batch]
+            temps = [req.params.temperature for req in batch]
+            top_ks = [req.params.top_k for req in batch]
+            top_ps = [req.params.top_p for req in batch]
+        if not batch:
+            return StepReport(batch_size=0, finished=finished, version=weights.version)
+
+        logits = self._last_logits(weights.model, prefixes)
+        tokens, logprobs = sample_next(
+            logits,
+            temperature=torch.tensor(temps, dtype=torch.float32),
+            top_k=torch.tensor(top_ks, dtype=torch.long),
+            top_p=torch.tensor(top_ps, dtype=torch.float32),
+            generator=self._generator,
+        )
+
+        with self._lock:
+            for req, tok, lp in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
+                if req.done:  # aborted while the forward pass ran
+                    continue
+                req.output_ids.append(tok)
+                req.logprobs.append(lp)
+                req.versions.append(weights.version)
+                if tok in req.stop_ids:
+                    req.matched_stop = tok
+                    self._finish(req, "stop")
+                elif len(req.output_ids) >= req.params.max_new_tokens or req.length >= context:
+                    self._finish(req, "length")
+                else:
+                    continue
+                finished.append(req)
+        return StepReport(batch_size=len(batch), finished=finished, version=weights.version)
+
+    # ---- internals -------------------------------------------------------------------
+    def _finish(self, req: Request, kind: FinishType) -> None:
+        """Caller holds the lock."""
+        req.finish_type = kind
+        req.weight_version = self._weights.version
+        if self._active.get(req.rid) is req:
+            del self._active[req.rid]
+
+    def _last_logits(self, model: TinyPolicy, prefixes: list[list[int]]) -> torch.Tensor:
+        """Logits at each prefix's last position, right-padded batch, on CPU: ``[B, V]``."""
+        longest = max(len(p) for p in prefixes)
+        ids = torch.full((len(prefixes), longest), self._pad_id, dtype=torch.long)
+        for i, p in enumerate(prefixes):
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        last = torch.tensor([len(p) - 1 for p in prefixes], dtype=torch.long)
+        with torch.inference_mode():
+            logits: torch.Tensor = model(ids.to(self._device))
+            picked = logits[torch.arange(len(prefixes), device=logits.device), last.to(logits.device)]
+        return picked.float().cpu()
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits[B, V]`` with per-row parameters.
+
+    Returns ``(tokens[B], logprobs[B])``. The logprob is ``log_softmax(logits / T)`` at the
+    sampled token, computed before top-k/top-p filtering (T = 1 for greedy rows, T <= 0),
+    which is what the trainer recomputes with :func:`shared.policy.token_logprobs`.
+    Top-k keeps the k largest logits; top-p then keeps the smallest prefix of the
+    renormalised distribution whose mass reaches p (always at least one token).
+    """
+    logits = logits.float()
+    b, v = logits.shape
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits / temp[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+
+    sorted_vals, sorted_idx = torch.sort(scaled, dim=-1, descending=True)
+    ranks = torch.arange(v).expand(b, v)
+    k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v))
+    removed = ranks >= k[:, None]
+    sorted_vals = sorted_vals.masked_fill(removed, float("-inf"))
+    probs = torch.softmax(sorted_vals, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    removed = mass_before >= top_p[:, None]
+    removed[:, 0] = False
+    probs = probs.masked_fill(removed, 0.0)
+    choice = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    tokens = sorted_idx.gather(-1, choice[:, None]).squeeze(-1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

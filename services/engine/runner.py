@@ -1,0 +1,185 @@
+"""Async driver around :class:`Batcher`: one background task runs the decode loop.
+
+The task sleeps until a request is admitted, then repeatedly runs ``Batcher.step`` in
+a worker thread (``asyncio.to_thread``) so torch never blocks the event loop, and
+resolves the futures of the requests each step finished. Admission, abort and weight
+swaps run on the event loop; the batcher's lock makes them safe against a step in
+flight. Weight loading also runs in a worker thread, one update at a time.
+
+If the loop task dies, the runner records the error, fails every waiting request and
+reports itself unhealthy (``/health`` answers 503) instead of hanging callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from services.engine.batcher import Batcher, Request, SamplingParams, StepReport, Weights
+from shared import checkpoint
+
+
+class EngineUnavailableError(RuntimeError):
+    """The decode loop has stopped; the engine cannot serve requests."""
+
+
+class WeightUpdateError(ValueError):
+    """A weight update was refused (path outside weights_dir, missing or bad file)."""
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    version: str
+    digest: str
+    model_path: str
+    aborted: list[str]
+
+
+class EngineRunner:
+    """Owns the batcher, the decode task and the waiting callers."""
+
+    def __init__(
+        self,
+        batcher: Batcher,
+        *,
+        weights_dir: Path,
+        device: torch.device,
+        vocab_size: int,
+        step_delay_s: float = 0.0,
+        on_step: Callable[[StepReport], None] | None = None,
+        on_finish: Callable[[Request], None] | None = None,
+        log: structlog.stdlib.BoundLogger | None = None,
+    ) -> None:
+        self.batcher = batcher
+        self._weights_root = weights_dir.resolve()
+        self._device = device
+        self._vocab_size = vocab_size
+        self._step_delay_s = step_delay_s
+        self._on_step = on_step
+        self._on_finish = on_finish
+        self._log = log or structlog.get_logger()
+        self._waiters: dict[Request, asyncio.Future[Request]] = {}
+        self._wake = asyncio.Event()
+        self._update_lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self.error: BaseException | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="engine-decode-loop")
+        self._task.add_done_callback(self._on_task_done)
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():  # a dead task's error is already in self.error
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._fail_waiters(EngineUnavailableError("engine is shutting down"))
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._task is not None and not self._task.done()
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.error = exc
+            self._log.error("decode loop died", error=repr(exc), exc_info=exc)
+            self._fail_waiters(EngineUnavailableError(f"decode loop died: {exc!r}"))
+
+    def _fail_waiters(self, exc: BaseException) -> None:
+        waiters, self._waiters = self._waiters, {}
+        for fut in waiters.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            report = await asyncio.to_thread(self.batcher.step)
+            if self._on_step is not None and report.batch_size:
+                self._on_step(report)
+            self._resolve(report.finished)
+            if not self.batcher.has_work():
+                self._wake.clear()
+            if self._step_delay_s > 0:
+                await asyncio.sleep(self._step_delay_s)
+
+    def _resolve(self, finished: Sequence[Request]) -> None:
+        for req in finished:
+            if self._on_finish is not None:
+                self._on_finish(req)
+            fut = self._waiters.pop(req, None)
+            if fut is not None and not fut.done():
+                fut.set_result(req)
+
+    # ---- operations ------------------------------------------------------------------
+    async def generate(self, rid: str, input_ids: Sequence[int], params: SamplingParams) -> Request:
+        """Admit a request and wait until it finishes (stop, length or abort).
+
+        If the caller is cancelled (client went away), the request is aborted so it
+        stops taking batch slots.
+        """
+        if not self.healthy:
+            raise EngineUnavailableError(f"decode loop is not running: {self.error!r}")
+        req = self.batcher.admit(rid, input_ids, params)
+        if req.done:
+            self._resolve([req])
+            return req
+        fut: asyncio.Future[Request] = asyncio.get_running_loop().create_future()
+        self._waiters[req] = fut
+        self._wake.set()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if self.batcher.abort_request(req):
+                self._resolve([req])
+            raise
+
+    def abort(self, rid: str | None, abort_all: bool) -> list[str]:
+        """Abort matching active requests now; their callers get partial tokens."""
+        aborted = self.batcher.abort(rid, abort_all)
+        self._resolve(aborted)
+        return [req.rid for req in aborted]
+
+    def resolve_weights_path(self, model_path: str) -> Path:
+        """Absolute, symlink-resolved path inside ``weights_dir``, else WeightUpdateError."""
+        raw = Path(model_path)
+        candidate = raw if raw.is_absolute() else self._weights_root / raw
+        resolved = candidate.resolve()
+        if not resolved.is_relative_to(self._weights_root):
+            raise WeightUpdateError(f"model_path {model_path!r} is outside the weights dir {self._weights_root}")
+        if not resolved.is_file():
+            raise WeightUpdateError(f"model_path {model_path!r} does not exist (resolved to {resolved})")
+        return resolved
+
+    async def update_weights(
+        self, model_path: str, weight_version: str | None, abort_all_requests: bool
+    ) -> UpdateResult:
+        """Load a checkpoint off the event loop and serve it from the next decode step."""
+        async with self._update_lock:
+            path = self.resolve_weights_path(model_path)
+            try:
+                ckpt = await asyncio.to_thread(checkpoint.load, path, self._device)
+            except (checkpoint.CheckpointError, OSError) as exc:
+                raise WeightUpdateError(str(exc)) from exc
+            if ckpt.config.vocab_size != self._vocab_size:
+                raise WeightUpdateError(
+                    f"checkpoint vocab_size {ckpt.config.vocab_size} != tokenizer vocab_size {self._vocab_size}"
+                )
+            aborted = self.abort(None, abort_all=True) if abort_all_requests else []
+            version = weight_version if weight_version is not None else ckpt.version
+            new = Weights(model=ckpt.model, version=version, digest=ckpt.digest, step=ckpt.step,
+                          model_path=str(path))
+            old = self.batcher.swap_weights(new)
+            self._log.info("weights updated", old_version=old.version, weight_version=version,
+                           digest=ckpt.digest, model_path=str(path), aborted=len(aborted))
+            return UpdateResult(version=version, digest=ckpt.digest, model_path=str(path), aborted=aborted)

@@ -1,0 +1,58 @@
+"""Engine settings (``REIN_*`` environment variables); built once in ``__main__``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from shared.settings import ServiceSettings
+
+
+class EngineSettings(ServiceSettings):
+    """Settings of ``python -m services.engine``."""
+
+    host: str = "127.0.0.1"
+    """Interface the HTTP server binds (0.0.0.0 inside a container)."""
+    port: int = Field(default=30000, ge=1, le=65535)
+    """HTTP port; 30000 is SGLang's default so clients need no change."""
+    weights_dir: Path = Path("weights")
+    """Directory checkpoints are loaded from; ``/update_weights_from_disk`` refuses any path outside it."""
+    model_path: Path | None = None
+    """Checkpoint loaded at start (inside ``weights_dir``; relative paths are taken relative to it).
+    Unset: a fresh policy is initialised from ``seed`` and labelled ``initial_version``."""
+    seed: int = 0
+    """Seed of the initial weights (when no ``model_path``) and of the sampler's random generator."""
+    initial_version: str = "v0"
+    """Weight version label reported for seed-initialised weights."""
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    """Where the policy runs; ``auto`` picks CUDA when available."""
+    torch_threads: int = Field(default=1, ge=1)
+    """``torch.set_num_threads`` for this process: keeps the engine from starving co-located services."""
+    max_batch_size: int = Field(default=256, ge=1)
+    """Most requests decoded in one batched step; extra requests wait for a free slot (FIFO)."""
+    step_delay_s: float = Field(default=0.0, ge=0.0)
+    """Sleep between decode steps. Tests set it to make generations slow enough to pause mid-flight."""
+    max_request_bytes: int = Field(default=1024 * 1024, ge=1024)
+    """Largest HTTP request body accepted; larger ones get 413 before being parsed."""
+
+    @model_validator(mode="after")
+    def _model_path_inside_weights_dir(self) -> EngineSettings:
+        if self.model_path is None:
+            return self
+        root = self.weights_dir.resolve()
+        path = self.model_path if self.model_path.is_absolute() else self.weights_dir / self.model_path
+        if not path.resolve().is_relative_to(root):
+            raise ValueError(
+                f"model_path {str(self.model_path)!r} must be inside weights_dir {str(root)!r} "
+                "(REIN_MODEL_PATH / REIN_WEIGHTS_DIR)"
+            )
+        return self
+
+    def resolved_model_path(self) -> Path | None:
+        """``model_path`` as an absolute, symlink-resolved path (None when unset)."""
+        if self.model_path is None:
+            return None
+        path = self.model_path if self.model_path.is_absolute() else self.weights_dir / self.model_path
+        return path.resolve()
