@@ -1,0 +1,47 @@
+# rein: developer and CI entry points. The venv and the Kafka jars are cached outside the checkout
+# (${REIN_CACHE:-~/.cache/rein}); the test fixtures start and stop Kafka and Redis themselves.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := test
+
+# Path of the cached venv for this dependency spec (computed only; `make venv` creates it).
+VENV := $(shell bash deploy/venv.sh --path)
+PY := $(VENV)/bin/python
+# Whole-run limit for pytest (per-test limits come from pytest-timeout in pyproject.toml).
+# SIGTERM first (tests/conftest.py stops the broker and Redis on it), SIGKILL a minute later.
+TEST_TIMEOUT ?= 70m
+TESTS ?= tests
+PYTEST_ARGS ?=
+
+.PHONY: venv infra test lint demo clean clean-cache
+
+venv:
+	@bash deploy/venv.sh >/dev/null
+
+infra:
+	bash deploy/kafka.sh fetch
+	bash deploy/redis.sh install
+
+test: venv infra
+	timeout --signal=TERM --kill-after=60s $(TEST_TIMEOUT) $(PY) -m pytest $(TESTS) $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy shared
+	@# Only shared/settings.py reads the environment (tests and bench are exempt, as in ruff's TID251 config).
+	@if git ls-files -co --exclude-standard -- '*.py' \
+	    | grep -vE '^(shared/settings\.py|tests/|bench/)' \
+	    | xargs -r grep -nE 'os\.(environ|getenv)|from os import .*\b(environ|getenv)\b'; then \
+	    echo "lint: read the environment only in shared/settings.py" >&2; exit 1; \
+	fi
+
+demo: venv infra
+	$(PY) -m shared.demo
+
+clean:
+	rm -rf .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist *.egg-info
+	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +
+
+# Drops this spec's cached venv and the pinned Kafka jars (the next run rebuilds them).
+clean-cache:
+	rm -rf "$(VENV)" "$(VENV).lock" "$${REIN_CACHE:-$$HOME/.cache/rein}/kafka-$$(bash deploy/kafka.sh version)"

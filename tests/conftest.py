@@ -1,0 +1,200 @@
+"""Session fixtures: a real Kafka broker and a real Redis, started once per run, only when needed.
+
+Service fixtures (session scope; the services are started by ``tests/infra.py`` through
+``deploy/kafka.sh`` / ``deploy/redis.sh`` in a temp dir and stopped at the end of the run):
+
+- ``kafka_bootstrap -> str``: ``"127.0.0.1:PORT"`` of a single-node KRaft broker
+  (4 partitions by default, topic auto-creation off: create what you use).
+- ``redis_url -> str``: ``"redis://127.0.0.1:PORT/0"``; the server has 64 logical DBs.
+- ``kafka_admin -> KafkaAdminClient`` on that broker.
+- ``topics -> shared.names.Topics``: DESIGN's topics (default names), created with 4 partitions.
+  They are shared by the whole session; a test that reads what it wrote should use ``unique_topic``.
+
+Per-test helpers (function scope):
+
+- ``unique_topic(partitions=4, *, configs=None) -> str``: creates a fresh topic named after the test
+  and waits until every partition has a leader.
+- ``unique_group -> str``: a fresh consumer group id named after the test.
+- ``redis_db_url -> str``: URL of a logical DB of its own (1..63, round robin), flushed first.
+- ``redis_client -> redis.Redis`` on ``redis_db_url``; closed afterwards.
+
+The versions that ran are printed in the terminal summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import signal
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from tests.infra import KAFKA, NEEDS, REDIS, Infra, InfraError
+
+if TYPE_CHECKING:
+    import redis
+    from kafka.admin import KafkaAdminClient
+
+    from shared.names import Topics
+
+_INFRA = pytest.StashKey[Infra]()
+_KEPT = pytest.StashKey[str]()
+_REDIS_DBS = itertools.cycle(range(1, 64))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    infra = Infra()
+    config.stash[_INFRA] = infra
+    # Backstop for a run killed with SIGTERM (e.g. a CI timeout): stop our services, then die as asked.
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            infra.stop_all()
+            if infra.root is not None:
+                capman = config.pluginmanager.getplugin("capturemanager")
+                with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
+                    print(f"\nrein infra: SIGTERM, services stopped; data and logs in {infra.root}", file=sys.stderr)
+            if callable(previous):
+                previous(signum, frame)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start, concurrently and in the background, the services the selected tests need."""
+    if session.config.option.collectonly:
+        return
+    needed = {svc for item in session.items for name, svc in NEEDS.items() if name in getattr(item, "fixturenames", ())}
+    session.config.stash[_INFRA].prestart(needed)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    infra = session.config.stash[_INFRA]
+    infra.stop_all()
+    session.config.stash[_KEPT] = infra.cleanup(keep=exitstatus != 0)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    infra = config.stash[_INFRA]
+    lines = infra.summary()
+    if not lines:
+        return
+    terminalreporter.section("rein infra: services that ran")
+    for line in lines:
+        terminalreporter.write_line(line)
+    kept = config.stash.get(_KEPT, "")
+    if kept:
+        terminalreporter.write_line(kept)
+
+
+def _require(request: pytest.FixtureRequest, name: str) -> str:
+    try:
+        return request.config.stash[_INFRA].require(name).address
+    except InfraError as exc:
+        message = str(exc)
+    pytest.fail(message, pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
+    """``127.0.0.1:PORT`` of the session's real Kafka broker."""
+    return _require(request, KAFKA)
+
+
+@pytest.fixture(scope="session")
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """``redis://127.0.0.1:PORT/0`` of the session's real Redis."""
+    return _require(request, REDIS)
+
+
+@pytest.fixture(scope="session")
+def kafka_admin(kafka_bootstrap: str) -> Iterator[KafkaAdminClient]:
+    from kafka.admin import KafkaAdminClient
+
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, client_id="rein-tests-admin")
+    try:
+        yield admin
+    finally:
+        admin.close()
+
+
+def _create_topics(admin: KafkaAdminClient, partitions: dict[str, int], configs: dict[str, str]) -> None:
+    existing = set(admin.list_topics())
+    new = {
+        name: {"num_partitions": n, "replication_factor": 1, "configs": dict(configs)}
+        for name, n in partitions.items()
+        if name not in existing
+    }
+    if new:
+        admin.create_topics(new, timeout_ms=30_000)
+    admin.wait_for_topics(list(partitions), timeout_ms=30_000)
+
+
+@pytest.fixture(scope="session")
+def topics(kafka_admin: KafkaAdminClient) -> Topics:
+    """DESIGN's topics under their default names, 4 partitions each (shared by the session)."""
+    from shared.names import Topics
+
+    names = Topics()
+    _create_topics(kafka_admin, dict.fromkeys(names.all(), 4), {})
+    return names
+
+
+def _slug(request: pytest.FixtureRequest) -> str:
+    return re.sub(r"[^a-zA-Z0-9._-]+", "-", request.node.name).strip("-")[:120]
+
+
+@pytest.fixture
+def unique_topic(request: pytest.FixtureRequest, kafka_admin: KafkaAdminClient) -> Callable[..., str]:
+    """Factory: ``unique_topic(partitions=4, *, configs=None)`` creates a fresh topic, returns its name."""
+
+    def make(partitions: int = 4, *, configs: dict[str, str] | None = None) -> str:
+        name = f"t.{_slug(request)}.{uuid.uuid4().hex[:8]}"
+        _create_topics(kafka_admin, {name: partitions}, configs or {})
+        return name
+
+    return make
+
+
+@pytest.fixture
+def unique_group(request: pytest.FixtureRequest) -> str:
+    """A consumer group id no other test uses."""
+    return f"g.{_slug(request)}.{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def redis_db_url(redis_url: str) -> str:
+    """URL of a logical DB (1..63, round robin) flushed for this test; DB 0 is left to the caller."""
+    import redis
+
+    db = next(_REDIS_DBS)
+    url = f"{redis_url.rsplit('/', 1)[0]}/{db}"
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    return url
+
+
+@pytest.fixture
+def redis_client(redis_db_url: str) -> Iterator[redis.Redis]:
+    """A ``redis.Redis`` on this test's own flushed logical DB."""
+    import redis
+
+    client = redis.Redis.from_url(redis_db_url)
+    try:
+        yield client
+    finally:
+        client.close()

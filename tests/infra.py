@@ -1,0 +1,228 @@
+"""Real Kafka and Redis for one pytest session, run through deploy/kafka.sh and deploy/redis.sh.
+
+Lifecycle: after collection, conftest asks :class:`Infra` to start the services that the selected
+tests need (found from each test's fixture closure), both at once in background threads, so the
+broker boots while the unit tests run. A fixture that needs a service waits for its start to finish.
+A run of pure unit tests starts nothing. At session end (and, as backstops, at interpreter exit and
+on SIGTERM) every service this session started is stopped by its pid file, through the same
+scripts; nothing else is touched. A missing Java, Maven or redis-server is a test failure with the
+script's message, never a skip.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+
+KAFKA = "kafka"
+REDIS = "redis"
+
+# A test whose fixture closure holds one of these needs that service.
+NEEDS: dict[str, str] = {"kafka_bootstrap": KAFKA, "redis_url": REDIS}
+
+START_TIMEOUT_S = 900.0  # a cold start resolves the Kafka jars from Maven Central first
+STOP_TIMEOUT_S = 90.0
+
+
+class InfraError(Exception):
+    """A service could not be started; the message says why and how to fix it."""
+
+
+@dataclass
+class Service:
+    """One service this session owns: its script, data dir and what its start reported."""
+
+    name: str
+    script: Path
+    data_dir: Path
+    address: str = ""
+    """Kafka: ``127.0.0.1:PORT`` bootstrap; Redis: ``redis://127.0.0.1:PORT/0``."""
+    version: str = ""
+    start_s: float = 0.0
+    error: str = ""
+    stop_note: str = ""
+    stopped: bool = False
+    pids: list[int] = field(default_factory=list)
+
+    @property
+    def pid_file(self) -> Path:
+        return self.data_dir / ("pid" if self.name == KAFKA else "redis.pid")
+
+
+def _script_output(proc: subprocess.CompletedProcess[str]) -> str:
+    return (proc.stdout + proc.stderr).strip()
+
+
+class Infra:
+    """Starts and stops the session's services; thread-safe, every method idempotent."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self._root_arg = root
+        self.root: Path | None = None
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: dict[str, Future[Service]] = {}
+        self.services: dict[str, Service] = {}
+        self._closed = False
+
+    def _workdir(self) -> Path:
+        if self.root is None:
+            if self._root_arg is not None:
+                self._root_arg.mkdir(parents=True, exist_ok=True)
+                self.root = self._root_arg
+            else:
+                self.root = Path(tempfile.mkdtemp(prefix="rein-infra-"))
+            atexit.register(self.stop_all)
+        return self.root
+
+    def prestart(self, names: Iterable[str]) -> None:
+        """Begin starting each named service not started yet; returns at once."""
+        with self._lock:
+            if self._closed:
+                return
+            for name in sorted(set(names)):
+                if name in self._futures:
+                    continue
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rein-infra")
+                script = DEPLOY / f"{name}.sh"
+                svc = Service(name=name, script=script, data_dir=self._workdir() / name)
+                self.services[name] = svc
+                self._futures[name] = self._pool.submit(self._start, svc)
+
+    def require(self, name: str) -> Service:
+        """The running service, starting it now if nobody asked before; raises InfraError."""
+        self.prestart([name])
+        svc = self._futures[name].result()
+        if svc.error:
+            raise InfraError(svc.error)
+        return svc
+
+    def _start(self, svc: Service) -> Service:
+        began = time.monotonic()
+        svc.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            proc = subprocess.run(
+                ["bash", str(svc.script), "start", str(svc.data_dir)],
+                capture_output=True,
+                text=True,
+                timeout=START_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            svc.error = f"{svc.script.name} start did not finish within {START_TIMEOUT_S:.0f}s"
+            self._record_pid(svc)
+            return svc
+        self._record_pid(svc)
+        if proc.returncode != 0:
+            svc.error = (
+                f"could not start {svc.name} for the integration tests "
+                f"(`bash {svc.script.relative_to(REPO)} start {svc.data_dir}` exited {proc.returncode}):\n"
+                f"{_script_output(proc)}"
+            )
+            return svc
+        fields = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+        svc.address = fields.get("bootstrap", fields.get("url", ""))
+        svc.version = fields.get("version", "?")
+        svc.start_s = time.monotonic() - began
+        if not svc.address:
+            svc.error = f"{svc.script.name} start printed no address:\n{_script_output(proc)}"
+        return svc
+
+    @staticmethod
+    def _record_pid(svc: Service) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            svc.pids.append(int(svc.pid_file.read_text().strip()))
+
+    def stop_all(self) -> None:
+        """Stop every service this session started (by its pid file); safe to call repeatedly."""
+        with self._lock:
+            self._closed = True
+            futures = dict(self._futures)
+        for name, fut in futures.items():
+            try:
+                fut.result(timeout=START_TIMEOUT_S)  # a start in flight must finish before it can stop
+            except Exception as exc:  # a start crash must not prevent the other stops
+                self.services[name].error = self.services[name].error or repr(exc)
+        threads = [threading.Thread(target=self._stop, args=(svc,)) for svc in self.services.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def _stop(self, svc: Service) -> None:
+        if svc.stopped:
+            return
+        svc.stopped = True
+        try:
+            proc = subprocess.run(
+                ["bash", str(svc.script), "stop", str(svc.data_dir)],
+                capture_output=True,
+                text=True,
+                timeout=STOP_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+                check=False,
+            )
+            svc.stop_note = "stopped" if proc.returncode == 0 else f"stop failed: {_script_output(proc)}"
+        except subprocess.TimeoutExpired:
+            svc.stop_note = "stop script timed out"
+        # Backstop: whatever pid this session recorded must be gone; SIGKILL it if not.
+        for pid in svc.pids:
+            if _alive(pid) and _cmdline_mentions(pid, str(svc.data_dir) if svc.name == KAFKA else "redis"):
+                os.kill(pid, 9)
+                svc.stop_note += f"; pid {pid} killed"
+
+    def cleanup(self, keep: bool) -> str:
+        """Remove the data dirs unless ``keep``; returns a line for the summary."""
+        if self.root is None:
+            return ""
+        if keep:
+            return f"service data and logs kept in {self.root}"
+        shutil.rmtree(self.root, ignore_errors=True)
+        return ""
+
+    def summary(self) -> list[str]:
+        lines = []
+        for svc in self.services.values():
+            if svc.error:
+                errors = [ln for ln in svc.error.splitlines() if ": error: " in ln] or svc.error.splitlines()
+                lines.append(f"{svc.name}: FAILED TO START: {errors[-1]}")
+                continue
+            kind = "Apache Kafka (KRaft, single node)" if svc.name == KAFKA else "Redis"
+            pid = f"pid {svc.pids[0]}" if svc.pids else "pid ?"
+            lines.append(
+                f"{kind} {svc.version} at {svc.address} ({pid}), ready in {svc.start_s:.1f}s, "
+                f"{svc.stop_note or 'still running'}"
+            )
+        return lines
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _cmdline_mentions(pid: int, needle: str) -> bool:
+    try:
+        return needle in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return False
