@@ -1,0 +1,252 @@
+"""The whole rein pipeline as local processes: what ``make demo`` and ``rein up`` start.
+
+One place composes every service's environment from one :class:`StackConfig`, so
+the demo, ``rein up`` and the end-to-end test run the same system. Start order:
+Kafka + Redis -> topics -> trainer (writes and publishes ``v0``) -> engine (loads
+``v0``) -> proxy -> broadcaster -> collectors -> rollout runner.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from shared import bus
+from shared.launcher import Infra, LaunchError, Service, Stack
+from shared.names import Topics
+from shared.settings import KafkaSettings
+
+
+@dataclass
+class StackConfig:
+    """Knobs of a local run; every service gets its settings from these."""
+
+    run_dir: Path
+    steps: int = 40
+    """Trainer steps before the trainer stops (0 = unbounded)."""
+    keep_versions: int = 2
+    max_preempts: int | None = 2
+    partial_rollout: bool = True
+    collectors: int = 2
+    group_size: int = 8
+    batch_groups: int = 8
+    """Groups per training batch (GRPO groups of ``group_size`` episodes)."""
+    max_concurrent_groups: int = 16
+    mode: str = "async"
+    """``async`` or ``sync`` (the runner waits for each weight update before the next wave)."""
+    seed: int = 0
+    mask_nonlast_version: bool = True
+    engine_step_delay_s: float = 0.0
+    base_port: int = 0
+    """First of a block of ports for the services; 0 picks free ports."""
+    partitions: int = 4
+    extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per-service extra ``REIN_*`` variables (service name -> variables)."""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class LocalStack:
+    """A running local system: infrastructure, services, and where each listens."""
+
+    config: StackConfig
+    infra: Infra
+    stack: Stack
+    urls: dict[str, str]
+    admin_token: str
+
+    def stop(self) -> None:
+        try:
+            self.stack.stop()
+        finally:
+            self.infra.stop()
+
+    @property
+    def trainer_metrics(self) -> Path:
+        return self.config.run_dir / "trainer" / "metrics.jsonl"
+
+
+def start(config: StackConfig) -> LocalStack:
+    """Start everything; on any failure, stop what was started and re-raise."""
+    run_dir = config.run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    infra = Infra.start(run_dir / "infra")
+    stack = Stack(run_dir)
+    token = secrets.token_hex(16)
+    port = _port_allocator(config.base_port)
+    urls = {
+        "engine": f"http://127.0.0.1:{port()}",
+        "proxy": f"http://127.0.0.1:{port()}",
+        "trainer": f"http://127.0.0.1:{port()}",
+        "broadcaster": f"http://127.0.0.1:{port()}",
+        "rollout": f"http://127.0.0.1:{port()}",
+    }
+    collector_ports = [port() for _ in range(config.collectors)]
+    for i, p in enumerate(collector_ports):
+        urls[f"collector-{i}"] = f"http://127.0.0.1:{p}"
+    local = LocalStack(config, infra, stack, urls, token)
+    try:
+        bus.ensure_topics(KafkaSettings(bootstrap_servers=infra.kafka_bootstrap), Topics().all(), config.partitions)
+        common = {
+            "REIN_KAFKA__BOOTSTRAP_SERVERS": infra.kafka_bootstrap,
+            "REIN_REDIS__URL": infra.redis_url,
+            "REIN_LOG_JSON": "true",
+        }
+        weights = run_dir / "weights"
+        weights.mkdir(exist_ok=True)
+        logs = run_dir / "logs"
+
+        def env(name: str, values: dict[str, str]) -> dict[str, str]:
+            return {**common, **values, **config.extra_env.get(name, {})}
+
+        def port_of(name: str) -> str:
+            return urls[name].rsplit(":", 1)[1]
+
+        stack.add(
+            Service(
+                "trainer",
+                "services.trainer",
+                env(
+                    "trainer",
+                    {
+                        "REIN_WEIGHTS_DIR": str(weights),
+                        "REIN_RUN_DIR": str(run_dir / "trainer"),
+                        "REIN_SEED": str(config.seed),
+                        "REIN_MAX_STEPS": str(config.steps),
+                        "REIN_TORCH_THREADS": "1",
+                        "REIN_MASK_NONLAST_VERSION": str(config.mask_nonlast_version).lower(),
+                        "REIN_METRICS_PORT": port_of("trainer"),
+                    },
+                ),
+                f"{urls['trainer']}/health",
+                logs / "trainer.log",
+            ),
+            timeout_s=120,
+        )
+        _wait_for_file(weights / "v0.pt", stack, timeout_s=60)
+        stack.add(
+            Service(
+                "engine",
+                "services.engine",
+                env(
+                    "engine",
+                    {
+                        "REIN_PORT": port_of("engine"),
+                        "REIN_WEIGHTS_DIR": str(weights),
+                        "REIN_MODEL_PATH": str(weights / "v0.pt"),
+                        "REIN_SEED": str(config.seed),
+                        "REIN_TORCH_THREADS": "1",
+                        "REIN_STEP_DELAY_S": str(config.engine_step_delay_s),
+                    },
+                ),
+                f"{urls['engine']}/health",
+                logs / "engine.log",
+            )
+        )
+        proxy_env = {
+            "REIN_PORT": port_of("proxy"),
+            "REIN_ENGINE_URLS": json.dumps([urls["engine"]]),
+            "REIN_ADMIN_TOKEN": token,
+            "REIN_PARTIAL_ROLLOUT": str(config.partial_rollout).lower(),
+        }
+        if config.max_preempts is not None:
+            proxy_env["REIN_MAX_PREEMPTS"] = str(config.max_preempts)
+        stack.add(
+            Service("proxy", "services.proxy", env("proxy", proxy_env), f"{urls['proxy']}/health", logs / "proxy.log")
+        )
+        stack.add(
+            Service(
+                "broadcaster",
+                "services.weight_broadcaster",
+                env(
+                    "broadcaster",
+                    {
+                        "REIN_PROXY_URLS": json.dumps([urls["proxy"]]),
+                        "REIN_ENGINE_URLS": json.dumps([urls["engine"]]),
+                        "REIN_ADMIN_TOKEN": token,
+                        "REIN_METRICS_PORT": port_of("broadcaster"),
+                    },
+                ),
+                f"{urls['broadcaster']}/health",
+                logs / "broadcaster.log",
+            )
+        )
+        for i in range(config.collectors):
+            name = f"collector-{i}"
+            stack.add(
+                Service(
+                    name,
+                    "services.collector",
+                    env(
+                        "collector",
+                        {
+                            "REIN_REPLICA_ID": name,
+                            "REIN_KEEP_VERSIONS": str(config.keep_versions),
+                            "REIN_BATCH_GROUPS": str(config.batch_groups),
+                            "REIN_METRICS_PORT": port_of(name),
+                        },
+                    ),
+                    f"{urls[name]}/health",
+                    logs / f"{name}.log",
+                )
+            )
+        stack.add(
+            Service(
+                "rollout",
+                "services.rollout",
+                env(
+                    "rollout",
+                    {
+                        "REIN_PROXY_URL": urls["proxy"],
+                        "REIN_SEED": str(config.seed),
+                        "REIN_GROUP_SIZE": str(config.group_size),
+                        "REIN_MAX_CONCURRENT_GROUPS": str(config.max_concurrent_groups),
+                        "REIN_MODE": config.mode,
+                        "REIN_GROUPS_PER_STEP": str(config.batch_groups),
+                        "REIN_METRICS_PORT": port_of("rollout"),
+                    },
+                ),
+                f"{urls['rollout']}/health",
+                logs / "rollout.log",
+            )
+        )
+        (run_dir / "stack.json").write_text(
+            json.dumps({"config": asdict(config), "urls": urls, "infra": asdict(infra)}, indent=2, default=str)
+        )
+    except BaseException:
+        local.stop()
+        raise
+    return local
+
+
+def _port_allocator(base: int) -> Callable[[], int]:
+    counter = iter(range(base, base + 100)) if base else None
+
+    def next_port() -> int:
+        return next(counter) if counter is not None else _free_port()
+
+    return next_port
+
+
+def _wait_for_file(path: Path, stack: Stack, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return
+        dead = stack.dead()
+        if dead:
+            raise LaunchError(f"{dead[0].name} exited before {path.name} appeared; see {dead[0].log_path}")
+        time.sleep(0.2)
+    raise LaunchError(f"{path} did not appear within {timeout_s}s")
