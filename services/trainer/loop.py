@@ -1,0 +1,236 @@
+"""The trainer's main loop: the only place in the trainer with I/O.
+
+Consumes ``train.batches`` (manifests, consumer group ``consumer_group``, manual
+commit) and ``rollout.groups`` (by reference); produces checkpoints in
+``weights_dir``, ``WeightPublished`` events on ``weights`` (key = version) and
+``run_dir/metrics.jsonl``. Owns the policy and its optimizer.
+
+Lifecycle:
+
+- start: resume from the newest durable checkpoint (see ``store``), or write
+  ``v0.pt`` from ``init_policy(config, seed)``; re-publish that checkpoint's event
+  (idempotent by key: covers a crash between sidecar and publish); restore any
+  metrics line a crash lost.
+- each manifest, in index order from ``last_index + 1`` (duplicates and indices
+  already trained are dropped and their offsets committed): fetch its groups →
+  samples → one optimizer step.
+- every ``publish_every`` steps (and at ``max_steps`` or on stop): checkpoint →
+  sidecar → metrics lines → publish → commit the manifests' offsets. A crash
+  before the sidecar retrains those manifests from the previous checkpoint; a
+  crash after it skips them by index. No manifest is trained twice into the
+  published weights, none is skipped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from services.trainer.fetch import GroupFetcher
+from services.trainer.http import StatusServer
+from services.trainer.metrics import TrainerMetrics, step_line
+from services.trainer.ordering import ManifestOrder, OffsetBook, Pos
+from services.trainer.samples import build_samples
+from services.trainer.settings import TrainerSettings
+from services.trainer.step import Hyper, PolicyTrainer
+from services.trainer.store import MetricsLog, Sidecar, latest, reconcile_metrics, save_step
+from shared import log
+from shared.bus import Consumer, Producer
+from shared.policy import PolicyConfig, init_policy
+from shared.schemas import BatchManifest, DecodeError, WeightPublished
+from shared.tokenizer import TOKENIZER
+
+_log = log.get(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("REIN_DEVICE=cuda but CUDA is not available")
+    return torch.device(name)
+
+
+def hyper_from(settings: TrainerSettings) -> Hyper:
+    return Hyper(
+        lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, grad_clip=settings.grad_clip,
+        ppo_clip=settings.ppo_clip, is_truncation=settings.is_truncation, normalize_std=settings.normalize_std,
+        temperature=settings.temperature, micro_batch_size=settings.micro_batch_size,
+    )
+
+
+@dataclass
+class RunResult:
+    """What one :func:`run` did (tests and the demo read it)."""
+
+    start_step: int
+    step: int
+    trained_indices: list[int] = field(default_factory=list)
+    published: list[WeightPublished] = field(default_factory=list)
+
+
+class TrainerLoop:
+    """Wires consumer → order → fetch → samples → step → store → publish → commit."""
+
+    def __init__(self, settings: TrainerSettings, stop: threading.Event | None = None) -> None:
+        self.settings = settings
+        self.stop = stop or threading.Event()
+        self.metrics = TrainerMetrics(CollectorRegistry(auto_describe=True))
+        self.device = resolve_device(settings.device)
+        self.metrics_log = MetricsLog(settings.run_dir / "metrics.jsonl")
+        self.book = OffsetBook()
+        self._pending_offsets: list[tuple[Pos, int]] = []
+        self._pending_lines: list[dict[str, Any]] = []
+        self._last_poll = time.monotonic()
+        self.port: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _restore(self) -> tuple[PolicyTrainer, PolicyConfig, Sidecar]:
+        s = self.settings
+        resumed = latest(s.weights_dir, self.device)
+        hyper = hyper_from(s)
+        if resumed is not None:
+            trainer = PolicyTrainer(resumed.checkpoint.model, hyper, self.device)
+            if resumed.optimizer_state is not None:
+                trainer.load_optimizer_state(resumed.optimizer_state)
+            restored = reconcile_metrics(self.metrics_log, resumed.sidecar)
+            _log.info("trainer_resumed", step=resumed.sidecar.step, last_index=resumed.sidecar.last_index,
+                      digest=resumed.sidecar.digest, metrics_lines_restored=restored)
+            return trainer, resumed.checkpoint.config, resumed.sidecar
+        config = PolicyConfig(vocab_size=TOKENIZER.vocab_size, context=s.model_context, width=s.model_width,
+                              layers=s.model_layers, heads=s.model_heads)
+        model = init_policy(config, s.seed)
+        trainer = PolicyTrainer(model, hyper, self.device)
+        sidecar = save_step(s.weights_dir, trainer.model, config, 0, s.first_index - 1, trainer.optimizer_state())
+        _log.info("trainer_initialised", step=0, path=sidecar.path, digest=sidecar.digest,
+                  params=model.num_parameters())
+        return trainer, config, sidecar
+
+    def _health(self) -> tuple[bool, dict[str, object]]:
+        stalled = time.monotonic() - self._last_poll > max(60.0, 10 * self.settings.poll_timeout_s)
+        return not stalled, {"status": "stalled" if stalled else "ok", "step": self.step}
+
+    def run(self) -> RunResult:
+        s = self.settings
+        torch.set_num_threads(s.torch_threads)
+        trainer, config, sidecar = self._restore()
+        self.trainer, self.config, self.sidecar = trainer, config, sidecar
+        self.step = sidecar.step
+        result = RunResult(start_step=sidecar.step, step=sidecar.step)
+        producer = Producer(s.kafka, client_suffix="trainer")
+        try:
+            result.published.append(self._publish(producer, sidecar))
+            if s.max_steps and self.step >= s.max_steps:
+                return result
+            server = StatusServer(s.metrics_host, s.metrics_port, self.metrics.registry, self._health).start()
+            self.port = server.port
+            consumer = Consumer(
+                s.kafka, [s.topics.batches], s.consumer_group, client_suffix="trainer",
+                on_decode_error=lambda topic, _p, _o, exc: self.metrics.decode_errors.inc(
+                    topic, exc.reason if isinstance(exc, DecodeError) else "unknown"),
+            )
+            fetcher = GroupFetcher(s.kafka, s.topics.groups)
+            try:
+                self._consume(consumer, fetcher, producer, result)
+            finally:
+                fetcher.close()
+                consumer.close()
+                server.stop()
+        finally:
+            producer.close()
+        result.step = self.step
+        return result
+
+    # ------------------------------------------------------------------ consuming
+
+    def _consume(self, consumer: Consumer, fetcher: GroupFetcher, producer: Producer, result: RunResult) -> None:
+        s = self.settings
+        order: ManifestOrder[tuple[Pos, int, BatchManifest]] = ManifestOrder(next_index=self.sidecar.last_index + 1)
+        self.metrics.waiting_for.set(order.next_index)
+        done = False
+        while not done and not self.stop.is_set():
+            polled = consumer.poll(s.poll_timeout_s)
+            self._last_poll = time.monotonic()
+            for rec in polled:
+                pos: Pos = (rec.topic, rec.partition)
+                if not isinstance(rec.record, BatchManifest):
+                    _log.warning("unexpected_record", topic=rec.topic, type=rec.record.type)
+                    self.book.seen(pos, rec.offset, open_=False)
+                    continue
+                offered = order.offer(rec.record.index, (pos, rec.offset, rec.record))
+                self.book.seen(pos, rec.offset, open_=not offered.duplicate)
+                if offered.duplicate:
+                    self.metrics.duplicates.inc()
+                    _log.info("manifest_duplicate", index=rec.record.index, next_index=order.next_index)
+                for _, (mpos, moff, manifest) in offered.ready:
+                    if done:
+                        break  # stays open in the book: not committed, read again next run
+                    self._train(manifest, fetcher)
+                    result.trained_indices.append(manifest.index)
+                    self._pending_offsets.append((mpos, moff))
+                    if self.step % s.publish_every == 0 or (s.max_steps and self.step >= s.max_steps):
+                        result.published.append(self._make_durable(producer, consumer))
+                    done = bool(s.max_steps and self.step >= s.max_steps)
+                if done:
+                    break
+            self.metrics.buffered.set(order.buffered)
+            self.metrics.waiting_for.set(order.next_index)
+            self._commit(consumer)
+        if self._pending_offsets:  # stopped between publishes: keep what was trained
+            result.published.append(self._make_durable(producer, consumer))
+
+    def _train(self, manifest: BatchManifest, fetcher: GroupFetcher) -> None:
+        s = self.settings
+        started = time.monotonic()
+        fetched = fetcher.fetch(list(manifest.groups), s.fetch_timeout_s)
+        fetch_time = time.monotonic() - started
+        if fetched.bad:
+            self.metrics.bad_refs.inc(len(fetched.bad))
+        batch = build_samples(fetched.groups, mask_nonlast_version=s.mask_nonlast_version,
+                              max_tokens=self.config.context)
+        stats = self.trainer.step(batch)
+        self.step += 1
+        line = step_line(step=self.step, manifest=manifest, batch=batch, stats=stats, bad_refs=len(fetched.bad),
+                         step_time_s=time.monotonic() - started, fetch_time_s=fetch_time)
+        self._pending_lines.append(line)
+        self.metrics.observe(line)
+        _log.info("trained", step=self.step, manifest_index=manifest.index, loss=round(stats.loss, 5),
+                  reward_mean=line["reward_mean"], abs_diff=round(stats.train_rollout_logprob_abs_diff, 5),
+                  masked_token_fraction=round(batch.masked_token_fraction, 4), version_gap=line["version_gap_mean"])
+
+    def _make_durable(self, producer: Producer, consumer: Consumer) -> WeightPublished:
+        last_index = self.sidecar.last_index + len(self._pending_offsets)
+        self.sidecar = save_step(self.settings.weights_dir, self.trainer.model, self.config, self.step, last_index,
+                                 self.trainer.optimizer_state(), self._pending_lines)
+        self.metrics_log.append(self._pending_lines)
+        event = self._publish(producer, self.sidecar)
+        for pos, offset in self._pending_offsets:
+            self.book.close(pos, offset)
+        self._pending_offsets, self._pending_lines = [], []
+        self._commit(consumer)
+        return event
+
+    def _publish(self, producer: Producer, sidecar: Sidecar) -> WeightPublished:
+        event = WeightPublished(version=sidecar.version, seq=sidecar.step, path=sidecar.path, digest=sidecar.digest,
+                                step=sidecar.step)
+        producer.send(self.settings.topics.weights, event)
+        self.metrics.published.inc()
+        _log.info("weights_published", version=event.version, seq=event.seq, digest=event.digest, path=event.path)
+        return event
+
+    def _commit(self, consumer: Consumer) -> None:
+        positions = self.book.commit_positions()
+        if positions:
+            consumer.commit(positions)
+            self.book.committed(positions)
+
+
+def run(settings: TrainerSettings, stop: threading.Event | None = None) -> RunResult:
+    """Build the loop and run it until ``max_steps`` or ``stop`` is set."""
+    return TrainerLoop(settings, stop).run()

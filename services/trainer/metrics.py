@@ -1,0 +1,113 @@
+"""The trainer's Prometheus series and the per-step ``metrics.jsonl`` line."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from services.trainer.samples import BatchSamples
+from services.trainer.step import StepStats
+from shared import metrics
+from shared.schemas import BatchManifest
+
+# metrics.jsonl field -> Prometheus report name (rein_<name with / as _>)
+GAUGES: dict[str, str] = {
+    "step": "trainer/step",
+    "loss": "trainer/loss",
+    "reward_mean": "trainer/reward_mean",
+    "train_rollout_logprob_abs_diff": "trainer/train_rollout_logprob_abs_diff",
+    "clip_fraction": "trainer/clip_fraction",
+    "truncated_fraction": "trainer/truncated_fraction",
+    "grad_norm": "trainer/grad_norm",
+    "masked_token_fraction": "trainer/masked_token_fraction",
+    "trained_tokens": "trainer/trained_tokens",
+    "degenerate_group_fraction": "trainer/degenerate_group_fraction",
+    "version_gap_mean": "staleness/version_gap_mean",
+    "version_gap_max": "staleness/version_gap_max",
+    "drops_in_batch": "trainer/drops_in_batch",
+    "drops_cumulative": "trainer/drops_cumulative",
+    "manifest_index": "trainer/manifest_index",
+    "step_time_s": "trainer/step_time_s",
+}
+
+
+class TrainerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.gauges = {field: metrics.gauge(registry, name, f"Last training step's {field}")
+                       for field, name in GAUGES.items()}
+        self.steps = metrics.counter(registry, "trainer/steps", "Optimizer steps taken (one per manifest)")
+        self.duplicates = metrics.counter(registry, "trainer/duplicate_manifests",
+                                          "Manifests dropped because their index was already trained or buffered")
+        self.bad_refs = metrics.counter(registry, "trainer/bad_group_refs", "Group references that were unusable")
+        self.published = metrics.counter(registry, "trainer/weights_published", "Weight versions published")
+        self.buffered = metrics.gauge(registry, "trainer/buffered_manifests",
+                                      "Manifests waiting for an earlier index")
+        self.waiting_for = metrics.gauge(registry, "trainer/next_manifest_index", "Manifest index trained next")
+        self.decode_errors = metrics.DecodeErrors(registry)
+
+    def observe(self, line: dict[str, Any]) -> None:
+        for field, gauge in self.gauges.items():
+            value = line.get(field)
+            if isinstance(value, int | float):
+                gauge.set(float(value))
+        self.steps.inc()
+
+
+def step_line(
+    *,
+    step: int,
+    manifest: BatchManifest,
+    batch: BatchSamples,
+    stats: StepStats,
+    bad_refs: int,
+    step_time_s: float,
+    fetch_time_s: float,
+) -> dict[str, Any]:
+    """The ``metrics.jsonl`` object of one step (also what the Prometheus gauges show)."""
+    rewards = batch.rewards
+    gap = manifest.version_gap
+    return {
+        "ts": time.time(),
+        "step": step,
+        "version": f"v{step}",
+        "manifest_index": manifest.index,
+        "batch_id": manifest.batch_id,
+        "groups": len(manifest.groups),
+        "trajectories": len(rewards),
+        "samples": len(batch.samples),
+        "loss": stats.loss,
+        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+        "reward_max": max(rewards) if rewards else None,
+        "reward_min": min(rewards) if rewards else None,
+        "advantage_abs_mean": stats.advantage_abs_mean,
+        "train_rollout_logprob_abs_diff": stats.train_rollout_logprob_abs_diff,
+        "clip_fraction": stats.clip_fraction,
+        "truncated_fraction": stats.truncated_fraction,
+        "ratio_mean": stats.ratio_mean,
+        "grad_norm": stats.grad_norm,
+        "updated": stats.updated,
+        "trained_tokens": stats.trained_tokens,
+        "trainable_tokens": batch.trainable_tokens,
+        "version_masked_tokens": batch.version_masked_tokens,
+        "masked_token_fraction": batch.masked_token_fraction,
+        "degenerate_group_fraction": batch.degenerate_groups / batch.groups if batch.groups else 0.0,
+        "skipped_segments": batch.skipped_segments,
+        "skipped_trajectories": batch.skipped_trajectories,
+        "malformed_segments": batch.malformed_segments,
+        "truncated_segments": batch.truncated_segments,
+        "bad_group_refs": bad_refs,
+        "version_gap_mean": gap.mean if gap else None,
+        "version_gap_min": gap.min if gap else None,
+        "version_gap_max": gap.max if gap else None,
+        "window_current_version": manifest.window.current_version,
+        "window_current_index": manifest.window.current_index,
+        "window_cutoff_index": manifest.window.cutoff_index,
+        "keep_versions": manifest.window.keep_versions,
+        "drops_in_batch": manifest.drops_in_batch,
+        "drops_cumulative": manifest.drops_cumulative,
+        "step_time_s": step_time_s,
+        "fetch_time_s": fetch_time_s,
+    }

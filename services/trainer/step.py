@@ -1,0 +1,134 @@
+"""One GRPO/PPO optimizer step on a batch of samples. Torch only, no I/O.
+
+:class:`PolicyTrainer` owns the model and its AdamW optimizer; the loop hands it
+a :class:`~services.trainer.samples.BatchSamples` per manifest and gets back the
+step's statistics. Samples are right-padded; the causal model makes padding
+invisible to earlier positions, and the loss mask keeps it out of the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.trainer.loss import grpo_advantages, ppo_clip_loss
+from services.trainer.samples import BatchSamples, Sample
+from shared.policy import TinyPolicy, token_logprobs
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """Optimisation settings of :class:`PolicyTrainer` (mirrors the trainer settings)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    ppo_clip: float = 0.2
+    is_truncation: float | None = 2.0
+    normalize_std: bool = False
+    temperature: float = 1.0
+    micro_batch_size: int = 0
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    trained_tokens: int
+    train_rollout_logprob_abs_diff: float
+    clip_fraction: float
+    truncated_fraction: float
+    ratio_mean: float
+    grad_norm: float
+    advantage_abs_mean: float
+    updated: bool
+    """False when the batch had no trained token (no optimizer update was taken)."""
+
+
+def collate(samples: list[Sample], advantages: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded tensors: ids ``[B, T]``; mask, rollout logprobs ``[B, T-1]`` aligned to ``ids[:, 1:]``."""
+    width = max(len(s.token_ids) for s in samples)
+    ids = torch.zeros((len(samples), width), dtype=torch.long)
+    mask = torch.zeros((len(samples), width), dtype=torch.bool)
+    rollout = torch.zeros((len(samples), width), dtype=torch.float32)
+    for row, s in enumerate(samples):
+        n = len(s.token_ids)
+        ids[row, :n] = torch.tensor(s.token_ids, dtype=torch.long)
+        mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
+        rollout[row, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    adv = advantages[torch.tensor([s.trajectory for s in samples], dtype=torch.long)]
+    return {
+        "ids": ids.to(device),
+        "mask": mask[:, 1:].to(device),
+        "rollout": rollout[:, 1:].to(device),
+        "adv": adv.to(device),
+    }
+
+
+class PolicyTrainer:
+    """The model, its optimizer and the update rule."""
+
+    def __init__(self, model: TinyPolicy, hyper: Hyper, device: torch.device) -> None:
+        self.model = model.to(device)
+        self.hyper = hyper
+        self.device = device
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=hyper.lr, betas=hyper.betas, weight_decay=hyper.weight_decay
+        )
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def _micro_batches(self, samples: list[Sample]) -> Iterator[list[Sample]]:
+        size = self.hyper.micro_batch_size or len(samples)
+        for start in range(0, len(samples), size):
+            yield samples[start : start + size]
+
+    def step(self, batch: BatchSamples) -> StepStats:
+        h = self.hyper
+        advantages = grpo_advantages(
+            torch.tensor(batch.rewards, dtype=torch.float32),
+            torch.tensor(batch.trajectory_group, dtype=torch.long),
+            normalize_std=h.normalize_std,
+        )
+        adv_abs = float(advantages.abs().mean().item()) if advantages.numel() else 0.0
+        total = batch.trained_tokens
+        if total == 0:
+            return StepStats(0.0, 0, 0.0, 0.0, 0.0, 1.0, 0.0, adv_abs, updated=False)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = diff_sum = clip_sum = trunc_sum = ratio_sum = 0.0
+        for chunk in self._micro_batches(batch.samples):
+            t = collate(chunk, advantages, self.device)
+            logprobs = token_logprobs(self.model, t["ids"], temperature=h.temperature)
+            loss, stats = ppo_clip_loss(
+                logprobs, t["rollout"], t["adv"], t["mask"],
+                clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total),
+            )
+            loss.backward()
+            n = stats.trained_tokens
+            loss_sum += float(loss.item())
+            diff_sum += stats.train_rollout_logprob_abs_diff * n
+            clip_sum += stats.clip_fraction * n
+            trunc_sum += stats.truncated_fraction * n
+            ratio_sum += stats.ratio_mean * n
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip).item())
+        self.optimizer.step()
+        self.model.eval()
+        return StepStats(
+            loss=loss_sum,
+            trained_tokens=total,
+            train_rollout_logprob_abs_diff=diff_sum / total,
+            clip_fraction=clip_sum / total,
+            truncated_fraction=trunc_sum / total,
+            ratio_mean=ratio_sum / total,
+            grad_norm=grad_norm,
+            advantage_abs_mean=adv_abs,
+            updated=True,
+        )

@@ -1,0 +1,182 @@
+"""The trainer's durable state on disk: checkpoints, sidecars and ``metrics.jsonl``.
+
+Per durable step ``s`` the weights dir holds, written in this order:
+
+1. ``v<s>.pt`` — the policy (``shared.checkpoint.save``: temp file + rename, digest inside);
+2. ``v<s>.optim.pt`` — AdamW state (temp file + rename), so a resumed run continues the same optimisation;
+3. ``v<s>.json`` — the sidecar: version, step, digest, ``last_index`` (the last manifest index
+   folded into these weights) and the metrics lines of the steps it made durable.
+
+The sidecar is the commit point: a step counts as trained only once its sidecar
+exists, and :func:`latest` resumes from the newest sidecar whose checkpoint loads
+and matches its digest. ``metrics.jsonl`` is appended only after the sidecar, and
+:func:`reconcile_metrics` restores lines a crash lost in between, so the file has
+exactly one line per durable step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared import checkpoint, log
+from shared.checkpoint import Checkpoint, CheckpointError
+from shared.policy import PolicyConfig, TinyPolicy
+
+_log = log.get(__name__)
+_SIDECAR = re.compile(r"^v(\d+)\.json$")
+
+
+def version_label(step: int) -> str:
+    return f"v{step}"
+
+
+def checkpoint_path(weights_dir: Path, step: int) -> Path:
+    return weights_dir / f"v{step}.pt"
+
+
+def optimizer_path(weights_dir: Path, step: int) -> Path:
+    return weights_dir / f"v{step}.optim.pt"
+
+
+def sidecar_path(weights_dir: Path, step: int) -> Path:
+    return weights_dir / f"v{step}.json"
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    version: str
+    step: int
+    digest: str
+    last_index: int
+    """Index of the last manifest these weights include (first_index − 1 for step 0)."""
+    path: str
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    """metrics.jsonl lines of the steps made durable by this checkpoint."""
+
+
+@dataclass(frozen=True)
+class Resumed:
+    sidecar: Sidecar
+    checkpoint: Checkpoint
+    optimizer_state: dict[str, Any] | None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(target: Path, write: Any) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(target.parent)
+
+
+def save_step(
+    weights_dir: Path,
+    model: TinyPolicy,
+    config: PolicyConfig,
+    step: int,
+    last_index: int,
+    optimizer_state: dict[str, Any] | None,
+    metrics: Iterable[dict[str, Any]] = (),
+) -> Sidecar:
+    """Write checkpoint, optimizer state and sidecar (in that order); returns the sidecar."""
+    path = checkpoint_path(weights_dir, step).resolve()
+    version = version_label(step)
+    digest = checkpoint.save(path, model, config, version, step)
+    _fsync_dir(path.parent)
+    if optimizer_state is not None:
+        _atomic_write(optimizer_path(weights_dir, step), lambda fh: torch.save(optimizer_state, fh))
+    sidecar = Sidecar(
+        version=version, step=step, digest=digest, last_index=last_index, path=str(path), metrics=list(metrics)
+    )
+    body = json.dumps(asdict(sidecar), sort_keys=True).encode()
+    _atomic_write(sidecar_path(weights_dir, step), lambda fh: fh.write(body))
+    return sidecar
+
+
+def _read_sidecar(path: Path) -> Sidecar:
+    data = json.loads(path.read_text())
+    return Sidecar(**data)
+
+
+def latest(weights_dir: Path, device: torch.device) -> Resumed | None:
+    """The newest durable step (sidecar + matching checkpoint), or None on a fresh weights dir."""
+    if not weights_dir.is_dir():
+        return None
+    steps = sorted(
+        (int(m.group(1)) for p in weights_dir.iterdir() if (m := _SIDECAR.match(p.name))), reverse=True
+    )
+    for step in steps:
+        try:
+            sidecar = _read_sidecar(sidecar_path(weights_dir, step))
+            ckpt = checkpoint.load(checkpoint_path(weights_dir, step), device)
+        except (OSError, ValueError, TypeError, CheckpointError) as exc:
+            _log.error("checkpoint_unusable", step=step, error=str(exc))
+            continue
+        if ckpt.digest != sidecar.digest or ckpt.step != step:
+            _log.error("checkpoint_mismatch", step=step, sidecar_digest=sidecar.digest, digest=ckpt.digest)
+            continue
+        opt_file = optimizer_path(weights_dir, step)
+        opt_state = torch.load(opt_file, map_location="cpu", weights_only=True) if opt_file.exists() else None
+        return Resumed(sidecar=sidecar, checkpoint=ckpt, optimizer_state=opt_state)
+    return None
+
+
+class MetricsLog:
+    """Append-only ``metrics.jsonl``: one JSON object per durable step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def steps(self) -> set[int]:
+        """Steps already recorded; a torn last line (crash mid-append) is cut off first."""
+        if not self.path.exists():
+            return set()
+        raw = self.path.read_bytes()
+        if raw and not raw.endswith(b"\n"):
+            cut = raw.rfind(b"\n") + 1
+            with self.path.open("r+b") as fh:
+                fh.truncate(cut)
+            raw = raw[:cut]
+        return {int(json.loads(line)["step"]) for line in raw.decode().splitlines() if line.strip()}
+
+    def append(self, lines: Iterable[dict[str, Any]]) -> None:
+        text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
+        if not text:
+            return
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def reconcile_metrics(metrics_log: MetricsLog, sidecar: Sidecar) -> int:
+    """Append the sidecar's lines that a crash kept out of ``metrics.jsonl``; returns how many."""
+    have = metrics_log.steps()
+    missing = [line for line in sidecar.metrics if int(line["step"]) not in have]
+    metrics_log.append(missing)
+    return len(missing)

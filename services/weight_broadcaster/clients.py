@@ -1,0 +1,93 @@
+"""HTTP calls to proxies and engines, answered as plain results (never raised into the loop).
+
+Every transport error or non-2xx answer becomes a result with ``ok=False`` and the
+reason, so the caller's decision logic sees one shape (:mod:`decide`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from services.weight_broadcaster.decide import PauseAnswer
+
+
+@dataclass(frozen=True)
+class EngineAnswer:
+    engine: str
+    ok: bool
+    weight_version: str | None = None
+    digest: str | None = None
+    error: str = ""
+
+
+def _error(exc: Exception | httpx.Response) -> str:
+    if isinstance(exc, httpx.Response):
+        return f"HTTP {exc.status_code}: {exc.text[:300]}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class ControlClient:
+    """One httpx client for every control call; admin calls carry the bearer token."""
+
+    def __init__(self, admin_token: str, timeout_s: float) -> None:
+        self._auth = {"Authorization": f"Bearer {admin_token}"}
+        self._http = httpx.Client(timeout=timeout_s)
+
+    def _post(self, url: str, body: dict[str, Any], timeout_s: float | None, admin: bool) -> dict[str, Any]:
+        resp = self._http.post(url, json=body, headers=self._auth if admin else None,
+                               timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT)
+        if resp.status_code // 100 != 2:
+            raise _HTTPError(_error(resp))
+        data: dict[str, Any] = resp.json()
+        return data
+
+    def pause(self, proxy: str, reason: str, timeout_s: float) -> PauseAnswer:
+        try:
+            data = self._post(f"{proxy}/v1/rollout/pause", {"reason": reason, "timeout_s": timeout_s},
+                              timeout_s + 10.0, admin=True)
+        except (httpx.HTTPError, _HTTPError, ValueError) as exc:
+            return PauseAnswer(proxy=proxy, ok=False, quiesced=False, error=str(exc) or type(exc).__name__)
+        preempted = data.get("preempted", [])
+        return PauseAnswer(proxy=proxy, ok=True, quiesced=bool(data.get("quiesced", False)),
+                           preempted=len(preempted) if isinstance(preempted, list) else int(preempted or 0))
+
+    def resume(self, proxy: str, version: str | None) -> str:
+        """Empty string on success, else the error."""
+        body = {"version": version} if version is not None else {}
+        try:
+            self._post(f"{proxy}/v1/rollout/resume", body, None, admin=True)
+        except (httpx.HTTPError, _HTTPError, ValueError) as exc:
+            return str(exc) or type(exc).__name__
+        return ""
+
+    def update(self, engine: str, model_path: str, version: str, timeout_s: float, abort_all: bool) -> EngineAnswer:
+        body = {"model_path": model_path, "weight_version": version, "abort_all_requests": abort_all}
+        try:
+            data = self._post(f"{engine}/update_weights_from_disk", body, timeout_s, admin=False)
+        except (httpx.HTTPError, _HTTPError, ValueError) as exc:
+            return EngineAnswer(engine=engine, ok=False, error=str(exc) or type(exc).__name__)
+        if not data.get("success", False):
+            return EngineAnswer(engine=engine, ok=False, error=str(data.get("message", "success=false")))
+        return EngineAnswer(engine=engine, ok=True, weight_version=data.get("weight_version"),
+                            digest=data.get("digest"))
+
+    def model_info(self, engine: str) -> EngineAnswer:
+        try:
+            resp = self._http.get(f"{engine}/model_info")
+            if resp.status_code // 100 != 2:
+                raise _HTTPError(_error(resp))
+            data = resp.json()
+        except (httpx.HTTPError, _HTTPError, ValueError) as exc:
+            return EngineAnswer(engine=engine, ok=False, error=str(exc) or type(exc).__name__)
+        return EngineAnswer(engine=engine, ok=True, weight_version=data.get("weight_version"),
+                            digest=data.get("digest"))
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class _HTTPError(Exception):
+    """A non-2xx answer (kept inside this module)."""

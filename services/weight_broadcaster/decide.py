@@ -1,0 +1,112 @@
+"""What the broadcaster does next, pure (no HTTP, no Kafka): unit-tested tables.
+
+- :func:`plan_events`: of the weight events one poll returned, which to register and
+  which single one to apply (the newest; older ones are superseded).
+- :func:`classify`: apply an event, or skip it because the engines already serve it
+  or something newer.
+- :func:`after_pause`: given every proxy's pause answer, update, or resume and retry
+  later, or give up this version (DESIGN: never update while a proxy did not quiesce).
+- :func:`backoff_s`: bounded exponential backoff between attempts.
+- :func:`digest_mismatches`: engines whose reported digest differs from the event's.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from shared.schemas import WeightPublished
+
+
+@dataclass(frozen=True)
+class EventPlan:
+    register: list[WeightPublished]
+    """Every distinct version seen, in sequence order: the registry must know them all."""
+    apply: WeightPublished | None
+    """The newest one; the only one worth loading."""
+    superseded: list[WeightPublished]
+    """Older versions of the same poll that are not loaded (a newer one is)."""
+
+
+def plan_events(events: Iterable[WeightPublished]) -> EventPlan:
+    by_seq: dict[int, WeightPublished] = {}
+    for event in events:
+        by_seq.setdefault(event.seq, event)  # replays of one version carry the same seq
+    ordered = [by_seq[s] for s in sorted(by_seq)]
+    if not ordered:
+        return EventPlan(register=[], apply=None, superseded=[])
+    return EventPlan(register=ordered, apply=ordered[-1], superseded=ordered[:-1])
+
+
+class EventAction(enum.StrEnum):
+    APPLY = "apply"
+    ALREADY_APPLIED = "already_applied"
+    """Every engine serves this version with this digest: only (re)announce it."""
+    OLDER = "older"
+    """Something newer is already applied; loading this would roll the engines back."""
+
+
+def classify(
+    event: WeightPublished, applied_seq: int | None, engines: Sequence[tuple[str | None, str | None]]
+) -> EventAction:
+    """``applied_seq``: sequence of the newest version already applied (None: none yet);
+    ``engines``: ``(weight_version, digest)`` each engine reports now (None: unknown/unreachable).
+    Already applied means every engine serves this label with this digest (a step that did
+    not change the weights still gets its new label loaded)."""
+    if applied_seq is not None and event.seq < applied_seq:
+        return EventAction.OLDER
+    if engines and all(v == event.version and d == event.digest for v, d in engines):
+        return EventAction.ALREADY_APPLIED
+    return EventAction.APPLY
+
+
+@dataclass(frozen=True)
+class PauseAnswer:
+    """One proxy's answer to ``POST /v1/rollout/pause``."""
+
+    proxy: str
+    ok: bool
+    """The call returned 2xx with a body."""
+    quiesced: bool
+    preempted: int = 0
+    error: str = ""
+
+
+class PauseAction(enum.StrEnum):
+    UPDATE = "update"
+    RETRY = "retry"
+    """Resume every proxy, back off, pause again."""
+    GIVE_UP = "give_up"
+    """Out of attempts: resume every proxy and leave this version unapplied."""
+
+
+@dataclass(frozen=True)
+class PauseDecision:
+    action: PauseAction
+    unquiesced: list[str]
+    """Proxies whose pause failed or did not quiesce."""
+
+
+def after_pause(answers: Sequence[PauseAnswer], attempt: int, max_attempts: int) -> PauseDecision:
+    """``attempt`` counts from 1. Update only when every proxy answered and quiesced."""
+    if attempt < 1 or max_attempts < 1:
+        raise ValueError(f"attempt ({attempt}) and max_attempts ({max_attempts}) must be >= 1")
+    bad = [a.proxy for a in answers if not (a.ok and a.quiesced)]
+    if not bad:
+        return PauseDecision(PauseAction.UPDATE, [])
+    if attempt >= max_attempts:
+        return PauseDecision(PauseAction.GIVE_UP, bad)
+    return PauseDecision(PauseAction.RETRY, bad)
+
+
+def backoff_s(attempt: int, base_s: float, max_s: float) -> float:
+    """Delay after failed attempt ``attempt`` (1, 2, ...): ``base · 2^(attempt−1)`` capped at ``max_s``."""
+    if attempt < 1:
+        raise ValueError(f"attempt must be >= 1, got {attempt}")
+    return float(min(max_s, base_s * 2 ** (attempt - 1)))
+
+
+def digest_mismatches(expected: str, reported: dict[str, str | None]) -> list[str]:
+    """Engines (by URL) whose reported digest is not ``expected``, in input order."""
+    return [url for url, digest in reported.items() if digest != expected]

@@ -1,0 +1,74 @@
+"""Weight broadcaster settings (``REIN_*`` environment variables); built once in ``__main__``.
+
+Lists are JSON, as in the proxy: ``REIN_PROXY_URLS='["http://127.0.0.1:8000"]'``.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator, model_validator
+
+from shared.settings import ServiceSettings
+
+
+def _clean_urls(urls: list[str], field: str) -> list[str]:
+    cleaned = [u.strip().rstrip("/") for u in urls]
+    bad = [u for u in cleaned if not u.startswith(("http://", "https://"))]
+    if bad:
+        raise ValueError(f"{field} must be http(s) URLs, got {bad}")
+    if len(set(cleaned)) != len(cleaned):
+        raise ValueError(f"{field} has duplicates: {cleaned}")
+    return cleaned
+
+
+class BroadcasterSettings(ServiceSettings):
+    """Settings of ``python -m services.weight_broadcaster``."""
+
+    proxy_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    """Every proxy to pause before and resume after a weight update (may be empty: engines only)."""
+    engine_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"], min_length=1)
+    """Every engine to load each new version."""
+    admin_token: str = Field(min_length=8)
+    """Bearer token of the proxies' control plane; the same value as the proxies' REIN_ADMIN_TOKEN."""
+    pause_timeout_s: float = Field(default=30.0, gt=0)
+    """How long each proxy may wait for its in-flight generations to quiesce."""
+    max_pause_attempts: int = Field(default=5, ge=1)
+    """Pause rounds per version before giving it up (proxies are resumed between rounds)."""
+    backoff_base_s: float = Field(default=0.5, ge=0)
+    """Delay after the first failed pause round; doubles each round."""
+    backoff_max_s: float = Field(default=10.0, ge=0)
+    """Cap of the delay between pause rounds."""
+    update_timeout_s: float = Field(default=120.0, gt=0)
+    """Bound on one engine's ``/update_weights_from_disk`` call."""
+    max_update_attempts: int = Field(default=3, ge=1)
+    """Update calls per engine and version before the version is reported failed."""
+    http_timeout_s: float = Field(default=10.0, gt=0)
+    """Bound on the other HTTP calls (resume, model_info)."""
+    abort_all_requests: bool = False
+    """Pass ``abort_all_requests`` to the engines (the proxies already aborted their requests when pausing)."""
+    consumer_group: str = "rein-weight-broadcaster"
+    """Kafka consumer group of the ``weights`` consumer; offsets are committed once a version is handled."""
+    poll_timeout_s: float = Field(default=0.5, gt=0)
+    """Longest wait of one Kafka poll; bounds how fast a stop request is noticed."""
+    metrics_host: str = "127.0.0.1"
+    """Interface of the ``/metrics`` and ``/health`` HTTP server."""
+    metrics_port: int = Field(default=9401, ge=0, le=65535)
+    """Port of ``/metrics`` and ``/health``; 0 picks a free port (tests)."""
+
+    @field_validator("proxy_urls")
+    @classmethod
+    def _proxies(cls, urls: list[str]) -> list[str]:
+        return _clean_urls(urls, "proxy_urls (REIN_PROXY_URLS)")
+
+    @field_validator("engine_urls")
+    @classmethod
+    def _engines(cls, urls: list[str]) -> list[str]:
+        return _clean_urls(urls, "engine_urls (REIN_ENGINE_URLS)")
+
+    @model_validator(mode="after")
+    def _check(self) -> BroadcasterSettings:
+        if self.backoff_max_s < self.backoff_base_s:
+            raise ValueError(
+                f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_base_s ({self.backoff_base_s}) "
+                "(REIN_BACKOFF_MAX_S / REIN_BACKOFF_BASE_S)"
+            )
+        return self

@@ -1,0 +1,183 @@
+"""The broadcaster's sequence of calls, with fake proxies, engines, registry and producer."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.weight_broadcaster.clients import EngineAnswer
+from services.weight_broadcaster.decide import PauseAnswer
+from services.weight_broadcaster.loop import Broadcaster, BroadcasterMetrics
+from services.weight_broadcaster.settings import BroadcasterSettings
+from shared.names import RedisKeys
+from shared.schemas import Record, WeightApplied, WeightPublished
+from shared.settings import load
+
+
+@dataclass
+class FakeClient:
+    quiesce: list[bool]
+    """Answer of each pause round (every proxy answers alike)."""
+    digest: dict[str, str] = field(default_factory=dict)
+    calls: list[tuple[str, ...]] = field(default_factory=list)
+    engine_version: dict[str, str] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _log(self, *call: str) -> None:
+        with self._lock:
+            self.calls.append(call)
+
+    def pause(self, proxy: str, reason: str, timeout_s: float) -> PauseAnswer:
+        self._log("pause", proxy)
+        rounds = sum(1 for c in self.calls if c == ("pause", proxy))
+        return PauseAnswer(proxy, ok=True, quiesced=self.quiesce[min(rounds, len(self.quiesce)) - 1])
+
+    def resume(self, proxy: str, version: str | None) -> str:
+        self._log("resume", proxy, str(version))
+        return ""
+
+    def update(self, engine: str, model_path: str, version: str, timeout_s: float, abort_all: bool) -> EngineAnswer:
+        self._log("update", engine, version)
+        digest = self.digest.get(model_path, "?")
+        self.engine_version[engine] = version
+        return EngineAnswer(engine, ok=True, weight_version=version, digest=digest)
+
+    def model_info(self, engine: str) -> EngineAnswer:
+        version = self.engine_version.get(engine, "v0")
+        return EngineAnswer(engine, ok=True, weight_version=version,
+                            digest=self.digest.get(f"/w/{version}.pt", "d-initial"))
+
+
+class FakeRedis:
+    def __init__(self) -> None:
+        self.hash: dict[str, str] = {}
+
+    def hget(self, _key: str, label: str) -> str | None:
+        return self.hash.get(label)
+
+
+class FakeRegistry:
+    def __init__(self) -> None:
+        self.client = FakeRedis()
+        self.keys = RedisKeys("t")
+        self.published: list[tuple[str, int]] = []
+
+    def publish(self, label: str, seq: int) -> bool:
+        known = self.client.hash.get(label)
+        if known is not None and int(known) != seq:
+            raise ValueError(f"version {label} already published with sequence {known}")
+        self.client.hash[label] = str(seq)
+        self.published.append((label, seq))
+        return known is None
+
+
+class FakeProducer:
+    def __init__(self) -> None:
+        self.sent: list[Record] = []
+
+    def send(self, topic: str, record: Record, key: str | None = None) -> Any:
+        self.sent.append(record)
+
+
+def ev(seq: int) -> WeightPublished:
+    return WeightPublished(version=f"v{seq}", seq=seq, path=f"/w/v{seq}.pt", digest=f"d{seq}", step=seq)
+
+
+def make(quiesce: list[bool], **overrides: Any) -> tuple[Broadcaster, FakeClient, FakeRegistry, FakeProducer]:
+    settings = load(BroadcasterSettings, admin_token="t" * 16, proxy_urls=["http://p1", "http://p2"],
+                    engine_urls=["http://e1", "http://e2"], backoff_base_s=0.0, backoff_max_s=0.0, **overrides)
+    client = FakeClient(quiesce=quiesce, digest={f"/w/v{i}.pt": f"d{i}" for i in range(10)})
+    registry, producer = FakeRegistry(), FakeProducer()
+    b = Broadcaster(settings, client, registry, producer, BroadcasterMetrics(CollectorRegistry()),  # type: ignore[arg-type]
+                    threading.Event())
+    return b, client, registry, producer
+
+
+def _value(b: Broadcaster, name: str, **labels: str) -> float:
+    v = b.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+def test_pause_update_resume_announce() -> None:
+    b, client, registry, producer = make([True])
+    [outcome] = b.handle([ev(1)])
+    assert outcome.outcome == "applied"
+    kinds = [c[0] for c in client.calls]
+    assert kinds == ["pause", "pause", "update", "update", "resume", "resume"]
+    resumes = {c for c in client.calls if c[0] == "resume"}
+    assert resumes == {("resume", "http://p1", "v1"), ("resume", "http://p2", "v1")}
+    assert registry.published == [("v1", 1)]
+    assert producer.sent == [WeightApplied(version="v1", seq=1, digest="d1", engines=["http://e1", "http://e2"],
+                                           ts=producer.sent[0].ts)]
+    b.close()
+
+
+def test_unquiesced_never_updates_then_retries() -> None:
+    b, client, _, _ = make([False, True])
+    [outcome] = b.handle([ev(1)])
+    assert outcome.outcome == "applied"
+    first_round = client.calls[: client.calls.index(("pause", "http://p1"), 1)]
+    assert not any(c[0] == "update" for c in first_round)
+    assert ("resume", "http://p1", "None") in first_round  # resumed before backing off
+    assert _value(b, "rein_broadcaster_unquiesced_total", proxy="http://p1") == 1.0
+    b.close()
+
+
+def test_gives_up_after_bounded_attempts_without_updating() -> None:
+    b, client, _, producer = make([False], max_pause_attempts=3)
+    [outcome] = b.handle([ev(1)])
+    assert outcome.outcome == "unquiesced"
+    assert not any(c[0] == "update" for c in client.calls)
+    assert sum(1 for c in client.calls if c[0] == "pause") == 6
+    assert sum(1 for c in client.calls if c[0] == "resume") == 6
+    assert producer.sent == []
+    assert _value(b, "rein_broadcaster_unquiesced_total", proxy="http://p2") == 3.0
+    b.close()
+
+
+def test_newest_only_older_skipped_replay_idempotent() -> None:
+    b, client, registry, producer = make([True])
+    outcomes = b.handle([ev(2), ev(1), ev(3)])
+    assert [(o.version, o.outcome) for o in outcomes] == [("v1", "superseded"), ("v2", "superseded"),
+                                                          ("v3", "applied")]
+    assert [c[2] for c in client.calls if c[0] == "update"] == ["v3", "v3"]
+    assert registry.published == [("v1", 1), ("v2", 2), ("v3", 3)]
+    client.calls.clear()
+    assert [o.outcome for o in b.handle([ev(2)])] == ["older"]
+    assert [o.outcome for o in b.handle([ev(3)])] == ["already_applied"]
+    assert client.calls == []  # no pause, no update on a replay
+    assert [r.version for r in producer.sent] == ["v3", "v3"]  # re-announced (idempotent by key)
+    b.close()
+
+
+def test_registry_conflict_is_counted_not_applied() -> None:
+    b, client, registry, _ = make([True])
+    registry.client.hash["v1"] = "7"
+    [outcome] = b.handle([ev(1)])
+    assert outcome.outcome == "registry_conflict"
+    assert client.calls == []
+    b.close()
+
+
+def test_wrong_digest_is_a_failed_update_and_resumes_without_version() -> None:
+    b, client, _, producer = make([True], max_update_attempts=2)
+    client.digest["/w/v1.pt"] = "tampered"
+    [outcome] = b.handle([ev(1)])
+    assert outcome.outcome == "update_failed"
+    assert outcome.failed_engines == ["http://e1", "http://e2"]
+    assert sum(1 for c in client.calls if c[0] == "update") == 4
+    assert {c for c in client.calls if c[0] == "resume"} == {("resume", "http://p1", "None"),
+                                                             ("resume", "http://p2", "None")}
+    assert producer.sent == []
+    b.close()
+
+
+def test_settings_reject_bad_urls() -> None:
+    from shared.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="REIN_PROXY_URLS"):
+        load(BroadcasterSettings, admin_token="t" * 16, proxy_urls=["ftp://x"])

@@ -1,0 +1,77 @@
+"""CompletedGroup -> samples, with the version mask."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.trainer.samples import build_samples
+from shared.schemas import CompletedGroup, Segment, Trajectory
+
+
+def seg(mask: list[int], versions: list[str | None], index: int = 0) -> Segment:
+    n = len(mask)
+    return Segment(segment_index=index, token_ids=list(range(1, n + 1)), loss_mask=mask,
+                   logprobs=[-0.5 * m for m in mask], versions=versions)
+
+
+def group(gid: str, *trajs: Trajectory) -> CompletedGroup:
+    return CompletedGroup(group_id=gid, prompt_id="p", failed=False, trajectories=list(trajs))
+
+
+def traj(sid: str, reward: float, *segments: Segment, status: str = "completed") -> Trajectory:
+    return Trajectory(session_id=sid, status=status, reward=reward, segments=list(segments))  # type: ignore[arg-type]
+
+
+MIXED = seg([0, 0, 1, 1, 0, 1, 1], [None, None, "v1", "v1", None, "v2", "v2"])
+
+
+@pytest.mark.parametrize(("mask_on", "kept"), [(True, [0, 0, 0, 0, 0, 1, 1]), (False, [0, 0, 1, 1, 0, 1, 1])])
+def test_version_mask_keeps_only_last_version(mask_on: bool, kept: list[int]) -> None:
+    out = build_samples([group("g", traj("s", 1.0, MIXED))], mask_nonlast_version=mask_on)
+    assert out.samples[0].loss_mask == kept
+    assert out.trainable_tokens == 4
+    assert out.version_masked_tokens == (2 if mask_on else 0)
+    assert out.masked_token_fraction == (0.5 if mask_on else 0.0)
+
+
+def test_single_version_and_unknown_tokens_are_unchanged() -> None:
+    s = seg([0, 1, 1, 1], [None, "v1", "unknown", "v1"])
+    out = build_samples([group("g", traj("s", 0.0, s))])
+    assert out.samples[0].loss_mask == [0, 1, 1, 1]
+    assert out.masked_token_fraction == 0.0
+
+
+def test_rewards_are_per_trajectory_and_broadcast_to_segments() -> None:
+    a = traj("a", 1.0, seg([0, 1], [None, "v1"], 0), seg([0, 1, 1], [None, "v1", "v1"], 1))
+    b = traj("b", 0.0, seg([0, 1], [None, "v1"]))
+    c = traj("c", 0.5, seg([0, 1], [None, "v1"]))
+    out = build_samples([group("g1", a, b), group("g2", c)])
+    assert out.rewards == [1.0, 0.0, 0.5]
+    assert out.trajectory_group == [0, 0, 1]
+    assert [s.trajectory for s in out.samples] == [0, 0, 1, 2]
+    assert [s.segment_index for s in out.samples] == [0, 1, 0, 0]
+    assert out.degenerate_groups == 1  # g2 has a single reward value
+
+
+def test_first_position_is_never_trained() -> None:
+    out = build_samples([group("g", traj("s", 1.0, seg([1, 1, 1], ["v1"] * 3)))])
+    assert out.samples[0].loss_mask == [0, 1, 1]
+
+
+def test_robust_to_bad_input() -> None:
+    empty = seg([0, 0, 0], [None] * 3)
+    bad = Segment(segment_index=1, token_ids=[1, 2], loss_mask=[0, 1, 1], logprobs=[0.0], versions=[None])
+    good = seg([0, 1], [None, "v1"], 2)
+    rejected = traj("r", 1.0, seg([0, 1], [None, "v1"]), status="rejected")
+    out = build_samples([group("g", traj("s", 1.0, empty, bad, good), rejected)])
+    assert len(out.samples) == 1
+    assert out.skipped_segments == 1 and out.malformed_segments == 1 and out.skipped_trajectories == 1
+    assert out.rewards == [1.0]
+
+
+def test_truncation_to_the_context_window() -> None:
+    s = seg([0, 1, 1, 1, 1, 1], ["v1", "v1", "v1", "v2", "v2", "v2"])
+    out = build_samples([group("g", traj("s", 1.0, s))], max_tokens=3)
+    assert out.truncated_segments == 1
+    assert out.samples[0].token_ids == [1, 2, 3]
+    assert out.samples[0].loss_mask == [0, 1, 1]  # the cut v2 tokens no longer make it mixed
