@@ -8,6 +8,7 @@ values fail at start with the variable's name, never later in a request path.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -72,6 +73,22 @@ class ServiceSettings(BaseSettings):
 
 S = TypeVar("S", bound=BaseSettings)
 
+NOT_SETTINGS = frozenset({"REIN_CACHE", "REIN_EXTRAS"})
+"""``REIN_*`` variables read by the deploy scripts, not by any service."""
+
+
+def unknown_variables(cls: type[BaseSettings], environ: Mapping[str, str]) -> list[str]:
+    """``REIN_*`` variables whose first segment is no field of ``cls`` (a typo would pass silently)."""
+    fields = {name.upper() for name in cls.model_fields}
+    bad = []
+    for key in environ:
+        upper = key.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in NOT_SETTINGS:
+            continue
+        if upper[len(ENV_PREFIX) :].split(NESTED_DELIMITER)[0] not in fields:
+            bad.append(key)
+    return sorted(bad)
+
 
 def env_name(loc: tuple[int | str, ...]) -> str:
     """The environment variable that sets the field at ``loc``."""
@@ -84,6 +101,14 @@ def load(cls: type[S], **overrides: Any) -> S:
     The error lists every invalid variable by its environment name, so a typo in a
     compose file is found at start.
     """
+    import os
+
+    unknown = unknown_variables(cls, os.environ)
+    if unknown:
+        raise SettingsError(
+            f"invalid settings for {cls.__name__}: unknown variable(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(ENV_PREFIX + name.upper() for name in cls.model_fields))}"
+        )
     try:
         return cls(**overrides)
     except ValidationError as exc:

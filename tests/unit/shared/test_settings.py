@@ -23,3 +23,14 @@ def test_unknown_nested_key_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("REIN_REDIS__URLL", "redis://x")
     with pytest.raises(SettingsError, match="REIN_REDIS__URLL"):
         load(ServiceSettings)
+
+
+def test_unknown_top_level_variable_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REIN_LOG_LEVLE", "debug")
+    with pytest.raises(SettingsError, match="REIN_LOG_LEVLE"):
+        load(ServiceSettings)
+
+
+def test_deploy_script_variables_are_not_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REIN_CACHE", "/tmp/x")
+    assert load(ServiceSettings).log_level == "info"

@@ -1,0 +1,155 @@
+"""Plots of a training run's metrics: the logic behind ``rein report`` (the demo reuses it).
+
+Input is the trainer's ``metrics.jsonl``: one JSON object per step. Every field is
+optional; a panel is drawn only for the metrics some step has, and unknown fields are
+ignored, so older and newer runs both render. Panels, in order:
+
+- reward: ``reward_mean``
+- version gap: ``version_gap_min`` / ``version_gap_max`` / ``version_gap_mean``
+- drops: ``drops_in_batch`` and ``drops_cumulative`` (second axis), ``rejected_sessions``
+- logprob diff: ``train_rollout_logprob_abs_diff``
+- masked tokens: ``masked_token_fraction``
+- loss: ``loss``
+
+The x axis is ``step`` (the line number when a line has none).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One subplot: a title, the series on the left axis and those on a right axis."""
+
+    title: str
+    left: tuple[str, ...]
+    right: tuple[str, ...] = ()
+    ylabel: str = ""
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel("reward", ("reward_mean",), ylabel="mean reward"),
+    Panel("version gap", ("version_gap_min", "version_gap_mean", "version_gap_max"), ylabel="versions"),
+    Panel("drops", ("drops_in_batch", "rejected_sessions"), ("drops_cumulative",), ylabel="per batch"),
+    Panel("train vs rollout logprob", ("train_rollout_logprob_abs_diff",), ylabel="mean |diff|"),
+    Panel("masked tokens", ("masked_token_fraction",), ylabel="fraction"),
+    Panel("loss", ("loss",), ylabel="loss"),
+)
+
+
+@dataclass
+class Loaded:
+    """Rows of a metrics file plus how many lines were skipped as malformed."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    malformed: int = 0
+
+
+def read_metrics(path: Path) -> Loaded:
+    """Parse ``metrics.jsonl``; blank lines are ignored, non-object or non-JSON lines counted."""
+    out = Loaded()
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                out.malformed += 1
+                continue
+            if not isinstance(row, dict):
+                out.malformed += 1
+                continue
+            out.rows.append(row)
+    return out
+
+
+def load_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl`` (malformed lines skipped; :func:`read_metrics` counts them)."""
+    return read_metrics(Path(path)).rows
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def series(metrics: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of one metric over the rows that have a finite number for it."""
+    xs: list[float] = []
+    ys: list[float] = []
+    for i, row in enumerate(metrics):
+        y = _number(row.get(name))
+        if y is None:
+            continue
+        step = _number(row.get("step"))
+        xs.append(step if step is not None else float(i))
+        ys.append(y)
+    return xs, ys
+
+
+def present_panels(metrics: list[dict[str, Any]]) -> list[Panel]:
+    """The panels with at least one point."""
+    return [p for p in PANELS if any(series(metrics, n)[0] for n in (*p.left, *p.right))]
+
+
+def _draw(ax: Axes, metrics: list[dict[str, Any]], panel: Panel) -> None:
+    handles = []
+    for name in panel.left:
+        xs, ys = series(metrics, name)
+        if xs:
+            handles += ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=name)
+    ax.set_title(panel.title)
+    ax.set_ylabel(panel.ylabel)
+    ax.grid(True, alpha=0.3)
+    right = [(n, *series(metrics, n)) for n in panel.right]
+    right = [r for r in right if r[1]]
+    if right:
+        twin = ax.twinx()
+        for name, xs, ys in right:
+            handles += twin.plot(xs, ys, linestyle="--", color="black", label=name)
+        twin.set_ylabel("cumulative")
+    if handles:
+        ax.legend(handles=handles, labels=[h.get_label() for h in handles], fontsize="small", loc="best")
+
+
+def plot_run(metrics: list[dict[str, Any]], out_png: Path, title: str) -> Path:
+    """Write one PNG with a subplot per metric group present in ``metrics``; returns its path.
+
+    A run with no plottable metric still gets a PNG (a single panel saying so), so
+    callers always have a file to point at.
+    """
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    panels = present_panels(metrics)
+    cols = 2 if len(panels) > 1 else 1
+    rows = max(1, math.ceil(len(panels) / cols))
+    # A Figure with its own Agg canvas, not pyplot: no process-global figure state, safe in threads.
+    fig = Figure(figsize=(6.5 * cols, 3.2 * rows + 0.6))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    if not panels:
+        flat[0].text(0.5, 0.5, "no plottable metrics", ha="center", va="center", transform=flat[0].transAxes)
+        flat[0].set_axis_off()
+    for ax, panel in zip(flat, panels, strict=False):
+        _draw(ax, metrics, panel)
+        ax.set_xlabel("step")
+    for ax in flat[len(panels) or 1 :]:
+        ax.set_axis_off()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    return out_png
