@@ -1,0 +1,22 @@
+"""The OpenAI-compatible gateway every agent talks to.
+
+Consumes: agents' ``POST /v1/chat/completions`` (headers ``X-Session-Id`` required,
+``X-Group-Id`` for training sessions, ``X-Turn-Id``, ``X-Prompt-Id``, ``X-Attempt``,
+``X-Rein-Soft-Reject``) and ``POST /v1/sessions/{id}/finish``; the weight
+broadcaster's ``/v1/rollout/pause|resume`` (bearer ``REIN_ADMIN_TOKEN``).
+
+Produces: ``rollout.chunks`` (one :class:`shared.schemas.Chunk` per engine call,
+key = group id, acked before the agent gets its answer) and ``rollout.events``
+(``SessionFinished``, ``SessionRejected``). A session without ``X-Group-Id`` is
+served but never published (not for training). Calls the engines' ``/generate``,
+``/abort_request`` and ``/model_info``.
+
+Owns (in memory, per process): the session store (per-segment token ids and
+per-token versions, TITO message history), the pause flag and the set of engine
+requests in flight, and each engine's last known weight version.
+
+Modules: ``settings`` (ProxySettings), ``sessions`` (pure store, TITO),
+``generation`` (pause controller + preemptible loop), ``engine_client`` (httpx),
+``publisher`` (Kafka), ``service`` (what each endpoint does), ``openai_api``
+(request/response shapes), ``app`` (routes, middleware, error mapping).
+"""

@@ -1,0 +1,319 @@
+"""HTTP shell of the proxy: ``create_app(settings) -> FastAPI``.
+
+Reads like a table of contents: the lifespan builds the httpx client, the engine
+handles, the Kafka publisher, the pause controller and the :class:`ProxyService`
+(no module globals; each app instance owns its own). Routes parse HTTP and call
+the service. Errors are mapped to HTTP in one place (:func:`_install_error_handlers`):
+every :class:`shared.errors.ReinError` becomes ``{"detail": {...}}`` with its status,
+validation errors become 422 naming the field, anything else a logged 500.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.proxy.engine_client import EngineHandle, Sampling
+from services.proxy.generation import PauseController
+from services.proxy.metrics import ProxyMetrics
+from services.proxy.openai_api import (
+    ChatRequest,
+    FinishBody,
+    PauseBody,
+    ResumeBody,
+    completion,
+    empty_completion,
+    sse_frames,
+)
+from services.proxy.publisher import Publisher
+from services.proxy.service import CallIds, ProxyService
+from services.proxy.settings import ProxySettings
+from shared import log, metrics
+from shared.errors import (
+    EngineError,
+    EngineUnavailable,
+    InvalidRequest,
+    MissingHeader,
+    PayloadTooLarge,
+    ReinError,
+    Unauthorized,
+    http_body,
+)
+from shared.tokenizer import TOKENIZER
+
+_log = log.get(__name__)
+B = TypeVar("B", bound=BaseModel)
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def create_app(settings: ProxySettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        registry = CollectorRegistry(auto_describe=True)
+        proxy_metrics = ProxyMetrics(registry)
+        timeout = httpx.Timeout(settings.engine_timeout_s, connect=settings.engine_connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            engines = [EngineHandle(url, client, settings.context_window, settings.engine_connect_timeout_s)
+                       for url in settings.engine_urls]
+            for engine in engines:
+                try:
+                    await engine.refresh()
+                except (EngineUnavailable, EngineError) as exc:
+                    _log.warning("engine_info_unavailable_at_start", engine=engine.url, error=str(exc))
+            publisher = Publisher(settings.kafka)
+            await publisher.start()
+            service = ProxyService(settings, engines, publisher, PauseController(), proxy_metrics, TOKENIZER)
+            _log.info("proxy ready", engines=[(e.url, e.version) for e in engines],
+                      partial_rollout=settings.partial_rollout, max_preempts=settings.max_preempts)
+            try:
+                yield {"service": service, "metrics": proxy_metrics}
+            finally:
+                service.controller.resume()  # release held calls so shutdown does not hang on them
+                await publisher.close()
+
+    app = FastAPI(title="rein proxy", lifespan=lifespan)
+    _install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        service: ProxyService = request.state.service
+        ids = _call_ids(request)
+        body = _parse(ChatRequest, await request.body())
+        soft = settings.soft_reject or request.headers.get("x-rein-soft-reject", "").strip().lower() in _TRUE
+        sampling = Sampling(
+            temperature=body.temperature if body.temperature is not None else settings.temperature,
+            top_p=body.top_p if body.top_p is not None else 1.0,
+            top_k=body.top_k if body.top_k is not None else -1,
+            ignore_eos=body.ignore_eos,
+        )
+        outcome = await service.chat(
+            ids, body.pairs(), budget=body.budget(settings.default_max_tokens), sampling=sampling, soft_reject=soft
+        )
+        model = body.model or settings.model_name
+        if outcome.soft_rejected:
+            payload = empty_completion(model, outcome.rein)
+        else:
+            payload = completion(
+                model=model, content=outcome.content, finish_reason=outcome.finish_reason,
+                prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens, rein=outcome.rein,
+            )
+        if body.stream:
+            return StreamingResponse(iter(list(sse_frames(payload))), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return JSONResponse(payload)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
+                                             "owned_by": "rein"}]}
+
+    @app.post("/v1/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request) -> dict[str, Any]:
+        service: ProxyService = request.state.service
+        body = _parse(FinishBody, await request.body())
+        return await service.finish(session_id, body.reward, body.status)
+
+    @app.post("/v1/rollout/pause")
+    async def pause(request: Request) -> dict[str, Any]:
+        _require_admin(request, settings.admin_token)
+        service: ProxyService = request.state.service
+        body = _parse(PauseBody, await request.body(), empty_ok=True)
+        return await service.pause(body.reason, body.timeout_s)
+
+    @app.post("/v1/rollout/resume")
+    async def resume(request: Request) -> dict[str, Any]:
+        _require_admin(request, settings.admin_token)
+        service: ProxyService = request.state.service
+        body = _parse(ResumeBody, await request.body(), empty_ok=True)
+        return await service.resume(body.version)
+
+    @app.get("/v1/rollout/state")
+    async def rollout_state(request: Request) -> dict[str, Any]:
+        _require_admin(request, settings.admin_token)
+        service: ProxyService = request.state.service
+        return service.state()
+
+    @app.get("/health")
+    async def health(request: Request) -> dict[str, Any]:
+        service: ProxyService = request.state.service
+        return {"status": "ok", "paused": service.controller.paused}
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request) -> Response:
+        service: ProxyService = request.state.service
+        proxy_metrics: ProxyMetrics = request.state.metrics
+        proxy_metrics.paused.set(1 if service.controller.paused else 0)
+        proxy_metrics.held.set(service.controller.held)
+        proxy_metrics.active.set(len(service.controller.active()))
+        body, content_type = metrics.render(proxy_metrics.registry)
+        return Response(body, media_type=content_type)
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestCounter)
+    return app
+
+
+# --------------------------------------------------------------------------- request parsing
+
+
+def _call_ids(request: Request) -> CallIds:
+    headers = request.headers
+    session_id = headers.get("x-session-id", "").strip()
+    if not session_id:
+        raise MissingHeader("header X-Session-Id is required: one id per agent conversation", header="X-Session-Id")
+    attempt_text = headers.get("x-attempt", "0").strip() or "0"
+    if not attempt_text.isdigit():
+        raise InvalidRequest(f"header X-Attempt must be an integer >= 0, got {attempt_text!r}",
+                             fields=[{"field": "X-Attempt", "message": "not an integer >= 0"}])
+    return CallIds(
+        session_id=session_id,
+        group_id=headers.get("x-group-id", "").strip(),
+        turn_id=headers.get("x-turn-id", "").strip(),
+        prompt_id=headers.get("x-prompt-id", "").strip(),
+        attempt=int(attempt_text),
+    )
+
+
+def _parse(model: type[B], raw: bytes, empty_ok: bool = False) -> B:
+    """Validate a JSON body; 422 naming each bad field."""
+    if empty_ok and not raw.strip():
+        return model.model_validate({})
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        fields = [{"field": "body", "message": str(exc)}]
+        raise InvalidRequest(f"body is not valid JSON: {exc}", fields=fields) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        fields = [{"field": ".".join(str(p) for p in err["loc"]) or "body", "message": err["msg"]}
+                  for err in exc.errors()]
+        names = ", ".join(f["field"] for f in fields)
+        raise InvalidRequest(f"invalid request body: {names}", fields=fields) from None
+
+
+def _require_admin(request: Request, token: str) -> None:
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise Unauthorized("admin endpoints need 'Authorization: Bearer <REIN_ADMIN_TOKEN>'")
+
+
+# --------------------------------------------------------------------------- errors and middleware
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def rein_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ReinError)
+        if exc.status >= 500:
+            _log.warning("request_failed", path=request.url.path, status=exc.status, error=exc.code,
+                         message=exc.message)
+        return JSONResponse(http_body(exc), status_code=exc.status)
+
+    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        fields = [{"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]} for err in exc.errors()]
+        return JSONResponse(http_body(InvalidRequest("invalid request", fields=fields)), status_code=422)
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        _log.error("unhandled_error", path=request.url.path, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        return JSONResponse(http_body(ReinError(f"internal error: {type(exc).__name__}")), status_code=500)
+
+    app.add_exception_handler(ReinError, rein_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+async def _send_error(error: ReinError, scope: Scope, receive: Receive, send: Send) -> None:
+    await JSONResponse(http_body(error), status_code=error.status)(scope, receive, send)
+
+
+class BodyLimit:
+    """Pure ASGI middleware: 413 for bodies over ``max_bytes``, declared or actually sent.
+
+    The body (at most ``max_bytes``) is read here and replayed to the app, so the
+    route never sees a partial body.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes", max_bytes=self.max_bytes)
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _send_error(too_large, scope, receive, send)
+            return
+        parts: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            body = message.get("body", b"")
+            total += len(body)
+            if total > self.max_bytes:
+                await _send_error(too_large, scope, receive, send)
+                return
+            parts.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(parts), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+_ROUTES = ("/v1/chat/completions", "/v1/models", "/v1/rollout/pause", "/v1/rollout/resume", "/v1/rollout/state",
+           "/health", "/metrics")
+
+
+def _route_label(path: str) -> str:
+    if path in _ROUTES:
+        return path
+    if path.startswith("/v1/sessions/") and path.endswith("/finish"):
+        return "/v1/sessions/{id}/finish"
+    return "other"
+
+
+class RequestCounter:
+    """Pure ASGI middleware: counts answered requests by route and status."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        proxy_metrics: ProxyMetrics | None = scope.get("state", {}).get("metrics")
+        route = _route_label(scope.get("path", ""))
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and proxy_metrics is not None:
+                proxy_metrics.requests.labels(route=route, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

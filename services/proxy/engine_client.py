@@ -1,0 +1,189 @@
+"""HTTP client of the engines (the SGLang native subset in DESIGN).
+
+One :class:`EngineHandle` per engine URL, sharing one ``httpx.AsyncClient``. A
+handle remembers *its* engine's last known weight version (from ``/model_info``,
+every ``/generate`` answer, ``resume {version}``, and ``/model_info`` again on a
+resume without a version) — the candidate of the span
+pre-check for sessions on that engine only, never a proxy-wide cache fed by other
+sessions (the reference's W16). Network failures become 503 ``engine_unavailable``;
+a non-2xx answer or a malformed body becomes 502 ``engine_error``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import httpx
+
+from shared.errors import EngineError, EngineUnavailable
+from shared.versions import real_version
+
+FinishReason = Literal["stop", "length", "abort"]
+_FINISH: dict[str, FinishReason] = {
+    "stop": "stop",
+    "length": "length",
+    "abort": "abort",
+    "aborted": "abort",
+    "preempt": "abort",
+    "preempted": "abort",
+    "cancel": "abort",
+    "cancelled": "abort",
+    "canceled": "abort",
+}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """One ``/generate`` answer, normalised."""
+
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    version: str | None
+    """Normalised ``meta_info.weight_version`` (None when not real)."""
+    token_versions: list[str | None]
+    """Per-token versions when the engine reports them (rein's engine does; SGLang does not)."""
+    finish_reason: FinishReason
+
+
+class EngineHandle:
+    """One engine: its URL, last known version and context window."""
+
+    def __init__(
+        self, url: str, client: httpx.AsyncClient, context_window: int | None = None, info_timeout_s: float = 5.0
+    ) -> None:
+        self.url = url
+        self._info_timeout_s = info_timeout_s
+        self._client = client
+        self.version: str | None = None
+        self.context_window: int | None = context_window
+        self._window_from_settings = context_window is not None
+        self.requests = 0
+        """Generate calls sent (for state and tests)."""
+
+    def observe(self, label: object) -> None:
+        """Remember a real version this engine reported (unreal labels change nothing)."""
+        version = real_version(label)
+        if version is not None:
+            self.version = version
+
+    async def refresh(self) -> None:
+        """Read ``/model_info``: version and (unless configured) the context window."""
+        info = await self._call("GET", "/model_info", None, timeout=self._info_timeout_s)
+        self.observe(info.get("weight_version"))
+        if not self._window_from_settings:
+            window = info.get("context") or info.get("context_length") or info.get("max_context_length")
+            if not isinstance(window, int) or window < 2:
+                raise EngineError(f"engine {self.url} reports no usable context window: {window!r}", engine=self.url)
+            self.context_window = window
+
+    async def window(self) -> int:
+        """The context window, reading ``/model_info`` the first time it is needed."""
+        if self.context_window is None:
+            await self.refresh()
+        assert self.context_window is not None
+        return self.context_window
+
+    async def generate(
+        self, rid: str, input_ids: Sequence[int], max_new_tokens: int, sampling: Sampling, stop_ids: Sequence[int]
+    ) -> EngineOutput:
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": {
+                "max_new_tokens": max_new_tokens,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k,
+                "stop_token_ids": list(stop_ids),
+                "ignore_eos": sampling.ignore_eos,
+                "skip_special_tokens": False,
+                "no_stop_trim": True,
+            },
+            "return_logprob": True,
+            "rid": rid,
+        }
+        self.requests += 1
+        data = await self._call("POST", "/generate", body, timeout=None)
+        out = parse_generate(rid, data, self.url)
+        self.observe(out.version)
+        return out
+
+    async def abort(self, rid: str, timeout_s: float) -> bool:
+        """Ask the engine to abort ``rid``; True when it found the request (SGLang: HTTP 2xx)."""
+        data = await self._call("POST", "/abort_request", {"rid": rid, "abort_all": False}, timeout=timeout_s)
+        # rein's engine says whether the rid matched; SGLang answers 200 with no body.
+        return bool(data.get("success", True)) if isinstance(data, dict) else True
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float | None) -> Any:
+        kwargs: dict[str, Any] = {"json": body} if body is not None else {}
+        if timeout is not None:
+            kwargs["timeout"] = httpx.Timeout(timeout)
+        try:
+            resp = await self._client.request(method, self.url + path, **kwargs)
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(
+                f"engine {self.url} unreachable on {path}: {type(exc).__name__}: {exc}", engine=self.url
+            ) from exc
+        if resp.status_code >= 400:
+            raise EngineError(
+                f"engine {self.url} answered {resp.status_code} on {path}: {resp.text[:500]}",
+                engine=self.url, engine_status=resp.status_code,
+            )
+        if not resp.content:
+            return {}
+        try:
+            return resp.json()
+        except ValueError as exc:
+            raise EngineError(f"engine {self.url} sent a non-JSON body on {path}", engine=self.url) from exc
+
+
+def parse_generate(rid: str, data: Any, engine: str) -> EngineOutput:
+    """Normalise a ``/generate`` body (SGLang's shape) or raise 502 ``engine_error``."""
+    try:
+        meta = cast(dict[str, Any], data["meta_info"])
+        finish = meta.get("finish_reason") or {}
+        kind = str(finish.get("type") if isinstance(finish, dict) else finish).strip().lower()
+        entries = meta.get("output_token_logprobs") or []
+        output_ids = data.get("output_ids")
+        if output_ids is None:
+            output_ids = [int(entry[1]) for entry in entries]
+        output_ids = [int(t) for t in output_ids]
+        logprobs = [float(entry[0]) for entry in entries]
+        label = meta.get("weight_version", meta.get("version"))
+        raw_token_versions = meta.get("output_token_weight_versions") or []
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise EngineError(f"engine {engine} sent a malformed /generate body: {exc!r}", engine=engine) from exc
+    if kind not in _FINISH:
+        raise EngineError(f"engine {engine} sent unknown finish reason {kind!r}", engine=engine)
+    if len(logprobs) != len(output_ids):
+        raise EngineError(
+            f"engine {engine} sent {len(logprobs)} logprobs for {len(output_ids)} tokens", engine=engine
+        )
+    token_versions = [real_version(v) for v in raw_token_versions]
+    if len(token_versions) != len(output_ids):
+        token_versions = [real_version(label)] * len(output_ids)
+    return EngineOutput(
+        rid=rid,
+        output_ids=output_ids,
+        logprobs=logprobs,
+        version=real_version(label),
+        token_versions=token_versions,
+        finish_reason=_FINISH[kind],
+    )
+
+
+def pick_engine(session_id: str, engines: Sequence[EngineHandle]) -> EngineHandle:
+    """The engine a session sticks to: a stable hash of its id (same across restarts)."""
+    digest = hashlib.sha256(session_id.encode("utf-8")).digest()
+    return engines[int.from_bytes(digest[:8], "big") % len(engines)]

@@ -1,0 +1,261 @@
+"""Preemptible generation and the pause controller (no HTTP, no Kafka here).
+
+Pause is ONE flag for the whole proxy (a weight update concerns every engine this
+proxy talks to); aborts are per request id. Lifecycle of one engine request::
+
+    admit (waits while paused) ─▶ active ─▶ engine answers ─▶ on_chunk (publish, record,
+    post-checks) ─▶ released (its ``done`` event fires: pause counts it quiesced)
+
+and of one chat call::
+
+    chunk 0 ─▶ stop | length ─────────────────────────────▶ return
+         └──▶ abort ─▶ (partial rollout off) ─────────────▶ GenerationPreempted
+                   └─▶ held until resume ─▶ chunk 1 (prompt + tokens so far,
+                                             remaining budget) ─▶ ...
+
+Only a chunk whose *engine* finish reason is ``abort`` is continued. A chunk that
+ended naturally (stop / length) is final even when an abort for it was reported as
+successful (the reference's W7). Every wait is on an ``asyncio.Event``; the only
+timed loop re-sends an abort that reached the engine before its ``/generate`` did
+(bounded by the pause timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.proxy.engine_client import EngineOutput, FinishReason, Sampling
+from shared.errors import EngineError, EngineUnavailable, GenerationPreempted
+
+
+@dataclass(eq=False)
+class ActiveRequest:
+    """One engine request in flight."""
+
+    rid: str
+    engine: str
+    session_id: str
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class PauseResult:
+    status: str
+    """``paused`` or ``already_paused``."""
+    quiesced: bool
+    """True only when no engine request of this proxy is in flight any more."""
+    preempted: list[str]
+    """Rids whose engine request ended as ``abort`` because of this pause."""
+    aborts_sent: list[str]
+    active: int
+    """Engine requests still in flight (non-zero exactly when not quiesced)."""
+    waited_s: float
+
+
+AbortFn = Callable[[ActiveRequest], Awaitable[bool]]
+
+
+class PauseController:
+    """The pause flag, the engine requests in flight and the generations held for resume."""
+
+    def __init__(self) -> None:
+        self._paused = False
+        self._running = asyncio.Event()
+        self._running.set()
+        self._active: dict[str, ActiveRequest] = {}
+        self.held = 0
+        """Chat calls whose last chunk was preempted, waiting for resume."""
+        self.reason = ""
+        self.pauses = 0
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def active(self) -> list[ActiveRequest]:
+        return list(self._active.values())
+
+    async def wait_running(self) -> None:
+        while self._paused:
+            await self._running.wait()
+
+    async def admit(self, rid: str, engine: str, session_id: str) -> ActiveRequest:
+        """Wait until not paused, then register ``rid`` as in flight (atomically: no await in between)."""
+        await self.wait_running()
+        request = ActiveRequest(rid=rid, engine=engine, session_id=session_id)
+        self._active[rid] = request
+        return request
+
+    def release(self, request: ActiveRequest, finish_reason: FinishReason | None) -> None:
+        """The request's output is kept (or it failed): it no longer holds up a pause."""
+        request.finish_reason = finish_reason
+        self._active.pop(request.rid, None)
+        request.done.set()
+
+    async def hold(self) -> None:
+        """Park a preempted generation until resume."""
+        self.held += 1
+        try:
+            await self.wait_running()
+        finally:
+            self.held -= 1
+
+    async def pause(self, reason: str, timeout_s: float, abort: AbortFn, abort_retry_s: float = 0.05) -> PauseResult:
+        """Stop admitting, abort everything in flight, wait (bounded) until each request is released."""
+        start = time.monotonic()
+        status = "already_paused" if self._paused else "paused"
+        if not self._paused:
+            self.pauses += 1
+        self._paused = True
+        self._running.clear()
+        self.reason = reason
+        targets = self.active()
+        deadline = start + timeout_s
+        if targets:
+            tasks = [asyncio.create_task(_abort_until_released(t, abort, deadline, abort_retry_s)) for t in targets]
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+            for task in pending:
+                task.cancel()
+        still = self.active()
+        return PauseResult(
+            status=status,
+            quiesced=not still,
+            preempted=[t.rid for t in targets if t.finish_reason == "abort"],
+            aborts_sent=[t.rid for t in targets],
+            active=len(still),
+            waited_s=time.monotonic() - start,
+        )
+
+    def resume(self) -> bool:
+        """Release held generations and admissions; True when the proxy was paused."""
+        was = self._paused
+        self._paused = False
+        self.reason = ""
+        self._running.set()
+        return was
+
+
+async def _abort_until_released(request: ActiveRequest, abort: AbortFn, deadline: float, first_delay: float) -> None:
+    """Abort ``request``; if the engine did not know it yet (the abort overtook the
+    ``/generate``), send it again with backoff until the request is released or the deadline."""
+    delay = first_delay
+    while not request.done.is_set():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        try:
+            found = await abort(request)
+        except (EngineUnavailable, EngineError):
+            found = False
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        wait_s = remaining if found else min(delay, remaining)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(request.done.wait(), wait_s)
+        delay = min(delay * 2, 1.0)
+
+
+# --------------------------------------------------------------------------- the generation loop
+
+
+class Engine(Protocol):
+    url: str
+
+    async def generate(
+        self, rid: str, input_ids: Sequence[int], max_new_tokens: int, sampling: Sampling, stop_ids: Sequence[int]
+    ) -> EngineOutput: ...
+
+
+@dataclass(frozen=True)
+class ChunkOutcome:
+    chunk_index: int
+    context_ids: tuple[int, ...]
+    """New context before this chunk's output: the turn's context for chunk 0, empty after."""
+    output: EngineOutput
+
+
+@dataclass
+class Generation:
+    """The stitched result of one chat call."""
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str | None] = field(default_factory=list)
+    chunks: list[ChunkOutcome] = field(default_factory=list)
+    finish_reason: FinishReason = "stop"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    session_id: str
+    prompt_ids: tuple[int, ...]
+    context_ids: tuple[int, ...]
+    budget: int
+    """Output tokens the whole call may produce (over all chunks)."""
+    window: int
+    """Context window: prompt + output never exceeds it."""
+    sampling: Sampling
+    partial_rollout: bool
+    max_chunks: int
+    stop_ids: tuple[int, ...] = ()
+
+
+async def generate_preemptible(
+    req: GenerationRequest,
+    *,
+    engine: Engine,
+    controller: PauseController,
+    new_rid: Callable[[], str],
+    before_chunk: Callable[[int], None],
+    on_chunk: Callable[[ChunkOutcome], Awaitable[None]],
+) -> Generation:
+    """Run one chat call's generation, continuing it after each preempt.
+
+    ``before_chunk(i)`` runs once the chunk is admitted and before the engine is
+    called: it raises to reject without spending compute (span pre-check).
+    ``on_chunk`` publishes and records the chunk and runs the post-checks; it raises
+    to stop at once. The chunk counts as in flight (pause waits for it) until
+    ``on_chunk`` returns, so a pause that reports quiesced has every partial output kept.
+    """
+    gen = Generation()
+    for chunk_index in range(req.max_chunks):
+        input_ids = (*req.prompt_ids, *gen.output_ids)
+        max_new = min(req.budget - len(gen.output_ids), req.window - len(input_ids))
+        rid = new_rid()
+        active = await controller.admit(rid, engine.url, req.session_id)
+        finish: FinishReason | None = None
+        try:
+            before_chunk(chunk_index)
+            out = await engine.generate(rid, input_ids, max_new, req.sampling, req.stop_ids)
+            finish = out.finish_reason
+            outcome = ChunkOutcome(chunk_index, req.context_ids if chunk_index == 0 else (), out)
+            gen.chunks.append(outcome)
+            gen.output_ids.extend(out.output_ids)
+            gen.logprobs.extend(out.logprobs)
+            gen.versions.extend(out.token_versions)
+            await on_chunk(outcome)
+        finally:
+            controller.release(active, finish)
+        if out.finish_reason != "abort":
+            gen.finish_reason = out.finish_reason
+            return gen
+        if not req.partial_rollout:
+            raise GenerationPreempted(
+                f"generation of session {req.session_id} was preempted and partial rollout is off",
+                session_id=req.session_id, rid=rid, tokens_kept=len(gen.output_ids),
+            )
+        if len(gen.output_ids) >= req.budget or len(req.prompt_ids) + len(gen.output_ids) >= req.window:
+            gen.finish_reason = "length"
+            return gen
+        await controller.hold()
+    raise EngineError(
+        f"generation of session {req.session_id} was aborted {req.max_chunks} times; giving up",
+        session_id=req.session_id, chunks=req.max_chunks,
+    )

@@ -1,0 +1,36 @@
+"""The proxy's Prometheus series, on a registry owned by one app instance."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+
+from shared import metrics
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = metrics.counter(
+            registry, "proxy/requests", "HTTP requests answered, by route and status", ("route", "status")
+        )
+        self.chunks = metrics.counter(registry, "proxy/chunks_published", "Chunk records written to Kafka")
+        self.tokens = metrics.counter(registry, "proxy/generated_tokens", "Output tokens received from engines")
+        self.preempts = metrics.counter(registry, "proxy/preempts", "Engine requests that ended aborted (preempted)")
+        self.rejections = metrics.counter(
+            registry, "proxy/rejections", "Sessions rejected, by error name", ("error", "soft")
+        )
+        self.publish_failures = metrics.counter(
+            registry, "proxy/publish_failures", "Records that could not be written to Kafka", ("record",)
+        )
+        self.paused = metrics.gauge(registry, "proxy/paused", "1 while the proxy is paused")
+        self.held = metrics.gauge(registry, "proxy/held_generations", "Preempted generations waiting for resume")
+        self.active = metrics.gauge(registry, "proxy/active_engine_requests", "Engine requests in flight")
+        self.sessions = metrics.gauge(registry, "proxy/live_sessions", "Sessions neither finished nor rejected")
+        self.pause_seconds = Histogram(
+            metrics.prom_name("proxy/pause_wait_seconds"), "Time a pause waited for quiescence",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300), registry=registry,
+        )
+        self.engine_seconds = Histogram(
+            metrics.prom_name("proxy/engine_call_seconds"), "Duration of one engine /generate call",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry,
+        )

@@ -1,0 +1,359 @@
+"""What each proxy endpoint does, without HTTP: chat call, finish, pause, resume, state.
+
+:class:`ProxyService` wires the session store, the engines, the pause controller
+and the publisher. Routes (``app.py``) only parse HTTP and call it.
+
+When records are published (the collector relies on this):
+
+- ``Chunk``: one per engine call of a training session (one with ``X-Group-Id``),
+  written and acked before the next engine call and before the agent's answer.
+- ``SessionFinished``: on ``POST /v1/sessions/{id}/finish``; ``num_chunks`` = every
+  chunk the session published.
+- ``SessionRejected``: when a staleness rule rejects the session (span cap, version
+  change, preempt without partial rollout; soft or not), and when a call fails
+  after it already published a chunk (engine lost mid-call, Kafka failure) — then
+  the records on Kafka could not be completed. ``num_chunks`` counts the chunks
+  published, the rejected call's included. The session is final afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.proxy.engine_client import EngineHandle, Sampling, pick_engine
+from services.proxy.generation import (
+    ActiveRequest,
+    ChunkOutcome,
+    Generation,
+    GenerationRequest,
+    PauseController,
+    PauseResult,
+    generate_preemptible,
+)
+from services.proxy.metrics import ProxyMetrics
+from services.proxy.publisher import Publisher
+from services.proxy.sessions import Session, SessionStore, TurnPlan
+from services.proxy.settings import ProxySettings
+from shared import log
+from shared.errors import (
+    ContextOverflow,
+    EngineError,
+    EngineUnavailable,
+    InvalidRequest,
+    KafkaUnavailable,
+    PartialRolloutStalenessExceeded,
+    ReinError,
+    RolloutRejected,
+    SessionBusy,
+    TrajectoryVersionChanged,
+)
+from shared.schemas import Chunk, SessionFinished, SessionRejected, new_id
+from shared.staleness import check_span
+from shared.tokenizer import Tokenizer
+from shared.versions import distinct_real, real_version
+
+_log = log.get(__name__)
+
+
+@dataclass(frozen=True)
+class CallIds:
+    """Identity of one chat call, from its headers."""
+
+    session_id: str
+    group_id: str = ""
+    turn_id: str = ""
+    prompt_id: str = ""
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class ChatOutcome:
+    """A finished chat call: the text and what the response's ``rein`` field reports."""
+
+    content: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    rein: dict[str, Any]
+    soft_rejected: bool = False
+
+
+class ProxyService:
+    def __init__(
+        self,
+        settings: ProxySettings,
+        engines: list[EngineHandle],
+        publisher: Publisher,
+        controller: PauseController,
+        metrics: ProxyMetrics,
+        tokenizer: Tokenizer,
+        new_rid: Callable[[], str] = lambda: new_id("rein"),
+    ) -> None:
+        self.settings = settings
+        self.engines = engines
+        self.publisher = publisher
+        self.controller = controller
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.sessions = SessionStore(settings.finalized_memory)
+        self._new_rid = new_rid
+
+    # ------------------------------------------------------------------ chat
+
+    async def chat(
+        self,
+        ids: CallIds,
+        messages: list[tuple[str, str]],
+        *,
+        budget: int,
+        sampling: Sampling,
+        soft_reject: bool,
+    ) -> ChatOutcome:
+        session = self.sessions.acquire(ids.session_id, ids.group_id, ids.prompt_id, ids.attempt)
+        self.metrics.sessions.set(len(self.sessions))
+        published_before = session.num_chunks
+        plan: TurnPlan | None = None
+        try:
+            try:
+                plan = session.plan(messages, self.tokenizer)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), fields=[{"field": "messages", "message": str(exc)}]) from None
+            engine = pick_engine(ids.session_id, self.engines)
+            window = await engine.window()
+            room = window - len(plan.prompt_ids)
+            if room < 1:
+                raise ContextOverflow(
+                    f"prompt of {len(plan.prompt_ids)} tokens leaves no room in the context window of {window}",
+                    phase="prompt", context_window=window, input_tokens=len(plan.prompt_ids), max_tokens=budget,
+                    session_id=ids.session_id, turn_id=ids.turn_id, segment_index=plan.segment_index,
+                )
+            request = GenerationRequest(
+                session_id=ids.session_id, prompt_ids=plan.prompt_ids, context_ids=plan.context_ids,
+                budget=budget, window=window, sampling=sampling, partial_rollout=self.settings.partial_rollout,
+                max_chunks=self.settings.max_chunks_per_call,
+            )
+            current_plan = plan
+            gen = await generate_preemptible(
+                request,
+                engine=engine,
+                controller=self.controller,
+                new_rid=self._new_rid,
+                before_chunk=lambda _i: self._pre_check(session, engine),
+                on_chunk=lambda outcome: self._on_chunk(session, ids, current_plan, engine, outcome),
+            )
+        except RolloutRejected as exc:
+            await self._reject(session, exc, soft=soft_reject)
+            if not soft_reject:
+                raise
+            return ChatOutcome(
+                content="", finish_reason="stop", prompt_tokens=0, completion_tokens=0,
+                rein={"session_id": ids.session_id, "rejected": exc.detail()}, soft_rejected=True,
+            )
+        except Exception as exc:
+            if plan is not None and session.num_chunks > published_before:
+                # Records of this call are on Kafka but the call cannot finish: the
+                # trajectory cannot be completed, so the session is rejected.
+                session.close_segment(plan)
+                error = exc if isinstance(exc, ReinError) else ReinError(f"{type(exc).__name__}: {exc}")
+                await self._reject(session, error, soft=False)
+            raise
+        except BaseException:
+            # Cancelled (shutdown): no awaiting here; a call that published chunks
+            # cannot be completed, so the session takes no more calls.
+            if plan is not None and session.num_chunks > published_before:
+                session.close_segment(plan)
+                self.sessions.finalize(session, "rejected (cancelled)")
+            raise
+        finally:
+            self.sessions.release(session)
+            self.metrics.sessions.set(len(self.sessions))
+        content = self.tokenizer.decode(gen.output_ids)
+        session.complete_turn(plan, tuple(self.tokenizer.render_message("assistant", content)))
+        return ChatOutcome(
+            content=content,
+            finish_reason=gen.finish_reason,
+            prompt_tokens=len(plan.prompt_ids),
+            completion_tokens=len(gen.output_ids),
+            rein=_rein_info(ids.session_id, plan, gen),
+        )
+
+    def _pre_check(self, session: Session, engine: EngineHandle) -> None:
+        """Before an engine call: reject if the engine's current version would break a rule."""
+        candidate = [engine.version] if engine.version is not None else []
+        self._check_versions(session, candidate)
+
+    def _check_versions(self, session: Session, candidates: Sequence[str | None]) -> None:
+        recorded = session.versions()
+        if self.settings.partial_rollout:
+            rejection = check_span(recorded, candidates, self.settings.max_preempts, session.session_id)
+            if rejection is not None:
+                raise PartialRolloutStalenessExceeded.from_detail(rejection.detail())
+            return
+        new = [v for v in distinct_real(candidates) if v not in recorded]
+        if recorded and new:
+            raise TrajectoryVersionChanged(
+                f"session {session.session_id} was generated with {recorded}; the engine now serves {new} "
+                "and partial rollout is off",
+                previous_versions=recorded, new_versions=new, session_id=session.session_id,
+            )
+
+    async def _on_chunk(
+        self, session: Session, ids: CallIds, plan: TurnPlan, engine: EngineHandle, outcome: ChunkOutcome
+    ) -> None:
+        out = outcome.output
+        self.metrics.tokens.inc(len(out.output_ids))
+        if out.finish_reason == "abort":
+            self.metrics.preempts.inc()
+        # The post-check compares against what the session held *before* this chunk.
+        candidates = [out.version, *out.token_versions]
+        seq = session.num_chunks
+        if session.trainable:
+            record = Chunk(
+                session_id=ids.session_id, group_id=ids.group_id, prompt_id=ids.prompt_id, attempt=ids.attempt,
+                turn_id=ids.turn_id, seq=seq, segment_index=plan.segment_index, chunk_index=outcome.chunk_index,
+                context_ids=list(outcome.context_ids), output_ids=list(out.output_ids), logprobs=list(out.logprobs),
+                version=out.version, finish_reason=out.finish_reason, rid=out.rid, engine=engine.url,
+            )
+            try:
+                await self.publisher.send(self.settings.topics.chunks, record)
+            except KafkaUnavailable:
+                self.metrics.publish_failures.labels(record="chunk").inc()
+                session.close_segment(plan)
+                raise
+            self.metrics.chunks.inc()
+        check_error: RolloutRejected | None = None
+        try:
+            self._check_versions(session, candidates)
+        except RolloutRejected as exc:
+            check_error = exc
+        session.record_chunk(plan, outcome.context_ids, out.output_ids, out.version)
+        if check_error is not None:
+            raise check_error
+
+    async def _reject(self, session: Session, error: ReinError, *, soft: bool) -> None:
+        """Finalize the session as rejected and publish SessionRejected (best effort for Kafka failures)."""
+        self.sessions.finalize(session, f"rejected ({error.code})")
+        self.metrics.rejections.labels(error=error.code, soft=str(soft).lower()).inc()
+        _log.warning("session_rejected", session_id=session.session_id, group_id=session.group_id,
+                     error=error.code, soft=soft, num_chunks=session.num_chunks)
+        if not session.trainable:
+            return
+        record = SessionRejected(
+            session_id=session.session_id, group_id=session.group_id, error=error.code,
+            detail=_jsonable(error.detail()), num_chunks=session.num_chunks,
+        )
+        try:
+            await self.publisher.send(self.settings.topics.events, record)
+        except KafkaUnavailable as exc:
+            self.metrics.publish_failures.labels(record="session_rejected").inc()
+            if isinstance(error, RolloutRejected):
+                raise  # the agent must not get a soft 200 when the rejection is not on record
+            _log.error("session_rejected_not_published", session_id=session.session_id, error=str(exc))
+
+    # ------------------------------------------------------------------ finish
+
+    async def finish(self, session_id: str, reward: float, status: str) -> dict[str, Any]:
+        session = self.sessions.get(session_id)
+        if session.busy:
+            raise SessionBusy(f"session {session_id} has a call in flight; finish it after", session_id=session_id)
+        published = False
+        if session.trainable:
+            record = SessionFinished(
+                session_id=session_id, group_id=session.group_id, reward=reward, status=status,  # type: ignore[arg-type]
+                num_chunks=session.num_chunks,
+            )
+            try:
+                await self.publisher.send(self.settings.topics.events, record)
+            except KafkaUnavailable:
+                self.metrics.publish_failures.labels(record="session_finished").inc()
+                raise  # the session stays open: the agent may call finish again
+            published = True
+        self.sessions.finalize(session, "finished")
+        self.metrics.sessions.set(len(self.sessions))
+        return {"session_id": session_id, "status": status, "reward": reward,
+                "num_chunks": session.num_chunks, "published": published}
+
+    # ------------------------------------------------------------------ control plane
+
+    async def pause(self, reason: str, timeout_s: float | None) -> dict[str, Any]:
+        engines = {e.url: e for e in self.engines}
+
+        async def abort(request: ActiveRequest) -> bool:
+            return await engines[request.engine].abort(request.rid, self.settings.engine_connect_timeout_s)
+
+        result: PauseResult = await self.controller.pause(
+            reason, timeout_s or self.settings.pause_timeout_s, abort, self.settings.abort_retry_s
+        )
+        self.metrics.pause_seconds.observe(result.waited_s)
+        _log.info("paused", reason=reason, quiesced=result.quiesced, preempted=len(result.preempted),
+                  active=result.active, waited_s=round(result.waited_s, 4))
+        return {
+            "status": result.status, "quiesced": result.quiesced, "preempted": result.preempted,
+            "aborts_sent": result.aborts_sent, "active": result.active, "held": self.controller.held,
+            "waited_s": result.waited_s, "reason": reason,
+        }
+
+    async def resume(self, version: str | None) -> dict[str, Any]:
+        """Release held generations. ``version`` (the label every engine now serves) becomes each
+        engine's known version; without it each engine's ``/model_info`` is read (best effort), so
+        the span pre-check of the held generations sees the new version before spending compute."""
+        label = real_version(version)
+        if label is not None:
+            for engine in self.engines:
+                engine.observe(label)
+        else:
+            for engine in self.engines:
+                try:
+                    await engine.refresh()
+                except (EngineUnavailable, EngineError) as exc:
+                    _log.warning("engine_info_unavailable_at_resume", engine=engine.url, error=str(exc))
+        was_paused = self.controller.resume()
+        _log.info("resumed", version=label, was_paused=was_paused, held=self.controller.held)
+        return {"status": "resumed" if was_paused else "already_running", "version": label,
+                "held": self.controller.held}
+
+    def state(self) -> dict[str, Any]:
+        active = self.controller.active()
+        return {
+            "paused": self.controller.paused,
+            "reason": self.controller.reason,
+            "pauses": self.controller.pauses,
+            "active": len(active),
+            "active_rids": [a.rid for a in active],
+            "held": self.controller.held,
+            "live_sessions": len(self.sessions),
+            "partial_rollout": self.settings.partial_rollout,
+            "max_preempts": self.settings.max_preempts,
+            "engines": [{"url": e.url, "version": e.version, "context_window": e.context_window,
+                         "requests": e.requests} for e in self.engines],
+            "time": time.time(),
+        }
+
+
+def _rein_info(session_id: str, plan: TurnPlan, gen: Generation) -> dict[str, Any]:
+    return {
+        "session_id": session_id,
+        "segment_index": plan.segment_index,
+        "new_segment": plan.new_segment,
+        "output_ids": gen.output_ids,
+        "versions": gen.versions,
+        "chunks": [
+            {"rid": c.output.rid, "version": c.output.version, "finish_reason": c.output.finish_reason,
+             "num_tokens": len(c.output.output_ids)}
+            for c in gen.chunks
+        ],
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    """Detail fields made msgpack/JSON safe (tuples to lists, unknown objects to strings)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)

@@ -1,0 +1,73 @@
+"""Proxy settings (``REIN_*`` environment variables); built once in ``__main__``.
+
+Lists are JSON: ``REIN_ENGINE_URLS='["http://engine-0:30000","http://engine-1:30000"]'``.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from shared.settings import ServiceSettings
+
+
+class ProxySettings(ServiceSettings):
+    """Settings of ``python -m services.proxy``."""
+
+    host: str = "127.0.0.1"
+    """Interface the HTTP server binds (0.0.0.0 inside a container)."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """HTTP port agents and the weight broadcaster call."""
+    engine_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"], min_length=1)
+    """Base URLs of the inference engines. A session sticks to one engine, chosen by a
+    stable hash of its session id, so its prefix stays in that engine's cache and its
+    version is that engine's version."""
+    admin_token: str = Field(min_length=8)
+    """Bearer token of the control plane (pause / resume / state). Required, no default:
+    set REIN_ADMIN_TOKEN to the same value in the proxy and the weight broadcaster."""
+    model_name: str = "rein-tiny"
+    """Model id reported by ``GET /v1/models`` and in responses (requests may name any model)."""
+    partial_rollout: bool = True
+    """Continue a generation preempted by a weight update on the new weights. Off: a
+    preempt is 502 ``generation_preempted`` and any version change in a session is 502
+    ``trajectory_version_changed``."""
+    max_preempts: int | None = Field(default=None, ge=0)
+    """Span cap: a session may span at most ``max_preempts + 1`` distinct real versions.
+    None (unset) = no cap. Negative values are refused at start."""
+    soft_reject: bool = False
+    """Answer the three staleness rejections with a 200 empty assistant message (the
+    session is still rejected). Per request: header ``X-Rein-Soft-Reject: 1``."""
+    context_window: int | None = Field(default=None, ge=2)
+    """Tokens of prompt + output a generation may reach. None: each engine's own window
+    (``context`` in its ``/model_info``), read on first use."""
+    default_max_tokens: int = Field(default=64, ge=1)
+    """Output budget of a call that sets neither ``max_tokens`` nor ``max_completion_tokens``."""
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    """Largest request body accepted (declared Content-Length and bytes actually sent); 413 above."""
+    engine_connect_timeout_s: float = Field(default=5.0, gt=0)
+    """Bound on connecting to an engine; an unreachable engine is 503 ``engine_unavailable``."""
+    engine_timeout_s: float = Field(default=300.0, gt=0)
+    """Bound on one engine call (a whole chunk's generation); 503 ``engine_unavailable`` after it."""
+    pause_timeout_s: float = Field(default=60.0, gt=0)
+    """How long ``/v1/rollout/pause`` waits for in-flight generations to quiesce when the
+    request does not say; past it the answer is ``quiesced: false``."""
+    abort_retry_s: float = Field(default=0.05, gt=0)
+    """First delay before re-sending an abort that matched nothing on the engine (the
+    abort overtook its ``/generate``); doubles up to 1 s, bounded by the pause timeout."""
+    max_chunks_per_call: int = Field(default=64, ge=1)
+    """Most engine calls one chat call may make (each preempt adds one); 502 ``engine_error``
+    above, so an engine that aborts everything cannot loop a call forever."""
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Sampling temperature of calls that do not set one (RL samples at 1.0)."""
+    finalized_memory: int = Field(default=100_000, ge=1)
+    """How many finished/rejected session ids are remembered (for 409) after their data is dropped."""
+
+    @field_validator("engine_urls")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        cleaned = [u.strip().rstrip("/") for u in urls]
+        bad = [u for u in cleaned if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"engine_urls must be http(s) URLs, got {bad}")
+        if len(set(cleaned)) != len(cleaned):
+            raise ValueError(f"engine_urls has duplicates: {cleaned}")
+        return cleaned

@@ -1,0 +1,173 @@
+"""rein's error hierarchy: one root, each class carrying its HTTP status and detail.
+
+Services raise these deep in their logic and map them to HTTP in exactly one
+exception handler (``{"detail": err.detail()}`` with ``err.status``); nothing
+below a route builds an ``HTTPException``. ``code`` is the stable machine name
+agents and the rollout runner match on (DESIGN: ``partial_rollout_staleness_exceeded``,
+``trajectory_version_changed``, ``generation_preempted``, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
+
+E = TypeVar("E", bound="ReinError")
+
+
+class ReinError(Exception):
+    """Root of every error rein maps to an HTTP status; unexpected bugs stay plain exceptions."""
+
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields: dict[str, Any] = dict(fields)
+
+    def detail(self) -> dict[str, Any]:
+        """The structured body under ``detail``: ``{"error": code, "message": ..., **fields}``."""
+        return {"error": self.code, "message": self.message, **self.fields}
+
+    @classmethod
+    def from_detail(cls: type[E], detail: Mapping[str, Any]) -> E:
+        """Rebuild from a detail mapping (``SpanRejection.detail()``); ``error`` must match ``code``."""
+        fields = dict(detail)
+        error = fields.pop("error", cls.code)
+        if error != cls.code:
+            raise ValueError(f"detail is a {error!r}, not a {cls.code!r}")
+        message = str(fields.pop("message", cls.code))
+        return cls(message, **fields)
+
+
+# --------------------------------------------------------------------------- 4xx: the caller's fault
+
+
+class BadRequest(ReinError):
+    """The request is missing something the endpoint needs (a header, a consistent id)."""
+
+    status = 400
+    code = "bad_request"
+
+
+class MissingHeader(BadRequest):
+    """A required header (``X-Session-Id``) is absent or empty."""
+
+    code = "missing_header"
+
+
+class InvalidRequest(ReinError):
+    """The body does not match the schema; ``fields`` names each offending field."""
+
+    status = 422
+    code = "invalid_request"
+
+
+class Unauthorized(ReinError):
+    """An admin endpoint was called without the bearer token or with a wrong one."""
+
+    status = 401
+    code = "unauthorized"
+
+
+class SessionNotFound(ReinError):
+    """No session with this id is known to this proxy."""
+
+    status = 404
+    code = "session_not_found"
+
+
+class SessionConflict(ReinError):
+    """The session exists but cannot take this call in its current state."""
+
+    status = 409
+    code = "session_conflict"
+
+
+class SessionFinalized(SessionConflict):
+    """The session was finished or rejected; it takes no more calls."""
+
+    code = "session_finalized"
+
+
+class SessionBusy(SessionConflict):
+    """Another call of the same session is still running (a session is one conversation)."""
+
+    code = "session_busy"
+
+
+class PayloadTooLarge(ReinError):
+    """The request body exceeds the configured size limit."""
+
+    status = 413
+    code = "request_too_large"
+
+
+class ContextOverflow(ReinError):
+    """The prompt leaves no room for one generated token in the context window."""
+
+    status = 413
+    code = "context_overflow"
+
+
+# --------------------------------------------------------------------------- 502: the staleness rejections
+
+
+class RolloutRejected(ReinError):
+    """A staleness rule rejected the session (soft reject may turn it into an empty 200)."""
+
+    status = 502
+    code = "rollout_rejected"
+
+
+class PartialRolloutStalenessExceeded(RolloutRejected):
+    """The session would span more than ``max_preempts + 1`` distinct real weight versions."""
+
+    code = "partial_rollout_staleness_exceeded"
+
+
+class TrajectoryVersionChanged(RolloutRejected):
+    """Partial rollout is off and the weight version changed inside the session."""
+
+    code = "trajectory_version_changed"
+
+
+class GenerationPreempted(RolloutRejected):
+    """Partial rollout is off and the generation was aborted mid-way (a weight update)."""
+
+    code = "generation_preempted"
+
+
+class EngineError(ReinError):
+    """The inference engine answered, but with an error or a malformed body."""
+
+    status = 502
+    code = "engine_error"
+
+
+# --------------------------------------------------------------------------- 503: a dependency is down
+
+
+class DependencyUnavailable(ReinError):
+    """A dependency did not answer within its bound; the call may be retried later."""
+
+    status = 503
+    code = "unavailable"
+
+
+class EngineUnavailable(DependencyUnavailable):
+    """The inference engine could not be reached (connect / read timeout, refused)."""
+
+    code = "engine_unavailable"
+
+
+class KafkaUnavailable(DependencyUnavailable):
+    """A record could not be written to Kafka; the call fails rather than lose training data."""
+
+    code = "kafka_unavailable"
+
+
+def http_body(error: ReinError) -> dict[str, Any]:
+    """The JSON body of ``error``'s HTTP response: ``{"detail": {...}}``."""
+    return {"detail": error.detail()}

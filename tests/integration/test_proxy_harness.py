@@ -1,0 +1,263 @@
+"""Shared harness of the proxy integration tests (no tests here; imported by test_proxy_*.py).
+
+- ``engine``: one real engine subprocess per test module (``python -m services.engine``),
+  slowed with ``REIN_STEP_DELAY_S`` so a generation is still running when a test pauses.
+- ``proxy_factory``: builds a real proxy app per test and serves it with uvicorn in a
+  background thread, on fresh Kafka topics (``REIN_TOPICS__CHUNKS`` / ``__EVENTS``
+  equivalents) of the session's real broker.
+- helpers to read the records back from Kafka and to await conditions (bounded).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from kafka import KafkaConsumer, TopicPartition
+
+from services.proxy.app import create_app
+from services.proxy.settings import ProxySettings
+from shared import checkpoint
+from shared.names import Topics
+from shared.policy import PolicyConfig, init_policy
+from shared.schemas import Record, decode
+from shared.settings import KafkaSettings
+from shared.tokenizer import TOKENIZER
+from tests.procs import free_port, start_service
+
+ADMIN = "test-admin-token-0123"
+KAFKA_WARNINGS = pytest.mark.filterwarnings(
+    # shared/bus.py passes a lambda as key_serializer; kafka-python 3 deprecates that (reported to the lead).
+    "ignore:key_serializer does not implement kafka.serializer.Serializer:DeprecationWarning"
+)
+CFG = PolicyConfig(vocab_size=TOKENIZER.vocab_size)
+
+
+@dataclass
+class Engine:
+    url: str
+    weights_dir: Path
+
+    def load(self, version: str, seed: int = 1) -> None:
+        """Write a checkpoint labelled ``version`` and make the engine serve it (engine idle or not)."""
+        path = self.weights_dir / f"{version}-{uuid.uuid4().hex[:6]}.pt"
+        checkpoint.save(path, init_policy(CFG, seed), CFG, version=version, step=seed)
+        r = httpx.post(f"{self.url}/update_weights_from_disk",
+                       json={"model_path": str(path), "weight_version": version}, timeout=30)
+        assert r.status_code == 200, r.text
+
+    def requests_total(self) -> float:
+        """Finished /generate requests (the engine's own counter)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("rein_engine_requests_total"))
+
+    def active(self) -> list[dict[str, Any]]:
+        requests: list[dict[str, Any]] = httpx.get(f"{self.url}/debug/active", timeout=10).json()["requests"]
+        return requests
+
+
+def start_engine(tmp_path_factory: pytest.TempPathFactory, step_delay_s: float = 0.03) -> Iterator[Engine]:
+    weights_dir = tmp_path_factory.mktemp("weights")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_service(
+        "services.engine",
+        {"REIN_HOST": "127.0.0.1", "REIN_PORT": str(port), "REIN_WEIGHTS_DIR": str(weights_dir),
+         "REIN_STEP_DELAY_S": str(step_delay_s), "REIN_TORCH_THREADS": "1", "REIN_LOG_LEVEL": "warning"},
+        f"{url}/health", timeout_s=90, log_dir=tmp_path_factory.mktemp("logs"),
+    )
+    try:
+        yield Engine(url=url, weights_dir=weights_dir)
+    finally:
+        proc.stop()
+
+
+class ServerThread:
+    """An ASGI app served by uvicorn in a daemon thread; ``stop()`` exits it and joins."""
+
+    def __init__(self, app: Any, port: int) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    lifespan="on", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{port}", daemon=True)
+
+    def start(self, timeout_s: float = 60) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"server on port {self.port} did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+@dataclass
+class Proxy:
+    url: str
+    settings: ProxySettings
+    bootstrap: str
+    admin: httpx.Client = field(init=False)
+    clients: list[openai.OpenAI] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.admin = httpx.Client(base_url=self.url, timeout=60,
+                                  headers={"Authorization": f"Bearer {ADMIN}"})
+
+    def client(self, session_id: str, group_id: str = "", **headers: str) -> openai.OpenAI:
+        hdrs = {"X-Session-Id": session_id, **headers}
+        if group_id:
+            hdrs["X-Group-Id"] = group_id
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", default_headers=hdrs, max_retries=0,
+                               timeout=120)
+        self.clients.append(client)
+        return client
+
+    def close(self) -> None:
+        self.admin.close()
+        for client in self.clients:
+            client.close()
+
+    def state(self) -> dict[str, Any]:
+        r = self.admin.get("/v1/rollout/state")
+        assert r.status_code == 200, r.text
+        data: dict[str, Any] = r.json()
+        return data
+
+    def pause(self, timeout_s: float = 30) -> dict[str, Any]:
+        r = self.admin.post("/v1/rollout/pause", json={"reason": "test", "timeout_s": timeout_s})
+        assert r.status_code == 200, r.text
+        data: dict[str, Any] = r.json()
+        return data
+
+    def resume(self, version: str | None = None) -> dict[str, Any]:
+        r = self.admin.post("/v1/rollout/resume", json={"version": version} if version else {})
+        assert r.status_code == 200, r.text
+        data: dict[str, Any] = r.json()
+        return data
+
+    def finish(self, session_id: str, reward: float = 1.0) -> httpx.Response:
+        return self.admin.post(f"/v1/sessions/{session_id}/finish", json={"reward": reward})
+
+    def records(self, kind: str, n: int, timeout_s: float = 30) -> list[Record]:
+        topic = self.settings.topics.chunks if kind == "chunks" else self.settings.topics.events
+        return read_records(self.bootstrap, topic, n, timeout_s)
+
+
+ProxyFactory = Callable[..., Proxy]
+
+
+@pytest.fixture
+def proxy_factory(kafka_bootstrap: str, unique_topic: Callable[..., str]) -> Iterator[ProxyFactory]:
+    servers: list[ServerThread] = []
+    proxies: list[Proxy] = []
+
+    def make(engine_urls: list[str], **overrides: Any) -> Proxy:
+        topics = Topics(chunks=unique_topic(), events=unique_topic())
+        settings = ProxySettings(
+            admin_token=ADMIN, engine_urls=engine_urls, kafka=KafkaSettings(bootstrap_servers=kafka_bootstrap),
+            topics=topics, log_json=False, **overrides,
+        )
+        server = ServerThread(create_app(settings), free_port())
+        server.start()
+        servers.append(server)
+        proxy = Proxy(server.url, settings, kafka_bootstrap)
+        proxies.append(proxy)
+        return proxy
+
+    try:
+        yield make
+    finally:
+        for proxy in proxies:
+            proxy.close()
+        for server in servers:
+            server.stop()
+
+
+def read_records(bootstrap: str, topic: str, n: int, timeout_s: float = 30) -> list[Record]:
+    """The first ``n`` records of ``topic`` (all partitions, in partition then offset order)."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
+    try:
+        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        consumer.assign(parts)
+        consumer.seek_to_beginning(*parts)
+        out: list[Record] = []
+        deadline = time.monotonic() + timeout_s
+        while len(out) < n and time.monotonic() < deadline:
+            for _tp, msgs in sorted(consumer.poll(timeout_ms=200).items(), key=lambda kv: kv[0].partition):
+                out.extend(decode(m.value) for m in msgs)
+        assert len(out) >= n, f"expected {n} records on {topic}, got {len(out)}: {out}"
+        return out
+    finally:
+        consumer.close()
+
+
+def count_records(bootstrap: str, topic: str) -> int:
+    """Records currently on ``topic`` (end offsets; records are acked before the proxy answers)."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
+    try:
+        parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or []]
+        return sum(consumer.end_offsets(parts).values())
+    finally:
+        consumer.close()
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float = 30, what: str = "condition") -> None:
+    """Await a condition with a bound (checks every 10 ms); fails the test with ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def in_background(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Run ``fn`` in a thread; the returned callable joins it and returns its result or raises its error."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+
+    def join(timeout_s: float = 120) -> Any:
+        thread.join(timeout_s)
+        assert not thread.is_alive(), "background call did not finish"
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    return join
+
+
+def generating(proxy: Proxy, engine: Engine, min_tokens: int = 2) -> Callable[[], bool]:
+    """True once the proxy has an engine request in flight that has produced ``min_tokens``."""
+
+    def check() -> bool:
+        rids = set(proxy.state()["active_rids"])
+        return any(r["rid"] in rids and r["completion_tokens"] >= min_tokens for r in engine.active())
+
+    return check
+
+
+def rein(resp: Any) -> dict[str, Any]:
+    """The ``rein`` extension of an openai response object."""
+    extra: dict[str, Any] = resp.model_extra["rein"]
+    return extra

@@ -1,0 +1,191 @@
+"""Proxy sessions end to end: openai client -> real proxy -> real engine, records on real Kafka.
+
+Covers TITO multi-turn reconstruction, streaming, finish, and every error status.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from shared.schemas import Chunk, SessionFinished
+from shared.tokenizer import TOKENIZER as TOK
+from tests.integration.test_proxy_harness import (
+    ADMIN,
+    KAFKA_WARNINGS,
+    Engine,
+    ProxyFactory,
+    count_records,
+    proxy_factory,
+    rein,
+    start_engine,
+)
+
+pytestmark = [pytest.mark.integration, KAFKA_WARNINGS]
+__all__ = ["proxy_factory"]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    yield from start_engine(tmp_path_factory, step_delay_s=0.0)
+
+
+def test_multi_turn_chunks_reconstruct_engine_tokens(engine: Engine, proxy_factory: ProxyFactory) -> None:
+    proxy = proxy_factory([engine.url])
+    sid, gid = f"s-{uuid.uuid4().hex}", f"g-{uuid.uuid4().hex}"
+    client = proxy.client(sid, gid, **{"X-Prompt-Id": "p-7", "X-Attempt": "1", "X-Turn-Id": "t"})
+    messages: list[dict[str, str]] = [{"role": "system", "content": "guess the number"},
+                                      {"role": "user", "content": "guess"}]
+    outputs: list[list[int]] = []
+    for turn, user in enumerate(["higher", "lower", None]):
+        resp = client.chat.completions.create(model="rein-tiny", messages=messages,  # type: ignore[arg-type]
+                                              max_tokens=4, temperature=0.0)
+        info = rein(resp)
+        assert info["segment_index"] == 0 and info["new_segment"] == (turn == 0)
+        outputs.append(info["output_ids"])
+        content = resp.choices[0].message.content or ""
+        assert content == TOK.decode(info["output_ids"])
+        messages.append({"role": "assistant", "content": content})
+        if user is not None:
+            messages.append({"role": "user", "content": user})
+
+    chunks = [r for r in proxy.records("chunks", 3) if isinstance(r, Chunk)]
+    assert [c.seq for c in chunks] == [0, 1, 2]
+    assert all((c.session_id, c.group_id, c.prompt_id, c.attempt, c.turn_id) == (sid, gid, "p-7", 1, "t")
+               for c in chunks)
+    assert [c.output_ids for c in chunks] == outputs
+    assert all(c.chunk_index == 0 and c.segment_index == 0 and c.version == "v0" for c in chunks)
+    assert all(len(c.logprobs) == len(c.output_ids) for c in chunks)
+    assert len({c.rid for c in chunks}) == 3
+
+    # Independent expectation: first turn = chat template; later turns = new messages + header.
+    expected = TOK.apply_chat_template(messages[:2], add_generation_prompt=True)
+    assert chunks[0].context_ids == expected
+    for turn in (1, 2):
+        prev = outputs[turn - 1]
+        closing = [] if prev and prev[-1] == TOK.end_id else [TOK.end_id]
+        user = messages[2 * turn + 1]
+        assert chunks[turn].context_ids == [*closing, *TOK.render_message("user", user["content"]), TOK.assistant_id]
+    # The engine, asked directly (greedy) for the reconstructed prefix, produces the last chunk again.
+    sequence = [t for c in chunks for t in (*c.context_ids, *c.output_ids)]
+    prefix = sequence[: len(sequence) - len(chunks[-1].output_ids)]
+    direct = httpx.post(f"{engine.url}/generate", json={
+        "input_ids": prefix, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}, timeout=30).json()
+    assert direct["output_ids"] == chunks[-1].output_ids
+
+    r = proxy.finish(sid, reward=0.5)
+    assert r.status_code == 200 and r.json()["num_chunks"] == 3
+    (finished,) = proxy.records("events", 1)
+    assert isinstance(finished, SessionFinished)
+    assert (finished.session_id, finished.group_id, finished.reward, finished.num_chunks) == (sid, gid, 0.5, 3)
+    assert proxy.finish(sid).status_code == 409
+    with pytest.raises(openai.ConflictError):
+        client.chat.completions.create(model="m", messages=messages, max_tokens=2)  # type: ignore[arg-type]
+
+
+def test_rewritten_history_starts_new_segment_and_stream(engine: Engine, proxy_factory: ProxyFactory) -> None:
+    proxy = proxy_factory([engine.url])
+    sid, gid = f"s-{uuid.uuid4().hex}", "g1"
+    client = proxy.client(sid, gid)
+    first = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "guess"}], max_tokens=3)
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "number"}],
+                                            max_tokens=3, stream=True)
+    pieces = list(stream)
+    text = "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
+    assert pieces[-1].choices[0].finish_reason in ("stop", "length")
+    chunks = [r for r in proxy.records("chunks", 2) if isinstance(r, Chunk)]
+    assert [c.segment_index for c in chunks] == [0, 1]
+    assert chunks[1].context_ids == TOK.apply_chat_template([{"role": "user", "content": "number"}], True)
+    assert text == TOK.decode(chunks[1].output_ids)
+    assert first.choices[0].message.content == TOK.decode(chunks[0].output_ids)
+
+
+def test_session_without_group_is_served_but_not_published(engine: Engine, proxy_factory: ProxyFactory) -> None:
+    proxy = proxy_factory([engine.url])
+    sid = f"s-{uuid.uuid4().hex}"
+    resp = proxy.client(sid).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "guess"}], max_tokens=2)
+    assert resp.choices[0].message.role == "assistant"
+    assert proxy.finish(sid).json()["published"] is False
+    assert count_records(proxy.bootstrap, proxy.settings.topics.chunks) == 0
+    assert count_records(proxy.bootstrap, proxy.settings.topics.events) == 0
+
+
+def test_models_health_metrics(engine: Engine, proxy_factory: ProxyFactory) -> None:
+    proxy = proxy_factory([engine.url])
+    models = proxy.client("x").models.list()
+    assert [m.id for m in models.data] == ["rein-tiny"]
+    assert httpx.get(f"{proxy.url}/health").json()["status"] == "ok"
+    text = httpx.get(f"{proxy.url}/metrics").text
+    assert "rein_proxy_requests_total" in text and "rein_proxy_paused 0.0" in text
+
+
+def test_error_statuses(engine: Engine, proxy_factory: ProxyFactory) -> None:
+    proxy = proxy_factory([engine.url], max_body_bytes=2048)
+    url = f"{proxy.url}/v1/chat/completions"
+    ok = {"model": "m", "messages": [{"role": "user", "content": "guess"}], "max_tokens": 2}
+    with httpx.Client(timeout=30) as http:
+        r = http.post(url, json=ok)
+        assert r.status_code == 400 and r.json()["detail"]["error"] == "missing_header"
+
+        hdr = {"X-Session-Id": f"s-{uuid.uuid4().hex}"}
+        bad = {"model": "m", "messages": [{"role": "tool", "content": "x"}]}
+        r = http.post(url, json=bad, headers=hdr)
+        assert r.status_code == 422
+        assert "messages.0.role" in [f["field"] for f in r.json()["detail"]["fields"]]
+        r = http.post(url, json={"model": "m", "messages": [], "max_tokens": 0}, headers=hdr)
+        assert r.status_code == 422
+        assert {"messages", "max_tokens"} <= {f["field"] for f in r.json()["detail"]["fields"]}
+        r = http.post(url, content=b"{not json", headers=hdr)
+        assert r.status_code == 422 and r.json()["detail"]["fields"][0]["field"] == "body"
+
+        big = {**ok, "messages": [{"role": "user", "content": "guess " * 2000}]}
+        r = http.post(url, json=big, headers=hdr)
+        assert r.status_code == 413 and r.json()["detail"]["error"] == "request_too_large"
+
+        def chunked() -> Iterator[bytes]:  # no Content-Length: the actual size is counted
+            yield b'{"model": "m", "messages": [{"role": "user", "content": "'
+            yield b"guess " * 1000
+            yield b'"}]}'
+
+        r = http.post(url, content=chunked(), headers=hdr)
+        assert r.status_code == 413
+
+        overflow = {**ok, "messages": [{"role": "user", "content": "guess " * 80}]}
+        r = http.post(url, json=overflow, headers=hdr)
+        assert r.status_code == 413
+        detail = r.json()["detail"]
+        assert detail["error"] == "context_overflow" and detail["context_window"] == 64
+        assert detail["input_tokens"] == 83
+
+        for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": ADMIN}):
+            for method, path in (("POST", "/v1/rollout/pause"), ("POST", "/v1/rollout/resume"),
+                                 ("GET", "/v1/rollout/state")):
+                r = http.request(method, f"{proxy.url}{path}", headers=headers)
+                assert r.status_code == 401, (path, headers)
+                assert r.json()["detail"]["error"] == "unauthorized"
+
+        r = http.post(f"{proxy.url}/v1/sessions/nope/finish", json={"reward": 1})
+        assert r.status_code == 404 and r.json()["detail"]["error"] == "session_not_found"
+        r = http.post(f"{proxy.url}/v1/sessions/nope/finish", json={"reward": "high"})
+        assert r.status_code == 422
+
+    # the proxy is still healthy after all of that
+    assert httpx.get(f"{proxy.url}/health").status_code == 200
+
+
+def test_engine_unreachable_is_503(proxy_factory: ProxyFactory) -> None:
+    from tests.procs import free_port
+
+    proxy = proxy_factory([f"http://127.0.0.1:{free_port()}"], engine_connect_timeout_s=1.0)
+    with pytest.raises(openai.APIStatusError) as info:
+        proxy.client("s", "g").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "guess"}], max_tokens=2)
+    assert info.value.status_code == 503
+    assert info.value.response.json()["detail"]["error"] == "engine_unavailable"
+    # nothing was published, the session may retry
+    assert count_records(proxy.bootstrap, proxy.settings.topics.chunks) == 0

@@ -1,0 +1,79 @@
+"""shared.errors: statuses, codes, the DESIGN detail bodies, and engine body parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.proxy.engine_client import parse_generate
+from shared.errors import (
+    ContextOverflow,
+    EngineError,
+    EngineUnavailable,
+    GenerationPreempted,
+    PartialRolloutStalenessExceeded,
+    ReinError,
+    RolloutRejected,
+    SessionFinalized,
+    SessionNotFound,
+    TrajectoryVersionChanged,
+    Unauthorized,
+    http_body,
+)
+from shared.staleness import check_span
+
+
+@pytest.mark.parametrize(
+    ("cls", "status", "code"),
+    [
+        (PartialRolloutStalenessExceeded, 502, "partial_rollout_staleness_exceeded"),
+        (TrajectoryVersionChanged, 502, "trajectory_version_changed"),
+        (GenerationPreempted, 502, "generation_preempted"),
+        (EngineUnavailable, 503, "engine_unavailable"),
+        (ContextOverflow, 413, "context_overflow"),
+        (SessionNotFound, 404, "session_not_found"),
+        (SessionFinalized, 409, "session_finalized"),
+        (Unauthorized, 401, "unauthorized"),
+    ],
+)
+def test_status_and_code(cls: type[ReinError], status: int, code: str) -> None:
+    err = cls("m", session_id="s")
+    assert (err.status, err.code) == (status, code)
+    assert http_body(err) == {"detail": {"error": code, "message": "m", "session_id": "s"}}
+
+
+def test_staleness_errors_share_a_base() -> None:
+    for cls in (PartialRolloutStalenessExceeded, TrajectoryVersionChanged, GenerationPreempted):
+        assert issubclass(cls, RolloutRejected)
+
+
+def test_span_rejection_round_trips_to_the_design_body() -> None:
+    rejection = check_span(["v1", "v2"], ["v3"], 1, "sess")
+    assert rejection is not None
+    err = PartialRolloutStalenessExceeded.from_detail(rejection.detail())
+    assert err.detail() == rejection.detail()
+    assert http_body(err)["detail"]["versions"] == ["v1", "v2", "v3"]
+    with pytest.raises(ValueError, match="not a"):
+        TrajectoryVersionChanged.from_detail(rejection.detail())
+
+
+def test_parse_generate_normalises() -> None:
+    body = {
+        "text": "x",
+        "output_ids": [5, 6],
+        "meta_info": {"finish_reason": {"type": "Aborted"}, "weight_version": " v2 ",
+                      "output_token_logprobs": [[-0.1, 5, "a"], [-0.2, 6, "b"]]},
+    }
+    out = parse_generate("r", body, "e")
+    assert out.finish_reason == "abort" and out.version == "v2" and out.token_versions == ["v2", "v2"]
+    assert out.logprobs == [-0.1, -0.2]
+    body["meta_info"]["weight_version"] = "unknown"  # type: ignore[index]
+    assert parse_generate("r", body, "e").version is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{}, {"meta_info": {"finish_reason": {"type": "weird"}}}, {"output_ids": [1], "meta_info": {}}],
+)
+def test_parse_generate_rejects_malformed(body: dict[str, object]) -> None:
+    with pytest.raises(EngineError):
+        parse_generate("r", body, "e")

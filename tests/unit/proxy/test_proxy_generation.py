@@ -1,0 +1,340 @@
+"""The preemptible generation loop and the pause controller, against an in-memory engine."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import pytest
+
+from services.proxy.engine_client import EngineOutput, FinishReason, Sampling
+from services.proxy.generation import (
+    ActiveRequest,
+    ChunkOutcome,
+    Generation,
+    GenerationRequest,
+    PauseController,
+    generate_preemptible,
+)
+from shared.errors import EngineError, GenerationPreempted, PartialRolloutStalenessExceeded
+
+T = TypeVar("T")
+PROMPT = (1, 2, 3)
+
+
+def run(body: Callable[[], Awaitable[T]], timeout_s: float = 5.0) -> T:
+    async def main() -> T:
+        return await asyncio.wait_for(body(), timeout_s)
+
+    return asyncio.run(main())
+
+
+@dataclass
+class Call:
+    rid: str
+    input_ids: list[int]
+    max_new: int
+    result: asyncio.Future[EngineOutput]
+
+
+@dataclass
+class FakeEngine:
+    """Each generate call waits until the test answers it (``answer``) or an abort ends it."""
+
+    url: str = "fake://engine"
+    calls: list[Call] = field(default_factory=list)
+    new_call: asyncio.Event = field(default_factory=asyncio.Event)
+    partial: dict[str, list[int]] = field(default_factory=dict)
+    """Tokens a request 'has' when aborted."""
+    version: str = "v1"
+    abort_finds: list[bool] = field(default_factory=list)
+    """Scripted answers of abort(); default True (found) once exhausted."""
+    aborts: list[str] = field(default_factory=list)
+
+    async def generate(
+        self, rid: str, input_ids: Sequence[int], max_new_tokens: int, sampling: Sampling, stop_ids: Sequence[int]
+    ) -> EngineOutput:
+        call = Call(rid, list(input_ids), max_new_tokens, asyncio.get_running_loop().create_future())
+        self.calls.append(call)
+        self.new_call.set()
+        return await call.result
+
+    async def wait_calls(self, n: int) -> Call:
+        while len(self.calls) < n:
+            self.new_call.clear()
+            await self.new_call.wait()
+        return self.calls[n - 1]
+
+    def answer(self, call: Call, ids: list[int], reason: FinishReason) -> None:
+        if not call.result.done():
+            call.result.set_result(out(call.rid, ids, reason, self.version))
+
+    async def abort(self, request: ActiveRequest) -> bool:
+        self.aborts.append(request.rid)
+        found = self.abort_finds.pop(0) if self.abort_finds else True
+        if found:
+            for call in self.calls:
+                if call.rid == request.rid:
+                    self.answer(call, self.partial.get(call.rid, []), "abort")
+        return found
+
+
+def out(rid: str, ids: list[int], reason: FinishReason, version: str) -> EngineOutput:
+    return EngineOutput(rid, ids, [-0.5] * len(ids), version, [version] * len(ids), reason)
+
+
+def request(budget: int = 10, partial: bool = True, window: int = 64) -> GenerationRequest:
+    return GenerationRequest(
+        session_id="s", prompt_ids=PROMPT, context_ids=PROMPT, budget=budget, window=window,
+        sampling=Sampling(temperature=1.0), partial_rollout=partial, max_chunks=8,
+    )
+
+
+@dataclass
+class Harness:
+    engine: FakeEngine
+    controller: PauseController
+    chunks: list[ChunkOutcome] = field(default_factory=list)
+    checks: list[int] = field(default_factory=list)
+
+    async def generate(self, req: GenerationRequest, reject_before: int | None = None) -> Generation:
+        rids = (f"rid-{i}" for i in itertools.count())
+
+        def before(i: int) -> None:
+            self.checks.append(i)
+            if reject_before is not None and i >= reject_before:
+                raise PartialRolloutStalenessExceeded("cap")
+
+        async def on_chunk(c: ChunkOutcome) -> None:
+            self.chunks.append(c)
+
+        return await generate_preemptible(
+            req, engine=self.engine, controller=self.controller, new_rid=lambda: next(rids),
+            before_chunk=before, on_chunk=on_chunk,
+        )
+
+
+def harness() -> Harness:
+    return Harness(FakeEngine(), PauseController())
+
+
+def test_single_chunk_stop() -> None:
+    async def body() -> None:
+        h = harness()
+        task = asyncio.create_task(h.generate(request()))
+        call = await h.engine.wait_calls(1)
+        assert call.input_ids == list(PROMPT) and call.max_new == 10
+        assert [a.rid for a in h.controller.active()] == ["rid-0"]
+        h.engine.answer(call, [7, 8], "stop")
+        gen = await task
+        assert gen.output_ids == [7, 8] and gen.finish_reason == "stop"
+        assert [c.context_ids for c in h.chunks] == [PROMPT]
+        assert h.controller.active() == []
+
+    run(body)
+
+
+def test_budget_is_bounded_by_context_window() -> None:
+    async def body() -> None:
+        h = harness()
+        task = asyncio.create_task(h.generate(request(budget=100, window=10)))
+        call = await h.engine.wait_calls(1)
+        assert call.max_new == 10 - len(PROMPT)
+        h.engine.answer(call, [5] * 7, "length")
+        assert (await task).finish_reason == "length"
+
+    run(body)
+
+
+def test_pause_preempts_holds_and_resumes_with_remaining_budget() -> None:
+    async def body() -> None:
+        h = harness()
+        task = asyncio.create_task(h.generate(request(budget=10)))
+        first = await h.engine.wait_calls(1)
+        h.engine.partial["rid-0"] = [7, 8, 9]
+        result = await h.controller.pause("weight_update", 2.0, h.engine.abort)
+        assert result.status == "paused" and result.quiesced and result.active == 0
+        assert result.preempted == ["rid-0"]
+        assert first.result.result().finish_reason == "abort"
+        while h.controller.held == 0:  # the loop parks itself right after releasing the chunk
+            await asyncio.sleep(0)
+        assert len(h.engine.calls) == 1  # nothing admitted while paused
+        h.engine.version = "v2"
+        assert h.controller.resume() is True
+        second = await h.engine.wait_calls(2)
+        assert second.input_ids == [*PROMPT, 7, 8, 9] and second.max_new == 7
+        h.engine.answer(second, [10, 11], "stop")
+        gen = await task
+        assert gen.output_ids == [7, 8, 9, 10, 11]
+        assert gen.versions == ["v1"] * 3 + ["v2"] * 2
+        assert [c.context_ids for c in h.chunks] == [PROMPT, ()]
+        assert [c.chunk_index for c in h.chunks] == [0, 1]
+        assert h.checks == [0, 1]  # pre-check before every chunk
+
+    run(body)
+
+
+def test_natural_stop_is_never_resumed_even_if_abort_succeeded() -> None:
+    """W7: the engine finished the chunk before the abort; 'found' or not, it is final."""
+
+    async def body() -> None:
+        h = harness()
+        task = asyncio.create_task(h.generate(request()))
+        call = await h.engine.wait_calls(1)
+        h.engine.answer(call, [7, 0], "stop")  # finished naturally; abort arrives after
+        h.engine.abort_finds = [True]
+        result = await h.controller.pause("weight_update", 2.0, h.engine.abort)
+        gen = await task
+        assert result.quiesced and result.preempted == []
+        assert gen.output_ids == [7, 0] and gen.finish_reason == "stop"
+        assert len(h.engine.calls) == 1
+
+    run(body)
+
+
+def test_abort_without_partial_rollout_raises_preempted() -> None:
+    async def body() -> None:
+        h = harness()
+        task = asyncio.create_task(h.generate(request(partial=False)))
+        await h.engine.wait_calls(1)
+        h.engine.partial["rid-0"] = [7]
+        await h.controller.pause("weight_update", 2.0, h.engine.abort)
+        with pytest.raises(GenerationPreempted):
+            await task
+        assert len(h.chunks) == 1  # the aborted chunk was still handed over (published) first
+
+    run(body)
+
+
+def test_abort_with_budget_spent_finishes_as_length() -> None:
+    async def body() -> None:
+        h = harness()
+        task = asyncio.create_task(h.generate(request(budget=3)))
+        await h.engine.wait_calls(1)
+        h.engine.partial["rid-0"] = [7, 8, 9]
+        await h.controller.pause("weight_update", 2.0, h.engine.abort)
+        gen = await task
+        assert gen.finish_reason == "length" and h.controller.held == 0
+
+    run(body)
+
+
+def test_pre_check_rejects_without_calling_the_engine() -> None:
+    async def body() -> None:
+        h = harness()
+        with pytest.raises(PartialRolloutStalenessExceeded):
+            await h.generate(request(), reject_before=0)
+        assert h.engine.calls == [] and h.controller.active() == []
+
+    run(body)
+
+
+def test_pre_check_rejects_continuation_after_resume() -> None:
+    async def body() -> None:
+        h = harness()
+        task = asyncio.create_task(h.generate(request(), reject_before=1))
+        await h.engine.wait_calls(1)
+        h.engine.partial["rid-0"] = [7]
+        await h.controller.pause("weight_update", 2.0, h.engine.abort)
+        h.controller.resume()
+        with pytest.raises(PartialRolloutStalenessExceeded):
+            await task
+        assert len(h.engine.calls) == 1
+
+    run(body)
+
+
+def test_post_chunk_error_stops_at_once() -> None:
+    async def body() -> None:
+        h = harness()
+
+        async def on_chunk(c: ChunkOutcome) -> None:
+            raise PartialRolloutStalenessExceeded("after chunk")
+
+        task = asyncio.create_task(generate_preemptible(
+            request(), engine=h.engine, controller=h.controller, new_rid=lambda: "r",
+            before_chunk=lambda i: None, on_chunk=on_chunk,
+        ))
+        call = await h.engine.wait_calls(1)
+        h.engine.answer(call, [1], "abort")
+        with pytest.raises(PartialRolloutStalenessExceeded):
+            await task
+        assert len(h.engine.calls) == 1 and h.controller.active() == []
+
+    run(body)
+
+
+def test_pause_timeout_reports_not_quiesced() -> None:
+    async def body() -> None:
+        h = harness()
+        h.engine.abort_finds = [False] * 1000  # the engine never finds the request
+        task = asyncio.create_task(h.generate(request()))
+        call = await h.engine.wait_calls(1)
+        result = await h.controller.pause("weight_update", 0.2, h.engine.abort, abort_retry_s=0.01)
+        assert result.quiesced is False and result.active == 1 and result.preempted == []
+        assert len(h.engine.aborts) > 1  # the abort was re-sent
+        again = await h.controller.pause("weight_update", 0.05, h.engine.abort, abort_retry_s=0.01)
+        assert again.status == "already_paused" and again.quiesced is False
+        h.engine.answer(call, [1], "stop")
+        await task
+        third = await h.controller.pause("weight_update", 0.05, h.engine.abort)
+        assert third.quiesced and third.active == 0
+
+    run(body)
+
+
+def test_abort_that_overtook_generate_is_resent() -> None:
+    async def body() -> None:
+        h = harness()
+        h.engine.abort_finds = [False, False, True]
+        task = asyncio.create_task(h.generate(request()))
+        await h.engine.wait_calls(1)
+        result = await h.controller.pause("weight_update", 2.0, h.engine.abort, abort_retry_s=0.001)
+        assert result.quiesced and result.preempted == ["rid-0"] and len(h.engine.aborts) == 3
+        h.controller.resume()
+        call = await h.engine.wait_calls(2)
+        h.engine.answer(call, [1], "stop")
+        await task
+
+    run(body)
+
+
+def test_admission_waits_while_paused() -> None:
+    async def body() -> None:
+        h = harness()
+        result = await h.controller.pause("weight_update", 1.0, h.engine.abort)
+        assert result.quiesced and result.status == "paused"
+        task = asyncio.create_task(h.generate(request()))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert h.engine.calls == []
+        h.controller.resume()
+        h.engine.answer(await h.engine.wait_calls(1), [1], "stop")
+        await task
+        assert h.controller.resume() is False  # already running
+
+    run(body)
+
+
+def test_engine_that_always_aborts_is_bounded() -> None:
+    async def body() -> None:
+        h = harness()
+        answered = 0
+
+        async def answer_all() -> None:
+            nonlocal answered
+            while True:
+                call = await h.engine.wait_calls(answered + 1)
+                h.engine.answer(call, [], "abort")
+                answered += 1
+
+        helper = asyncio.create_task(answer_all())
+        with pytest.raises(EngineError):
+            await h.generate(request())
+        helper.cancel()
+        assert len(h.engine.calls) == 8
+
+    run(body)

@@ -1,0 +1,142 @@
+"""The proxy's session store: TITO appends, new segments, lifecycle errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.proxy.sessions import Session, SessionStore
+from shared.errors import BadRequest, SessionBusy, SessionFinalized, SessionNotFound
+from shared.tokenizer import TOKENIZER as TOK
+
+SYSTEM = ("system", "guess the number")
+USER1 = ("user", "guess")
+USER2 = ("user", "higher")
+
+
+def run_turn(session: Session, messages: list[tuple[str, str]], output: list[int], version: str = "v1") -> list[int]:
+    """Plan a call, record one chunk with ``output``, complete it; returns the chunk's context ids."""
+    plan = session.plan(messages, TOK)
+    session.record_chunk(plan, plan.context_ids, output, version)
+    session.complete_turn(plan, tuple(TOK.render_message("assistant", TOK.decode(output))))
+    return list(plan.context_ids)
+
+
+def test_first_call_renders_full_template() -> None:
+    session = Session("s", "g")
+    plan = session.plan([SYSTEM, USER1], TOK)
+    expected = TOK.apply_chat_template([{"role": r, "content": c} for r, c in (SYSTEM, USER1)], True)
+    assert plan.new_segment and plan.segment_index == 0
+    assert list(plan.context_ids) == expected == list(plan.prompt_ids)
+
+
+def test_extension_appends_only_new_messages_and_header() -> None:
+    session = Session("s", "g")
+    out = [TOK.token_id("5"), TOK.end_id]
+    first_ctx = run_turn(session, [SYSTEM, USER1], out)
+    assistant = ("assistant", TOK.decode(out))
+    plan = session.plan([SYSTEM, USER1, assistant, USER2], TOK)
+    assert not plan.new_segment and plan.segment_index == 0
+    assert list(plan.context_ids) == [*TOK.render_message(*USER2), TOK.assistant_id]
+    assert list(plan.prompt_ids) == [*first_ctx, *out, *plan.context_ids]
+
+
+def test_engine_tokens_are_kept_not_retokenised() -> None:
+    """The segment holds the engine's ids even when decoding drops some (special tokens)."""
+    session = Session("s", "g")
+    out = [TOK.token_id("5"), TOK.pad_id, TOK.end_id]  # <pad> vanishes from the text
+    first_ctx = run_turn(session, [USER1], out)
+    plan = session.plan([USER1, ("assistant", "5"), USER2], TOK)
+    assert not plan.new_segment
+    assert list(plan.prompt_ids[: len(first_ctx) + len(out)]) == [*first_ctx, *out]
+
+
+def test_output_cut_by_length_gets_end_token_in_next_context() -> None:
+    session = Session("s", "g")
+    out = [TOK.token_id("5"), TOK.token_id("6")]  # no <|end|>: budget ran out
+    run_turn(session, [USER1], out)
+    plan = session.plan([USER1, ("assistant", "5 6"), USER2], TOK)
+    assert list(plan.context_ids) == [TOK.end_id, *TOK.render_message(*USER2), TOK.assistant_id]
+
+
+def test_rewritten_history_starts_new_segment() -> None:
+    session = Session("s", "g")
+    run_turn(session, [SYSTEM, USER1], [TOK.token_id("5"), TOK.end_id])
+    plan = session.plan([SYSTEM, ("user", "lower")], TOK)
+    assert plan.new_segment and plan.segment_index == 1
+    assert list(plan.context_ids) == TOK.apply_chat_template(
+        [{"role": "system", "content": SYSTEM[1]}, {"role": "user", "content": "lower"}], True
+    )
+
+
+def test_assistant_message_must_match_what_was_returned() -> None:
+    session = Session("s", "g")
+    run_turn(session, [USER1], [TOK.token_id("5"), TOK.end_id])
+    plan = session.plan([USER1, ("assistant", "7"), USER2], TOK)
+    assert plan.new_segment
+
+
+def test_new_segment_opens_only_with_first_chunk() -> None:
+    session = Session("s", "g")
+    run_turn(session, [USER1], [TOK.end_id])
+    plan = session.plan([USER2], TOK)
+    assert plan.new_segment and len(session.segments) == 1  # planning changes nothing
+    seq = session.record_chunk(plan, plan.context_ids, [TOK.end_id], "v2")
+    assert seq == 1 and len(session.segments) == 2 and session.num_chunks == 2
+
+
+def test_continuation_chunks_and_versions() -> None:
+    session = Session("s", "g")
+    plan = session.plan([USER1], TOK)
+    session.record_chunk(plan, plan.context_ids, [10, 11], "v1")
+    session.record_chunk(plan, (), [12, TOK.end_id], " v2 ")
+    seg = session.segments[0]
+    assert seg.token_ids == [*plan.context_ids, 10, 11, 12, TOK.end_id]
+    assert seg.versions == [None] * len(plan.context_ids) + ["v1", "v1", "v2", "v2"]
+    assert session.versions() == ["v1", "v2"]
+
+
+def test_unknown_versions_are_not_recorded_as_real() -> None:
+    session = Session("s", "g")
+    plan = session.plan([USER1], TOK)
+    session.record_chunk(plan, plan.context_ids, [10], "unknown")
+    session.record_chunk(plan, (), [11], None)
+    assert session.versions() == []
+
+
+def test_closed_segment_is_never_extended() -> None:
+    session = Session("s", "g")
+    out = [TOK.token_id("5"), TOK.end_id]
+    run_turn(session, [USER1], out)
+    plan = session.plan([USER1, ("assistant", "5"), USER2], TOK)
+    session.record_chunk(plan, plan.context_ids, [10], "v1")
+    session.close_segment(plan)
+    again = session.plan([USER1, ("assistant", "5"), USER2], TOK)
+    assert again.new_segment and again.segment_index == 1
+
+
+def test_unknown_role_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="tool"):
+        Session("s", "g").plan([("tool", "x")], TOK)
+
+
+def test_store_lifecycle() -> None:
+    store = SessionStore(finalized_memory=2)
+    session = store.acquire("a", "g")
+    with pytest.raises(SessionBusy):
+        store.acquire("a", "g")
+    store.release(session)
+    with pytest.raises(BadRequest):
+        store.acquire("a", "other-group")
+    assert store.get("a") is session
+    with pytest.raises(SessionNotFound):
+        store.get("missing")
+    store.finalize(session, "finished")
+    with pytest.raises(SessionFinalized) as info:
+        store.acquire("a", "g")
+    assert info.value.detail()["outcome"] == "finished"
+    with pytest.raises(SessionFinalized):
+        store.get("a")
+    for name in ("b", "c"):
+        store.finalize(store.acquire(name, "g"), "finished")
+    assert store.outcome("a") is None  # bounded memory: the oldest id is forgotten
+    assert len(store) == 0
