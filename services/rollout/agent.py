@@ -1,0 +1,237 @@
+"""One episode through the proxy with the official ``openai`` client, then its reward.
+
+The agent is deliberately an ordinary OpenAI-API user: each turn it sends the whole
+conversation (the proxy does token-in-token-out on the extended history), appends the
+assistant reply and the environment's answer, and at the end reports the reward with
+``POST /v1/sessions/{id}/finish``. Outcomes:
+
+- ``completed`` / ``truncated``: the episode ended and the finish call was delivered
+  (``truncated`` when the proxy refused a turn as ``context_overflow``; the reward is
+  the task's reward for the turns played).
+- ``rejected``: the proxy rejected the session (502 staleness errors, or 409 because it
+  already did). The proxy publishes ``SessionRejected`` itself, so no finish is sent.
+- ``failed``: any other error (503 engine or Kafka unavailable, timeouts, an unreachable
+  proxy). The agent reports ``status: failed`` when it can, so the collector completes
+  the group as failed and asks for a retry.
+
+Every call is bounded by the client's timeout; nothing here retries forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+import openai
+
+from services.rollout.task import Episode, Message
+from shared import log
+
+STALENESS_ERRORS = frozenset(
+    {"partial_rollout_staleness_exceeded", "trajectory_version_changed", "generation_preempted"}
+)
+"""502 ``detail.error`` values that mean "the proxy rejected this session"."""
+
+Outcome = Literal["completed", "truncated", "failed", "rejected"]
+
+
+@dataclass(frozen=True)
+class SessionIds:
+    """Identity of one session, sent as headers on every call."""
+
+    session_id: str
+    group_id: str
+    prompt_id: str
+    attempt: int
+
+    def headers(self, turn: int) -> dict[str, str]:
+        return {
+            "X-Session-Id": self.session_id,
+            "X-Group-Id": self.group_id,
+            "X-Turn-Id": str(turn),
+            "X-Prompt-Id": self.prompt_id,
+            "X-Attempt": str(self.attempt),
+        }
+
+
+@dataclass
+class EpisodeResult:
+    session_id: str
+    outcome: Outcome
+    reward: float = 0.0
+    turns: int = 0
+    error: str = ""
+    """Error name (``detail.error`` of the proxy, or ``timeout`` / ``unreachable`` / ``http_<status>``)."""
+    reported: bool = False
+    """The finish call was delivered (always False for rejected sessions)."""
+    unreachable: bool = False
+    """The proxy could not be reached at all (connection refused / reset)."""
+    messages: list[Message] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CallError:
+    """How the agent reads one failed chat call."""
+
+    outcome: Outcome
+    error: str
+    unreachable: bool = False
+
+
+def error_name(body: object) -> str:
+    """The machine-readable error of a proxy error body, or ''.
+
+    Accepts FastAPI's ``{"detail": {"error": ...}}`` (what the openai client hands over
+    for rein's proxy) and the OpenAI ``{"error": {"code"|"type": ...}}`` shape.
+    """
+    if not isinstance(body, dict):
+        return ""
+    detail = body.get("detail")
+    if isinstance(detail, dict) and isinstance(detail.get("error"), str):
+        return str(detail["error"])
+    if isinstance(detail, str):
+        return detail
+    err = body.get("error", body)
+    if isinstance(err, str):
+        return err
+    if isinstance(err, dict):
+        for key in ("error", "code", "type"):
+            if isinstance(err.get(key), str):
+                return str(err[key])
+    return ""
+
+
+def classify(exc: openai.APIError) -> CallError:
+    """Map a failed chat call to an outcome (the one place that knows the proxy's error contract)."""
+    if isinstance(exc, openai.APITimeoutError):
+        return CallError("failed", "timeout")
+    if isinstance(exc, openai.APIConnectionError):
+        return CallError("failed", "unreachable", unreachable=True)
+    if isinstance(exc, openai.APIStatusError):
+        name = error_name(exc.body)
+        if exc.status_code == 409 and name != "session_busy":
+            # session_finalized: the proxy rejected (or closed) the session; it takes no more calls.
+            return CallError("rejected", name or "session_finalized")
+        if exc.status_code == 502 and name in STALENESS_ERRORS:
+            return CallError("rejected", name)
+        if exc.status_code == 413 and name == "context_overflow":
+            return CallError("truncated", name)
+        return CallError("failed", name or f"http_{exc.status_code}")
+    return CallError("failed", type(exc).__name__)
+
+
+class Agent:
+    """Plays episodes through one proxy. Shares one openai client and one httpx client."""
+
+    def __init__(
+        self,
+        client: openai.AsyncOpenAI,
+        http: httpx.AsyncClient,
+        *,
+        proxy_url: str,
+        model: str,
+        max_tokens: int,
+        temperature: float,
+        finish_attempts: int = 3,
+    ) -> None:
+        self._client = client
+        self._http = http
+        self._proxy_url = proxy_url.rstrip("/")
+        self._model = model
+        self._max_tokens = max_tokens
+        self._temperature = temperature
+        self._finish_attempts = finish_attempts
+
+    async def run(self, episode: Episode, payload: dict[str, Any], ids: SessionIds) -> EpisodeResult:
+        """Play one episode to its end; never raises for proxy or network errors."""
+        logger = log.get(__name__).bind(session_id=ids.session_id, group_id=ids.group_id, prompt_id=ids.prompt_id)
+        messages: list[Message] = episode.reset(payload)
+        turn = 0
+        while True:
+            try:
+                response = await self._client.chat.completions.create(
+                    model=self._model,
+                    messages=messages,  # type: ignore[arg-type]
+                    max_tokens=self._max_tokens,
+                    temperature=self._temperature,
+                    extra_headers=ids.headers(turn),
+                )
+            except openai.APIError as exc:
+                call = classify(exc)
+                result = EpisodeResult(ids.session_id, call.outcome, turns=turn, error=call.error,
+                                       unreachable=call.unreachable, messages=messages)
+                logger.info("episode_call_failed", turn=turn, outcome=call.outcome, error=call.error)
+                if call.outcome == "rejected":
+                    return result
+                if call.outcome == "truncated":
+                    result.reward = episode.reward()
+                return await self._report(result, logger)
+            turn += 1
+            text = (response.choices[0].message.content or "") if response.choices else ""
+            messages.append({"role": "assistant", "content": text})
+            feedback = episode.step(text)
+            if feedback is None:
+                break
+            messages.extend(feedback)
+        result = EpisodeResult(ids.session_id, episode.status, reward=episode.reward(), turns=turn, messages=messages)
+        return await self._report(result, logger)
+
+    async def _report(self, result: EpisodeResult, logger: Any) -> EpisodeResult:
+        status = "failed" if result.outcome == "failed" else result.outcome
+        delivered = await self.finish(result.session_id, result.reward, status)
+        if delivered == "conflict_first":
+            # The proxy had already closed the session (it rejected it, e.g. a soft reject).
+            result.outcome, result.error = "rejected", result.error or "session_closed"
+        elif delivered in ("ok", "conflict_retry"):
+            result.reported = True
+        else:
+            logger.warning("finish_not_delivered", reason=delivered, status=status)
+            result.error = result.error or f"finish_{delivered}"
+        return result
+
+    async def finish(self, session_id: str, reward: float, status: str) -> str:
+        """POST the finish call; bounded retries while the proxy cannot take it yet.
+
+        Retried: transport errors, 503 (the proxy could not write to Kafka; the session
+        stays open) and 409 ``session_busy`` (a timed-out call is still running there).
+        Returns ``ok``; ``conflict_first`` (409 ``session_finalized`` on the first try:
+        the session had been closed, i.e. rejected); ``conflict_retry`` (the same after
+        a try whose answer was lost: our earlier call went through); ``not_found``;
+        ``http_<status>``; or ``unreachable`` / ``busy`` / ``unavailable`` when the tries
+        ran out.
+        """
+        url = f"{self._proxy_url}/v1/sessions/{session_id}/finish"
+        delay, last, sent = 0.2, "unreachable", False
+        for attempt in range(self._finish_attempts):
+            if attempt:
+                await asyncio.sleep(delay)
+                delay *= 2
+            try:
+                response = await self._http.post(url, json={"reward": reward, "status": status})
+            except httpx.TransportError:
+                last, sent = "unreachable", True
+                continue
+            name = error_name(_json(response))
+            if response.status_code == 200:
+                return "ok"
+            if response.status_code == 409 and name == "session_busy":
+                last = "busy"
+                continue
+            if response.status_code == 409:
+                return "conflict_retry" if sent else "conflict_first"
+            if response.status_code == 503:
+                last = "unavailable"
+                continue
+            if response.status_code == 404:
+                return "not_found"
+            return f"http_{response.status_code}"
+        return last
+
+
+def _json(response: httpx.Response) -> object:
+    try:
+        return response.json()
+    except ValueError:
+        return None

@@ -1,0 +1,116 @@
+"""The runner's Prometheus series and its ``/metrics`` + ``/health`` server.
+
+The server runs on the runner's event loop (uvicorn, with signal handling left to the
+runner). ``/health`` is 503 until the runner is dispatching and after it failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
+
+from services.rollout.agent import EpisodeResult
+from shared import metrics
+
+HealthFn = Callable[[], tuple[bool, dict[str, Any]]]
+
+
+class RolloutMetrics:
+    """Series of one runner, on a registry it owns."""
+
+    def __init__(self, registry: CollectorRegistry, recent: int = 256) -> None:
+        self.registry = registry
+        self.episodes = metrics.counter(registry, "rollout/episodes", "Episodes ended, by outcome", ("outcome",))
+        self.rejections = metrics.counter(
+            registry, "rollout/rejections", "Sessions the proxy rejected, by error", ("error",)
+        )
+        self.failures = metrics.counter(registry, "rollout/failures", "Episodes that failed, by error", ("error",))
+        self.unreported = metrics.counter(
+            registry, "rollout/finish_not_delivered", "Ended episodes whose finish call never reached the proxy"
+        )
+        self.groups = metrics.counter(registry, "rollout/groups_dispatched", "Groups dispatched", ("kind",))
+        self.in_flight = metrics.gauge(registry, "rollout/groups_in_flight", "Groups whose episodes are running")
+        self.reward_mean = metrics.gauge(
+            registry, "rollout/reward_mean", f"Mean reward of the last {recent} completed episodes"
+        )
+        self.dispatch_failures = metrics.counter(
+            registry, "rollout/dispatch_failures", "GroupDispatched records that could not be published"
+        )
+        self.duplicate_retries = metrics.counter(
+            registry, "rollout/duplicate_retries", "Retry requests skipped because that prompt attempt was seen"
+        )
+        self.bad_retries = metrics.counter(
+            registry, "rollout/bad_retries", "Retry records skipped (wrong type or unplayable prompt payload)"
+        )
+        self.sync_wave = metrics.gauge(registry, "rollout/sync_wave", "Sync mode: index of the current wave")
+        self.sync_wait_timeouts = metrics.counter(
+            registry, "rollout/sync_wait_timeouts", "Sync-mode waves opened without a new weight version (timeout)"
+        )
+        self.weights_seq = metrics.gauge(registry, "rollout/weights_seq", "Newest applied weight sequence seen")
+        self.decode_errors = metrics.DecodeErrors(registry)
+        self._recent: deque[float] = deque(maxlen=recent)
+
+    def on_episode(self, result: EpisodeResult) -> None:
+        self.episodes.labels(outcome=result.outcome).inc()
+        if result.outcome == "rejected":
+            self.rejections.labels(error=result.error or "unknown").inc()
+        elif result.outcome == "failed":
+            self.failures.labels(error=result.error or "unknown").inc()
+        if result.outcome != "rejected" and not result.reported:
+            self.unreported.inc()
+        if result.outcome in ("completed", "truncated"):
+            self._recent.append(result.reward)
+            self.reward_mean.set(sum(self._recent) / len(self._recent))
+
+    @property
+    def recent_reward_mean(self) -> float | None:
+        return sum(self._recent) / len(self._recent) if self._recent else None
+
+
+def create_app(registry: CollectorRegistry, health: HealthFn) -> FastAPI:
+    app = FastAPI(title="rein rollout runner", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/metrics")
+    def get_metrics() -> Response:
+        body, ctype = metrics.render(registry)
+        return Response(content=body, media_type=ctype)
+
+    @app.get("/health")
+    def get_health() -> JSONResponse:
+        ok, detail = health()
+        return JSONResponse(detail, status_code=200 if ok else 503)
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # The runner owns SIGTERM/SIGINT (graceful drain); uvicorn must not take them.
+        yield
+
+
+class StatusServer:
+    """uvicorn on an already-bound socket, so ``port`` is known even when 0 was asked for."""
+
+    def __init__(self, host: str, port: int, app: FastAPI) -> None:
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.port: int = self._socket.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        self._server = _Server(config)
+
+    async def serve(self) -> None:
+        await self._server.serve(sockets=[self._socket])
+
+    def stop(self) -> None:
+        self._server.should_exit = True

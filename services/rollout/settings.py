@@ -1,0 +1,82 @@
+"""Rollout runner settings (``REIN_*`` environment variables); built once in ``__main__``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from shared.settings import ServiceSettings
+
+
+class RolloutSettings(ServiceSettings):
+    """Settings of ``python -m services.rollout``."""
+
+    proxy_url: str = "http://127.0.0.1:8000"
+    """Base URL of the proxy (without ``/v1``); agents call ``{proxy_url}/v1/chat/completions``."""
+    api_key: str = "rein"
+    """Bearer key the openai client sends; the proxy does not check it, the client requires one."""
+    model: str = "rein-tiny"
+    """Model name put in each chat request (the proxy accepts any)."""
+    task: Literal["guess_number"] = "guess_number"
+    """Built-in task to play (``services.rollout.task.TASKS``)."""
+    seed: int = 0
+    """Seed of the prompt stream: the same seed gives the same prompts (and prompt ids) in the same order."""
+    group_size: int = Field(default=8, ge=1)
+    """Episodes per prompt (one GRPO group); all of a group's episodes run concurrently."""
+    max_concurrent_groups: int = Field(default=32, ge=1)
+    """Most groups in flight at once (so at most ``max_concurrent_groups * group_size`` open chat calls)."""
+    mode: Literal["async", "sync"] = "async"
+    """``async``: keep ``max_concurrent_groups`` groups in flight continuously. ``sync`` (comparison
+    runs): dispatch ``groups_per_step`` new groups, wait for all of them and for the next applied weight
+    version, then the next wave; nothing new is dispatched while the trainer trains."""
+    groups_per_step: int = Field(default=32, ge=1)
+    """Sync mode: new groups per wave. Set it to the trainer's groups per batch, or sync mode waits
+    for an update that needs more groups than a wave gives (bounded by ``sync_weight_timeout_s``)."""
+    sync_weight_timeout_s: float = Field(default=600.0, gt=0)
+    """Sync mode: longest wait for the next applied weight version after a wave; past it the runner
+    logs an error, counts ``rollout/sync_wait_timeouts`` and dispatches the next wave anyway."""
+    max_groups: int = Field(default=0, ge=0)
+    """Stop after dispatching this many groups (retries included), once they have all ended; 0 = unbounded."""
+    max_tokens: int = Field(default=1, ge=1)
+    """Output budget of each assistant reply. 1 (one word per reply, like the learning notes'
+    prototype): an untrained policy then hits the secret with p = 1/54 per turn instead of about
+    0.004 with 2 tokens, so about half the groups of 8 carry a learning signal from the start
+    (docs/task.md). The proxy closes the assistant message with the end token either way."""
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Sampling temperature of every call (RL samples at 1.0)."""
+    request_timeout_s: float = Field(default=120.0, gt=0)
+    """Bound on one chat or finish call. A call held across a weight update (pause, load, resume)
+    must fit inside it; past it the episode ends as failed."""
+    finish_attempts: int = Field(default=3, ge=1)
+    """Tries of the finish call when the proxy cannot be reached (a 409 after a lost answer is success)."""
+    startup_timeout_s: float = Field(default=60.0, gt=0)
+    """Bound on waiting for the proxy's ``/health`` and for the Kafka consumers to catch up at start,
+    and on waiting for the proxy to come back when every episode of a group found it unreachable."""
+    drain_timeout_s: float = Field(default=60.0, gt=0)
+    """On SIGTERM/SIGINT or ``max_groups``: how long in-flight groups may still run before being cancelled."""
+    retry_consumer_group: str = "rein-rollout"
+    """Kafka consumer group reading ``rollout.retries`` (offsets are committed after a retry is dispatched)."""
+    metrics_host: str = "127.0.0.1"
+    """Interface of the ``/metrics`` and ``/health`` server."""
+    metrics_port: int = Field(default=9500, ge=0, le=65535)
+    """Port of ``/metrics`` and ``/health``; 0 picks a free port (logged as ``status_server_started``)."""
+
+    @field_validator("proxy_url")
+    @classmethod
+    def _proxy_url(cls, url: str) -> str:
+        url = url.strip().rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"proxy_url must be an http(s) URL, got {url!r}")
+        if url.endswith("/v1"):
+            raise ValueError(f"proxy_url is the proxy's base URL without /v1, got {url!r}")
+        return url
+
+    @model_validator(mode="after")
+    def _sync_wave_fits(self) -> RolloutSettings:
+        if self.mode == "sync" and 0 < self.max_groups < self.groups_per_step:
+            raise ValueError(
+                f"sync mode: max_groups ({self.max_groups}, REIN_MAX_GROUPS) is smaller than one wave "
+                f"(groups_per_step = {self.groups_per_step}, REIN_GROUPS_PER_STEP)"
+            )
+        return self

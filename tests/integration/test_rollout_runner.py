@@ -1,0 +1,312 @@
+"""The rollout runner end to end: real engine, real proxy, real Kafka, the runner as a process.
+
+One engine and one proxy subprocess per module, on fresh topics. Each test runs
+``python -m services.rollout`` with ``REIN_MAX_GROUPS`` so it exits by itself, then
+reads every record back and checks it against the task: the runner's rewards must be
+exactly what the task computes for the transcript the chunks record.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import KafkaAdminClient
+
+from services.rollout.task import NumberGuessTask
+from shared.names import Topics
+from shared.schemas import (
+    Chunk,
+    GroupDispatched,
+    Record,
+    RetryRequest,
+    SessionFinished,
+    SessionRejected,
+    WeightApplied,
+    decode,
+    encode,
+)
+from shared.tokenizer import TOKENIZER
+from tests.procs import REPO_ROOT, free_port, start_service
+
+pytestmark = pytest.mark.integration
+
+RUN_TIMEOUT_S = 200
+"""Bound on one runner run; covers a slow first consumer-group join on a loaded machine (startup 120 s)."""
+
+
+@dataclass
+class Stack:
+    bootstrap: str
+    topics: Topics
+    proxy_url: str
+    log_dir: Path
+
+
+@pytest.fixture(scope="module")
+def stack(kafka_bootstrap: str, kafka_admin: KafkaAdminClient,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    suffix = uuid.uuid4().hex[:8]
+    topics = Topics(chunks=f"t.rollout.chunks.{suffix}", events=f"t.rollout.events.{suffix}")
+    names = [topics.chunks, topics.events]
+    kafka_admin.create_topics({n: {"num_partitions": 4, "replication_factor": 1} for n in names}, timeout_ms=30_000)
+    kafka_admin.wait_for_topics(names, timeout_ms=30_000)
+    logs = tmp_path_factory.mktemp("rollout-logs")
+    engine_port, proxy_port = free_port(), free_port()
+    engine = start_service(
+        "services.engine",
+        {"REIN_PORT": str(engine_port), "REIN_WEIGHTS_DIR": str(tmp_path_factory.mktemp("weights")),
+         "REIN_TORCH_THREADS": "1", "REIN_LOG_LEVEL": "warning", "REIN_SEED": "3"},
+        f"http://127.0.0.1:{engine_port}/health", timeout_s=90, log_dir=logs,
+    )
+    try:
+        proxy = start_service(
+            "services.proxy",
+            {"REIN_PORT": str(proxy_port), "REIN_ENGINE_URLS": f'["http://127.0.0.1:{engine_port}"]',
+             "REIN_ADMIN_TOKEN": "rollout-test-token", "REIN_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
+             "REIN_TOPICS__CHUNKS": topics.chunks, "REIN_TOPICS__EVENTS": topics.events,
+             "REIN_LOG_LEVEL": "warning"},
+            f"http://127.0.0.1:{proxy_port}/health", timeout_s=90, log_dir=logs,
+        )
+        try:
+            yield Stack(kafka_bootstrap, topics, f"http://127.0.0.1:{proxy_port}", logs)
+        finally:
+            proxy.stop()
+    finally:
+        engine.stop()
+
+
+def _runner_env(stack: Stack, group: str, retries: str, weights: str, **extra: str) -> dict[str, str]:
+    """The runner's environment; ``retries`` / ``weights`` are the test's own topics (the runner
+    reads them from the beginning, so records of another test must not be there)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REIN_")}
+    env.update({
+        "PYTHONUNBUFFERED": "1",
+        "REIN_PROXY_URL": stack.proxy_url,
+        "REIN_KAFKA__BOOTSTRAP_SERVERS": stack.bootstrap,
+        "REIN_TOPICS__EVENTS": stack.topics.events,
+        "REIN_TOPICS__CHUNKS": stack.topics.chunks,
+        "REIN_TOPICS__RETRIES": retries,
+        "REIN_TOPICS__WEIGHTS": weights,
+        "REIN_RETRY_CONSUMER_GROUP": group,
+        "REIN_METRICS_PORT": "0",
+        "REIN_GROUP_SIZE": "4",
+        "REIN_REQUEST_TIMEOUT_S": "30",
+        "REIN_STARTUP_TIMEOUT_S": "120",
+    })
+    env.update(extra)
+    return env
+
+
+def _start_runner(stack: Stack, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
+    log_path = stack.log_dir / f"rollout-{uuid.uuid4().hex[:6]}.log"
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "services.rollout"], cwd=REPO_ROOT, env=env,
+                                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return proc, log_path
+
+
+def _wait_exit(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = RUN_TIMEOUT_S) -> None:
+    try:
+        code = proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        pytest.fail(f"runner did not exit within {timeout_s}s; log:\n{log_path.read_text()[-4000:]}")
+    assert code == 0, f"runner exited {code}; log:\n{log_path.read_text()[-4000:]}"
+
+
+def _read_all(bootstrap: str, topic: str, timeout_s: float = 30) -> list[Any]:
+    """Every record now on ``topic`` (all partitions, from the beginning), in (partition, offset) order."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        end = consumer.end_offsets(tps)
+        out: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.position(tp) < end[tp] for tp in tps):
+            assert time.monotonic() < deadline, f"could not read {topic} to its end within {timeout_s}s"
+            for batch in consumer.poll(timeout_ms=500).values():
+                out.extend(decode(m.value) for m in batch)
+        return out
+    finally:
+        consumer.close()
+
+
+def _produce(bootstrap: str, topic: str, record: Record) -> tuple[int, int]:
+    """Publish one record (acks=all); its (partition, offset)."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    try:
+        meta = producer.send(topic, key=record.key().encode(), value=encode(record)).get(timeout=30)
+    finally:
+        producer.close(timeout=10)
+    return meta.partition, meta.offset
+
+
+def _wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.2)
+
+
+def _check_groups(stack: Stack, dispatched: list[GroupDispatched]) -> None:
+    """Every session of every group: chunks present, finished once, reward = the task's replay."""
+    events = _read_all(stack.bootstrap, stack.topics.events)
+    chunks = [c for c in _read_all(stack.bootstrap, stack.topics.chunks) if isinstance(c, Chunk)]
+    finished = {e.session_id: e for e in events if isinstance(e, SessionFinished)}
+    rejected = {e.session_id for e in events if isinstance(e, SessionRejected)}
+    by_session: dict[str, list[Chunk]] = defaultdict(list)
+    for c in chunks:
+        by_session[c.session_id].append(c)
+    task = NumberGuessTask()
+    for group in dispatched:
+        assert len(group.session_ids) == 4
+        for sid in group.session_ids:
+            assert sid not in rejected, "no weight update ran: nothing may be rejected"
+            assert sid in finished, f"session {sid} of {group.group_id} never finished"
+            fin = finished[sid]
+            session_chunks = sorted(by_session[sid], key=lambda c: c.seq)
+            assert session_chunks, f"no chunk records for {sid}"
+            assert fin.group_id == group.group_id and fin.status == "completed"
+            assert fin.num_chunks == len(session_chunks)
+            assert all(c.group_id == group.group_id and c.ts >= group.ts for c in session_chunks)
+            assert all(c.prompt_id == group.prompt_id and c.attempt == group.attempt for c in session_chunks)
+            # The first context is exactly the task's opening message, then the assistant header.
+            episode = task.episode()
+            first = episode.reset(dict(group.prompt))
+            assert session_chunks[0].context_ids == TOKENIZER.apply_chat_template(first, add_generation_prompt=True)
+            # Replay the task on the recorded outputs, one chat call (turn) at a time.
+            turns: dict[str, list[int]] = defaultdict(list)
+            order: list[str] = []
+            for c in session_chunks:
+                if c.turn_id not in turns:
+                    order.append(c.turn_id)
+                turns[c.turn_id].extend(c.output_ids)
+            feedback: list[dict[str, str]] | None = []
+            for turn_id in order:
+                assert feedback is not None, f"{sid}: a chat call after the episode ended"
+                feedback = episode.step(TOKENIZER.decode(turns[turn_id]))
+            assert feedback is None, f"{sid}: the episode did not end with its last recorded turn"
+            assert fin.reward == pytest.approx(episode.reward()), (sid, [TOKENIZER.decode(turns[t]) for t in order])
+
+
+def _dispatched(stack: Stack) -> list[GroupDispatched]:
+    events = _read_all(stack.bootstrap, stack.topics.events)
+    return sorted((e for e in events if isinstance(e, GroupDispatched)), key=lambda e: e.ts)
+
+
+def test_two_groups_of_four(stack: Stack, unique_group: str, unique_topic: Callable[..., str]) -> None:
+    before = {g.group_id for g in _dispatched(stack)}
+    env = _runner_env(stack, unique_group, unique_topic(), unique_topic(), REIN_MAX_GROUPS="2", REIN_SEED="5")
+    proc, log_path = _start_runner(stack, env)
+    _wait_exit(proc, log_path)
+    new = [g for g in _dispatched(stack) if g.group_id not in before]
+    prompts = NumberGuessTask().prompts(5)
+    expected = [next(prompts), next(prompts)]
+    assert sorted((g.prompt_id, g.attempt) for g in new) == sorted((p.prompt_id, 0) for p in expected)
+    assert {g.prompt_id: g.prompt for g in new} == {p.prompt_id: p.payload for p in expected}
+    _check_groups(stack, new)
+
+
+def test_retry_request_is_dispatched_first_with_its_attempt(
+    stack: Stack, unique_group: str, unique_topic: Callable[..., str]
+) -> None:
+    retries = unique_topic()
+    before = {g.group_id for g in _dispatched(stack)}
+    payload = {"task": "guess_number", "secret": 9, "low": 0, "high": 15, "max_turns": 5}
+    retry = RetryRequest(prompt_id=f"gn-retry-{uuid.uuid4().hex[:6]}", attempt=2, previous_group_id="g-old",
+                         prompt=payload)
+    partition, offset = _produce(stack.bootstrap, retries, retry)
+    env = _runner_env(stack, unique_group, retries, unique_topic(), REIN_MAX_GROUPS="2", REIN_SEED="6")
+    proc, log_path = _start_runner(stack, env)
+    _wait_exit(proc, log_path)
+    new = [g for g in _dispatched(stack) if g.group_id not in before]
+    assert len(new) == 2
+    first = new[0]
+    assert (first.prompt_id, first.attempt, first.prompt) == (retry.prompt_id, 2, payload), "retry has priority"
+    assert new[1].attempt == 0
+    _check_groups(stack, new)
+    # The retry's offset was committed once its group was dispatched.
+    reader = KafkaConsumer(bootstrap_servers=stack.bootstrap, group_id=unique_group, enable_auto_commit=False)
+    try:
+        assert reader.committed(TopicPartition(retries, partition)) == offset + 1
+    finally:
+        reader.close()
+
+
+def test_sync_mode_waits_for_a_new_weight_version(
+    stack: Stack, unique_group: str, unique_topic: Callable[..., str]
+) -> None:
+    before = {g.group_id for g in _dispatched(stack)}
+    port, weights = free_port(), unique_topic()
+    env = _runner_env(stack, unique_group, unique_topic(), weights, REIN_MAX_GROUPS="2", REIN_SEED="7",
+                      REIN_MODE="sync", REIN_GROUPS_PER_STEP="1", REIN_METRICS_PORT=str(port))
+    proc, log_path = _start_runner(stack, env)
+    try:
+        def health() -> dict[str, Any] | None:
+            try:
+                body: dict[str, Any] = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+            except httpx.HTTPError:
+                return None
+            return body if body.get("waiting_for_weights") else None
+
+        state = _wait_for(health, 60, "the runner to wait for weights after its first wave")
+        assert (state["dispatched"], state["in_flight"]) == (1, 0)
+        assert len([g for g in _dispatched(stack) if g.group_id not in before]) == 1
+        _produce(stack.bootstrap, weights,
+                 WeightApplied(version="v-test", seq=state["weights_seq"] + 1, digest="d"))
+        _wait_exit(proc, log_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    new = [g for g in _dispatched(stack) if g.group_id not in before]
+    assert len(new) == 2
+    _check_groups(stack, new)
+
+
+def test_sigterm_drains_in_flight_groups_and_exits_zero(
+    stack: Stack, unique_group: str, unique_topic: Callable[..., str]
+) -> None:
+    before = {g.group_id for g in _dispatched(stack)}
+    port = free_port()
+    env = _runner_env(stack, unique_group, unique_topic(), unique_topic(), REIN_SEED="8",
+                      REIN_MAX_CONCURRENT_GROUPS="2", REIN_METRICS_PORT=str(port))
+    proc, log_path = _start_runner(stack, env)
+    try:
+        def dispatched() -> int:
+            try:
+                body = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+            except httpx.HTTPError:
+                return 0
+            return int(body.get("dispatched", 0)) >= 3
+
+        _wait_for(dispatched, 60, "the unbounded runner to dispatch a few groups")
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        assert "rein_rollout_groups_in_flight" in metrics and "rein_rollout_episodes_total" in metrics
+        proc.terminate()
+        _wait_exit(proc, log_path, timeout_s=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    new = [g for g in _dispatched(stack) if g.group_id not in before]
+    assert len(new) >= 3
+    _check_groups(stack, new)  # every dispatched group ran to its end before the exit

@@ -1,0 +1,186 @@
+"""The agent against a scripted in-process proxy (ASGI transport, no sockets).
+
+Checks the proxy contract the agent relies on: extended history each turn, the
+identity headers, finish with the task's reward, and the outcome of each error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import httpx2
+import openai
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from services.rollout.agent import Agent, EpisodeResult, SessionIds, classify, error_name
+from services.rollout.task import GuessEpisode, binary_search_policy
+
+Replier = Callable[[list[dict[str, str]], int], tuple[int, Any]]
+"""(messages, call index) -> (status, body or assistant text)."""
+
+
+@dataclass
+class FakeProxy:
+    reply: Replier
+    finish_replies: list[tuple[int, Any]] = field(default_factory=lambda: [(200, {})])
+    """Answers to successive finish calls; the last one repeats."""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    finishes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> JSONResponse:
+            body = await request.json()
+            self.calls.append({"body": body, "headers": dict(request.headers)})
+            status, out = self.reply(body["messages"], len(self.calls) - 1)
+            if status != 200:
+                return JSONResponse(out, status_code=status)
+            return JSONResponse({
+                "id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": out}}],
+            })
+
+        @app.post("/v1/sessions/{session_id}/finish")
+        async def finish(session_id: str, request: Request) -> JSONResponse:
+            self.finishes.append((session_id, await request.json()))
+            status, body = self.finish_replies[min(len(self.finishes), len(self.finish_replies)) - 1]
+            return JSONResponse(body, status_code=status)
+
+        return app
+
+
+IDS = SessionIds("s-1", "g-1", "p-1", 2)
+PAYLOAD = {"secret": 11, "low": 0, "high": 15, "max_turns": 5}
+
+
+def _run(proxy: FakeProxy, payload: dict[str, Any] = PAYLOAD) -> EpisodeResult:
+    async def go() -> EpisodeResult:
+        app = proxy.app()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as http, \
+                openai.AsyncOpenAI(base_url="http://proxy/v1", api_key="k", max_retries=0, timeout=5.0,
+                                   http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app))) as client:
+            agent = Agent(client, http, proxy_url="http://proxy", model="rein-tiny", max_tokens=3, temperature=1.0,
+                          finish_attempts=2)
+            return await agent.run(GuessEpisode(), dict(payload), IDS)
+
+    return asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def _binary(messages: list[dict[str, str]], _i: int) -> tuple[int, Any]:
+    return 200, binary_search_policy(messages)
+
+
+def test_full_episode_sends_history_headers_and_reward() -> None:
+    proxy = FakeProxy(_binary)
+    result = _run(proxy)
+    # 0..15, secret 11: guesses 7 (higher), 11 (correct) -> 2 turns
+    assert result.outcome == "completed" and result.turns == 2 and result.reported
+    assert result.reward == pytest.approx(0.85)
+    assert proxy.finishes == [("s-1", {"reward": pytest.approx(0.85), "status": "completed"})]
+    first, second = proxy.calls
+    assert first["body"]["messages"] == [{"role": "user", "content": "guess the number between 0 and 15"}]
+    assert second["body"]["messages"][1:] == [{"role": "assistant", "content": "7"},
+                                              {"role": "user", "content": "higher"}]
+    assert first["body"]["max_tokens"] == 3 and first["body"]["temperature"] == 1.0
+    for turn, call in enumerate(proxy.calls):
+        h = call["headers"]
+        assert (h["x-session-id"], h["x-group-id"], h["x-prompt-id"], h["x-attempt"], h["x-turn-id"]) == (
+            "s-1", "g-1", "p-1", "2", str(turn))
+
+
+def test_turn_limit_reports_zero() -> None:
+    proxy = FakeProxy(lambda _m, _i: (200, "0"))
+    result = _run(proxy)
+    assert (result.outcome, result.turns, result.reward) == ("completed", 5, 0.0)
+    assert proxy.finishes == [("s-1", {"reward": 0.0, "status": "completed"})]
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "outcome", "error", "finish_status"),
+    [
+        (502, {"detail": {"error": "partial_rollout_staleness_exceeded", "versions": ["v0", "v1", "v2"]}},
+         "rejected", "partial_rollout_staleness_exceeded", None),
+        (502, {"detail": {"error": "trajectory_version_changed"}}, "rejected", "trajectory_version_changed", None),
+        (502, {"detail": {"error": "generation_preempted"}}, "rejected", "generation_preempted", None),
+        (409, {"detail": {"error": "session_finalized"}}, "rejected", "session_finalized", None),
+        (409, {"detail": {"error": "session_busy"}}, "failed", "session_busy", "failed"),
+        (503, {"detail": {"error": "engine_unavailable"}}, "failed", "engine_unavailable", "failed"),
+        (502, {"detail": {"error": "engine_error"}}, "failed", "engine_error", "failed"),
+        (500, {"detail": "boom"}, "failed", "boom", "failed"),
+        (413, {"detail": {"error": "context_overflow"}}, "truncated", "context_overflow", "truncated"),
+    ],
+)
+def test_error_on_second_turn(status: int, body: dict[str, Any], outcome: str, error: str,
+                              finish_status: str | None) -> None:
+    proxy = FakeProxy(lambda m, i: (200, "0") if i == 0 else (status, body))
+    result = _run(proxy)
+    assert (result.outcome, result.error, result.turns) == (outcome, error, 1)
+    if finish_status is None:
+        assert proxy.finishes == [] and not result.reported
+    else:
+        assert proxy.finishes == [("s-1", {"reward": 0.0, "status": finish_status})] and result.reported
+
+
+FINALIZED = (409, {"detail": {"error": "session_finalized"}})
+BUSY = (409, {"detail": {"error": "session_busy"}})
+KAFKA_DOWN = (503, {"detail": {"error": "kafka_unavailable"}})
+
+
+@pytest.mark.parametrize(
+    ("replies", "outcome", "reported", "calls"),
+    [
+        ([FINALIZED], "rejected", False, 1),  # closed before our first finish: the proxy had rejected it
+        ([BUSY, (200, {})], "completed", True, 2),
+        ([KAFKA_DOWN, (200, {})], "completed", True, 2),
+        ([KAFKA_DOWN, KAFKA_DOWN], "completed", False, 2),  # tries run out: not delivered, no hang
+        ([(404, {"detail": {"error": "session_not_found"}})], "completed", False, 1),
+    ],
+)
+def test_finish_answers(replies: list[tuple[int, Any]], outcome: str, reported: bool, calls: int) -> None:
+    proxy = FakeProxy(_binary, finish_replies=replies)
+    result = _run(proxy)
+    assert (result.outcome, result.reported, len(proxy.finishes)) == (outcome, reported, calls)
+
+
+def test_unreachable_proxy_fails_fast_without_hanging() -> None:
+    async def go() -> EpisodeResult:
+        def refuse(request: httpx.Request) -> httpx.Response:
+            raise httpx.ConnectError("refused", request=request)
+
+        def refuse2(request: httpx2.Request) -> httpx2.Response:
+            raise httpx2.ConnectError("refused", request=request)
+
+        async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as http, openai.AsyncOpenAI(
+            base_url="http://proxy/v1", api_key="k", max_retries=0, timeout=5.0,
+            http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(refuse2)),
+        ) as client:
+            agent = Agent(client, http, proxy_url="http://proxy", model="m", max_tokens=3, temperature=1.0,
+                          finish_attempts=2)
+            return await agent.run(GuessEpisode(), dict(PAYLOAD), IDS)
+
+    result = asyncio.run(asyncio.wait_for(go(), 30))
+    assert (result.outcome, result.error, result.unreachable, result.reported) == ("failed", "unreachable", True,
+                                                                                    False)
+
+
+@pytest.mark.parametrize(
+    ("body", "name"),
+    [({"detail": {"error": "x"}}, "x"), ({"error": {"code": "c"}}, "c"), ({"type": "t"}, "t"),
+     ({"detail": "plain"}, "plain"), ("text", ""), (None, ""), ({}, "")],
+)
+def test_error_name(body: object, name: str) -> None:
+    assert error_name(body) == name
+
+
+def test_classify_timeout() -> None:
+    request = httpx2.Request("POST", "http://proxy/v1/chat/completions")
+    assert classify(openai.APITimeoutError(request)).error == "timeout"
