@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -210,7 +211,13 @@ def write_outputs(config: StackConfig, rows: list[dict[str, Any]], rejections: i
     print(f"summary: {config.run_dir / 'summary.json'}\nplot:    {png}")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # SIGTERM (a CI timeout, `kill`) stops every child exactly like Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
     return run(parse_args(argv))
 
 

@@ -32,7 +32,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from services.trainer.fetch import GroupFetcher
-from services.trainer.http import StatusServer
 from services.trainer.metrics import TrainerMetrics, step_line
 from services.trainer.ordering import ManifestOrder, OffsetBook, Pos
 from services.trainer.samples import build_samples
@@ -43,6 +42,7 @@ from shared import log
 from shared.bus import Consumer, Producer
 from shared.policy import PolicyConfig, init_policy
 from shared.schemas import BatchManifest, DecodeError, WeightPublished
+from shared.status_server import StatusServer
 from shared.tokenizer import TOKENIZER
 
 _log = log.get(__name__)

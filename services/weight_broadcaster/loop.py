@@ -35,13 +35,13 @@ from services.weight_broadcaster.decide import (
     digest_mismatches,
     plan_events,
 )
-from services.weight_broadcaster.http import StatusServer
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import log, metrics
 from shared.bus import Consumer, Polled, Producer
 from shared.names import RedisKeys
 from shared.schemas import DecodeError, WeightApplied, WeightPublished
 from shared.state import RedisRegistry, connect
+from shared.status_server import StatusServer
 
 _log = log.get(__name__)
 

@@ -1,4 +1,4 @@
-"""``/metrics`` and ``/health`` on a small threaded HTTP server (the trainer loop is synchronous)."""
+"""``/metrics`` and ``/health`` on a small threaded HTTP server, for services whose main loop is synchronous."""
 
 from __future__ import annotations
 
