@@ -7,6 +7,7 @@ PID (never a broad ``pkill``), in reverse order, also on Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -172,3 +173,36 @@ class Stack:
     def _write_pids(self) -> None:
         pids = {s.name: s.proc.pid for s in self.services if s.proc is not None and s.proc.poll() is None}
         (self.run_dir / "pids.json").write_text(json.dumps(pids, indent=2))
+
+
+def stop_recorded(run_dir: Path, timeout_s: float = 20) -> list[str]:
+    """Stop the services recorded in ``run_dir/pids.json`` (TERM, bounded wait, KILL), then its infra.
+
+    For ``rein down``: the processes were started by another command that has exited.
+    Returns the names of the services that were still running.
+    """
+    import os
+
+    stopped: list[str] = []
+    pid_file = run_dir / "pids.json"
+    pids: dict[str, int] = json.loads(pid_file.read_text()) if pid_file.exists() else {}
+    for name, pid in reversed(list(pids.items())):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+        stopped.append(name)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    if pid_file.exists():
+        pid_file.write_text("{}")
+    Infra(run_dir / "infra").stop()
+    return stopped
