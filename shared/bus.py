@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import errors as kafka_errors
 from kafka.admin import NewTopic
-from kafka.errors import KafkaError, NoBrokersAvailable, TopicAlreadyExistsError
+from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
 from shared import log
@@ -22,6 +23,9 @@ from shared.schemas import DEFAULT_MAX_BYTES, DecodeError, Record, decode, encod
 from shared.settings import KafkaSettings
 
 _log = log.get(__name__)
+
+# kafka-python 2.x constructors raise NoBrokersAvailable; 3.x removed the class and connects lazily.
+NoBrokersAvailable: type[Exception] = getattr(kafka_errors, "NoBrokersAvailable", kafka_errors.KafkaConnectionError)
 
 
 class BusUnavailable(RuntimeError):
@@ -88,7 +92,6 @@ class Producer:
                 linger_ms=2,
                 request_timeout_ms=settings.request_timeout_ms,
                 max_request_size=min(settings.max_record_bytes, DEFAULT_MAX_BYTES),
-                key_serializer=lambda k: k.encode("utf-8"),
             ),
             "producer",
             settings,
@@ -101,7 +104,9 @@ class Producer:
 
     def send_async(self, topic: str, record: Record, key: str | None = None) -> object:
         """Queue one record; pair with :meth:`wait` or :meth:`flush`."""
-        return self._producer.send(topic, value=encode(record), key=key if key is not None else record.key())
+        # keys are encoded here: kafka-python 3 deprecates plain callables as serializers
+        text = key if key is not None else record.key()
+        return self._producer.send(topic, value=encode(record), key=text.encode("utf-8"))
 
     def wait(self, future: object) -> Delivered:
         try:
@@ -155,7 +160,6 @@ class Consumer:
                 request_timeout_ms=max(settings.request_timeout_ms, session_timeout_ms + 5_000),
                 fetch_max_bytes=max(settings.max_record_bytes, 1024 * 1024) * 4,
                 max_partition_fetch_bytes=max(settings.max_record_bytes, 1024 * 1024),
-                key_deserializer=lambda k: k.decode("utf-8", errors="replace") if k is not None else None,
             ),
             "consumer",
             settings,
@@ -182,7 +186,8 @@ class Consumer:
                     if self._on_decode_error is not None:
                         self._on_decode_error(tp.topic, tp.partition, msg.offset, exc)
                     continue
-                out.append(Polled(tp.topic, tp.partition, msg.offset, msg.key, record, msg.timestamp))
+                key = msg.key.decode("utf-8", errors="replace") if msg.key is not None else None
+                out.append(Polled(tp.topic, tp.partition, msg.offset, key, record, msg.timestamp))
         return out
 
     def commit(self, offsets: dict[tuple[str, int], int]) -> None:

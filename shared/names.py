@@ -83,3 +83,18 @@ class RedisKeys:
     def prompt_drops(self) -> str:
         """Hash prompt id -> number of groups of that prompt dropped after the last retry."""
         return f"{self.prefix}:prompt_drops"
+
+    @property
+    def window_config(self) -> str:
+        """Hash keep_versions / batch_groups / max_retries every collector replica must agree on."""
+        return f"{self.prefix}:window:config"
+
+    @property
+    def outbox(self) -> str:
+        """List of records a window step decided to publish (decisions, manifests, retries), in step order."""
+        return f"{self.prefix}:outbox"
+
+    @property
+    def outbox_lock(self) -> str:
+        """Lease held by the one collector replica publishing the outbox (keeps manifests in index order)."""
+        return f"{self.prefix}:outbox:lock"

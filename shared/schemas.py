@@ -195,6 +195,9 @@ class DecisionRecord(Record):
     versions: list[str]
     window: WindowInfo
     collector: str = ""
+    step: int | None = Field(default=None, ge=0)
+    """Position of the window step that made this decision in the one window all replicas share:
+    a total order across partitions and replicas (replay and export follow it)."""
 
     def key(self) -> str:
         return self.group_id

@@ -1,0 +1,286 @@
+"""Chunks and events -> completed GRPO groups, and which offsets may be committed. Pure: no I/O.
+
+Lifecycle of a group in the :class:`Assembler`:
+
+1. *assembling*: records arrive in any order (chunks and events are different
+   topics), possibly twice (a replay after a rebalance re-reads uncommitted
+   offsets), possibly before the group's ``GroupDispatched``. Every record's
+   position is remembered as *pending* on its partition.
+2. *complete*: the dispatch record is in, every dispatched session has its end
+   event (finished or rejected) and all ``num_chunks`` chunks (seq 0..n-1).
+   :meth:`Assembler.add` returns the :class:`CompletedGroup` once.
+3. *released*: the shell made the group's outputs durable (audit record, window
+   step, outbox published) and calls :meth:`Assembler.release`; its positions stop
+   holding back the commit and its id is remembered as done, so late duplicates
+   are ignored.
+
+Commit rule (per topic-partition, :func:`commit_offset`): the next offset to
+commit is the lowest offset still pending there, or the last handled offset + 1
+when nothing is pending. Re-reading from there rebuilds every group that was not
+released, and only re-reads records of released groups as duplicates.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.schemas import (
+    Chunk,
+    CompletedGroup,
+    GroupDispatched,
+    Record,
+    Segment,
+    SessionFinished,
+    SessionRejected,
+    Trajectory,
+)
+
+TopicPartition = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a record was read: topic, partition, offset."""
+
+    topic: str
+    partition: int
+    offset: int
+
+    @property
+    def tp(self) -> TopicPartition:
+        return (self.topic, self.partition)
+
+
+def commit_offset(pending: Iterable[int], last_handled: int | None) -> int | None:
+    """Next offset to commit on one partition: min pending, else last handled + 1, else None."""
+    lowest = min(pending, default=None)
+    if lowest is not None:
+        return lowest
+    if last_handled is None:
+        return None
+    return last_handled + 1
+
+
+@dataclass
+class _Session:
+    chunks: dict[int, Chunk] = field(default_factory=dict)
+    end: SessionFinished | SessionRejected | None = None
+
+    def complete(self) -> bool:
+        return self.end is not None and all(seq in self.chunks for seq in range(self.end.num_chunks))
+
+
+@dataclass
+class _Group:
+    dispatched: GroupDispatched | None = None
+    sessions: dict[str, _Session] = field(default_factory=dict)
+    positions: list[Position] = field(default_factory=list)
+    emitted: bool = False
+    last_seen: float = 0.0
+
+    def session(self, session_id: str) -> _Session:
+        held = self.sessions.get(session_id)
+        if held is None:
+            held = self.sessions[session_id] = _Session()
+        return held
+
+    def complete(self) -> bool:
+        if self.dispatched is None:
+            return False
+        return all(sid in self.sessions and self.sessions[sid].complete() for sid in self.dispatched.session_ids)
+
+
+@dataclass
+class _Partition:
+    last_handled: int | None = None
+    heap: list[int] = field(default_factory=list)
+    live: dict[int, int] = field(default_factory=dict)
+    """offset -> how many tracked records sit there (a duplicate delivery counts twice)."""
+
+    def handled(self, offset: int) -> None:
+        if self.last_handled is None or offset > self.last_handled:
+            self.last_handled = offset
+
+    def hold(self, offset: int) -> None:
+        if offset not in self.live:
+            heapq.heappush(self.heap, offset)
+        self.live[offset] = self.live.get(offset, 0) + 1
+
+    def free(self, offset: int) -> None:
+        count = self.live.get(offset, 0)
+        if count <= 1:
+            self.live.pop(offset, None)
+        else:
+            self.live[offset] = count - 1
+
+    def lowest_pending(self) -> int | None:
+        while self.heap and self.heap[0] not in self.live:
+            heapq.heappop(self.heap)
+        return self.heap[0] if self.heap else None
+
+    def commit(self) -> int | None:
+        lowest = self.lowest_pending()
+        return commit_offset(() if lowest is None else (lowest,), self.last_handled)
+
+
+def build_trajectory(session_id: str, session: _Session) -> Trajectory:
+    """Concatenate a finished session's chunks (seq order) into segments.
+
+    Context tokens get mask 0, logprob 0.0, version None; output tokens mask 1,
+    their logprob and the chunk's version. A segment's finish reason is its last chunk's.
+    """
+    end = session.end
+    assert end is not None
+    segments: dict[int, dict[str, list[Any]]] = {}
+    finish: dict[int, str] = {}
+    for seq in range(end.num_chunks):
+        chunk = session.chunks[seq]
+        seg = segments.setdefault(
+            chunk.segment_index, {"token_ids": [], "loss_mask": [], "logprobs": [], "versions": []}
+        )
+        n_ctx = len(chunk.context_ids)
+        seg["token_ids"].extend(chunk.context_ids)
+        seg["loss_mask"].extend([0] * n_ctx)
+        seg["logprobs"].extend([0.0] * n_ctx)
+        seg["versions"].extend([None] * n_ctx)
+        n_out = len(chunk.output_ids)
+        logprobs = list(chunk.logprobs[:n_out]) + [0.0] * max(0, n_out - len(chunk.logprobs))
+        seg["token_ids"].extend(chunk.output_ids)
+        seg["loss_mask"].extend([1] * n_out)
+        seg["logprobs"].extend(logprobs)
+        seg["versions"].extend([chunk.version] * n_out)
+        finish[chunk.segment_index] = chunk.finish_reason
+    built = [Segment(segment_index=index, finish_reason=finish[index], **segments[index]) for index in sorted(segments)]
+    if isinstance(end, SessionRejected):
+        return Trajectory(session_id=session_id, status="rejected", reward=0.0, error=end.error, segments=built)
+    return Trajectory(session_id=session_id, status=end.status, reward=end.reward, segments=built)
+
+
+def build_group(group: _Group) -> CompletedGroup:
+    dispatched = group.dispatched
+    assert dispatched is not None
+    trajectories = [build_trajectory(sid, group.sessions[sid]) for sid in dispatched.session_ids]
+    failed = any(t.status in ("rejected", "failed") for t in trajectories)
+    return CompletedGroup(
+        group_id=dispatched.group_id,
+        prompt_id=dispatched.prompt_id,
+        attempt=dispatched.attempt,
+        failed=failed,
+        trajectories=trajectories,
+        prompt=dispatched.prompt,
+    )
+
+
+class Assembler:
+    """Folds decoded chunk/event records into completed groups and tracks committable offsets."""
+
+    def __init__(self, max_done: int = 200_000) -> None:
+        self._groups: dict[str, _Group] = {}
+        self._parts: dict[TopicPartition, _Partition] = {}
+        self._done: OrderedDict[str, None] = OrderedDict()
+        self._max_done = max_done
+
+    # ------------------------------------------------------------------ feeding
+
+    def _part(self, tp: TopicPartition) -> _Partition:
+        held = self._parts.get(tp)
+        if held is None:
+            held = self._parts[tp] = _Partition()
+        return held
+
+    def knows(self, group_id: str) -> bool:
+        """True when the group is being assembled or already done here."""
+        return group_id in self._groups or group_id in self._done
+
+    def mark_done(self, group_id: str) -> None:
+        """The group was decided elsewhere (e.g. before a crash): its records are duplicates from now on."""
+        self._done[group_id] = None
+        self._done.move_to_end(group_id)
+        while len(self._done) > self._max_done:
+            self._done.popitem(last=False)
+
+    def skip(self, pos: Position) -> None:
+        """A record that needs no output (malformed, or of no interest): handled as is."""
+        self._part(pos.tp).handled(pos.offset)
+
+    def add(self, pos: Position, record: Record, now: float = 0.0) -> CompletedGroup | None:
+        """Fold one record; returns the group the first time it becomes complete."""
+        part = self._part(pos.tp)
+        part.handled(pos.offset)
+        group_id = getattr(record, "group_id", None)
+        if not isinstance(record, Chunk | GroupDispatched | SessionFinished | SessionRejected) or group_id is None:
+            return None
+        if group_id in self._done:
+            return None
+        group = self._groups.get(group_id)
+        if group is None:
+            group = self._groups[group_id] = _Group()
+        group.positions.append(pos)
+        group.last_seen = now
+        part.hold(pos.offset)
+        if isinstance(record, Chunk):
+            group.session(record.session_id).chunks.setdefault(record.seq, record)
+        elif isinstance(record, GroupDispatched):
+            if group.dispatched is None:
+                group.dispatched = record
+        else:
+            session = group.session(record.session_id)
+            if session.end is None:
+                session.end = record
+        if not group.emitted and group.complete():
+            group.emitted = True
+            return build_group(group)
+        return None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def release(self, group_id: str) -> None:
+        """The group's outputs are durable: stop holding its offsets, remember it as done."""
+        group = self._groups.pop(group_id, None)
+        if group is not None:
+            for pos in group.positions:
+                self._part(pos.tp).free(pos.offset)
+        self.mark_done(group_id)
+
+    def expire(self, now: float, timeout_s: float) -> list[str]:
+        """Abandon groups with no record for ``timeout_s`` (never completed); returns their ids."""
+        stale = [gid for gid, g in self._groups.items() if not g.emitted and now - g.last_seen > timeout_s]
+        for gid in stale:
+            self.release(gid)
+        return stale
+
+    def forget_partitions(self, tps: Iterable[TopicPartition]) -> list[str]:
+        """Partitions were revoked: drop every unreleased group with a record there (the new owner rebuilds it)."""
+        lost = set(tps)
+        gone = [gid for gid, g in self._groups.items() if any(p.tp in lost for p in g.positions)]
+        for gid in gone:
+            group = self._groups.pop(gid)
+            for pos in group.positions:
+                self._part(pos.tp).free(pos.offset)
+        for tp in lost:
+            self._parts.pop(tp, None)
+        return gone
+
+    # ------------------------------------------------------------------ commits
+
+    def commit_offsets(self) -> dict[TopicPartition, int]:
+        """``(topic, partition) -> next offset`` for every partition with a handled record."""
+        out: dict[TopicPartition, int] = {}
+        for tp, part in self._parts.items():
+            offset = part.commit()
+            if offset is not None:
+                out[tp] = offset
+        return out
+
+    def partitions(self) -> list[TopicPartition]:
+        """Every partition with a handled record."""
+        return list(self._parts)
+
+    @property
+    def assembling(self) -> int:
+        """Groups seen but not yet released."""
+        return len(self._groups)

@@ -1,0 +1,489 @@
+"""The collector's main loop: Kafka in, one shared window in Redis, manifests out.
+
+Consumes (consumer group ``group_id``): ``rollout.chunks`` and ``rollout.events``
+(co-partitioned by group id, so one replica sees all records of a group). Follows
+``weights`` on its own, from the beginning and without a group, so every replica
+rebuilds the Redis registry from the topic (publish is idempotent). Produces:
+``rollout.groups`` (every completed group: the audit log that manifests point
+into), then through the Redis outbox ``staleness.decisions``, ``train.batches``
+and ``rollout.retries``. Owns nothing in memory that Kafka cannot rebuild.
+
+One iteration: poll -> fold records into the :class:`Assembler` -> for the groups
+that completed: write them to ``rollout.groups``, run the atomic window step, drain
+the outbox -> release the groups -> commit offsets (lowest still-needed offset per
+partition). A crash anywhere re-reads every record of every group not released.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from kafka import ConsumerRebalanceListener, TopicPartition
+from kafka.errors import KafkaError
+from prometheus_client import CollectorRegistry
+
+from services.collector.assembly import Assembler, Position
+from services.collector.settings import CollectorSettings
+from services.collector.window_store import StepOutcome, WindowStore
+from shared import log
+from shared.bus import Consumer, Delivered, Polled, Producer, ensure_topics
+from shared.metrics import DecodeErrors, counter, gauge, render
+from shared.names import RedisKeys
+from shared.replay import window_group
+from shared.schemas import CompletedGroup, DecodeError, GroupRef, Record, WeightApplied, WeightPublished
+from shared.staleness import Decision, WindowConfig
+from shared.state import RedisRegistry, connect
+
+_log = log.get(__name__)
+
+
+class CollectorMetrics:
+    """Everything ``/metrics`` shows; one registry per collector (no process globals)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.decode_errors = DecodeErrors(r)
+        self.groups = counter(r, "collector/groups", "Completed groups handled (rate = groups/s)", ("status",))
+        self.decisions = counter(r, "staleness/decisions", "Window decisions made by this replica", ("decision",))
+        self.dropped = counter(r, "staleness/dropped_groups", "Groups dropped by this replica, by reason", ("reason",))
+        self.batches = counter(r, "collector/batches", "Batch manifests emitted by this replica's steps")
+        self.published = counter(r, "collector/outbox_published", "Outbox records published by this replica")
+        self.conflicts = counter(r, "collector/window_conflicts", "Window steps retried after another replica's")
+        self.abandoned = counter(r, "collector/abandoned_groups", "Groups that never completed within the timeout")
+        self.weight_errors = counter(r, "collector/weight_errors", "Weight records the registry refused")
+        self.rejoins = counter(r, "collector/rejoins", "Consumers rebuilt after the group coordinator stayed unknown")
+        self.commit_errors = counter(r, "collector/commit_errors", "Offset commits refused (rebalance)")
+        self.current_index = gauge(
+            r, "staleness/current_version_index", "Registry index of the window's newest version"
+        )
+        self.cutoff_index = gauge(r, "staleness/cutoff_version_index", "Lowest registry index still inside the window")
+        self.gap_min = gauge(r, "staleness/version_gap_min", "Version gap min of the last manifest")
+        self.gap_max = gauge(r, "staleness/version_gap_max", "Version gap max of the last manifest")
+        self.gap_mean = gauge(r, "staleness/version_gap_mean", "Version gap mean of the last manifest")
+        self.assembling = gauge(r, "collector/assembling_groups", "Groups seen but not complete on this replica")
+        self.lag = gauge(r, "collector/consumer_lag", "Records behind the partition end", ("topic", "partition"))
+
+
+class HealthServer:
+    """``/metrics`` and ``/health`` on a small threaded HTTP server."""
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry, healthy: Callable[[], bool]) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    body, ctype = render(registry)
+                    self._reply(200, body, ctype)
+                elif path == "/health":
+                    ok = healthy()
+                    self._reply(200 if ok else 503, json.dumps({"ok": ok}).encode(), "application/json")
+                else:
+                    self._reply(404, b"not found\n", "text/plain")
+
+            def _reply(self, status: int, body: bytes, ctype: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, name="collector-http", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class WeightsFollower:
+    """Reads ``weights`` from the beginning (no consumer group) into the Redis registry."""
+
+    def __init__(self, settings: CollectorSettings, registry: RedisRegistry, metrics: CollectorMetrics) -> None:
+        self.topic = settings.topics.weights
+        self.registry = registry
+        self.metrics = metrics
+        self.consumer = Consumer(settings.kafka, (), None, on_decode_error=self._bad, client_suffix="collector-weights")
+        self.timeout_s = settings.kafka.request_timeout_ms / 1000
+        raw = self.consumer.raw
+        self.tps = [TopicPartition(self.topic, p) for p in self.partitions(self.topic)]
+        raw.assign(self.tps)
+        raw.seek_to_beginning(*self.tps)
+
+    def partitions(self, topic: str) -> list[int]:
+        """Partition ids of ``topic`` once the broker's metadata lists them (bounded wait)."""
+        raw = self.consumer.raw
+        deadline = time.monotonic() + self.timeout_s
+        parts = raw.partitions_for_topic(topic)
+        while not parts:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"topic {topic!r} has no partitions (metadata did not arrive)")
+            raw.cluster.request_update()
+            raw.poll(timeout_ms=100)  # drives the metadata request
+            parts = raw.partitions_for_topic(topic)
+        return sorted(parts)
+
+    def _bad(self, topic: str, partition: int, offset: int, exc: DecodeError) -> None:
+        self.metrics.decode_errors.inc(topic, exc.reason)
+
+    def poll(self, timeout_s: float = 0.0) -> int:
+        n = 0
+        for polled in self.consumer.poll(timeout_s):
+            record = polled.record
+            if isinstance(record, WeightPublished | WeightApplied):
+                try:
+                    self.registry.publish(record.version, record.seq)
+                    n += 1
+                except ValueError as exc:
+                    self.metrics.weight_errors.inc()
+                    _log.error("weight_refused", version=record.version, seq=record.seq, error=str(exc))
+        return n
+
+    def catch_up(self, timeout_s: float) -> None:
+        """Read until every partition's position reaches the end offset seen now (bounded)."""
+        raw = self.consumer.raw
+        end = raw.end_offsets(self.tps)
+        deadline = time.monotonic() + timeout_s
+        while any(raw.position(tp) < end[tp] for tp in self.tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not read {self.topic!r} to its end within {timeout_s}s")
+            self.poll(0.1)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        self.collector.revoking({(tp.topic, tp.partition) for tp in revoked})
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        self.collector.assigned({(tp.topic, tp.partition) for tp in assigned})
+
+
+def default_replica_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Collector:
+    """One replica. ``run(stop)`` loops until ``stop`` is set; every component is built here and passed down."""
+
+    def __init__(self, settings: CollectorSettings, stop: threading.Event | None = None) -> None:
+        self.settings = settings
+        self.stop = stop or threading.Event()
+        self.replica = settings.replica_id or default_replica_id()
+        self.metrics = CollectorMetrics()
+        self.config = WindowConfig(settings.keep_versions, settings.batch_groups, settings.max_retries)
+        self.assembler = Assembler()
+        self.last_loop = time.monotonic()
+        self.ready = threading.Event()
+        self.http: HealthServer | None = None
+        self._committed: dict[tuple[str, int], int] = {}
+        self._caught_up_for: set[str] = set()
+        self._revoking: set[tuple[str, int]] = set()
+        self._stalled_since: float | None = None
+        self._poll_started: float | None = None
+        self._poll_broken = False
+
+    # ------------------------------------------------------------------ wiring
+
+    def run(self) -> None:
+        s = self.settings
+        topics = s.topics
+        ensure_topics(s.kafka, topics.all(), partitions=s.topic_partitions)
+        redis_client = connect(s.redis)
+        self.store = WindowStore(
+            redis_client,
+            RedisKeys(s.redis.key_prefix),
+            topics,
+            self.config,
+            replica=self.replica,
+            lock_ms=s.outbox_lock_ms,
+        )
+        self.store.claim_config(overwrite=s.reconfigure)
+        self.producer = Producer(s.kafka, client_suffix=f"collector-{self.replica}")
+        self.weights = WeightsFollower(s, self.store.registry, self.metrics)
+        # Join the group only once the input topics' metadata is visible (a consumer that joins
+        # before gets an empty assignment), and insist on co-partitioning: one group, one replica.
+        chunk_parts, event_parts = self.weights.partitions(topics.chunks), self.weights.partitions(topics.events)
+        if len(chunk_parts) != len(event_parts):
+            raise RuntimeError(
+                f"{topics.chunks!r} has {len(chunk_parts)} partitions and {topics.events!r} {len(event_parts)}: "
+                "they must match, so that every record of a group reaches the same replica"
+            )
+        self.consumer = self._join()
+        self.http = HealthServer(s.metrics_host, s.metrics_port, self.metrics.registry, self._healthy)
+        self.http.start()
+        try:
+            self.weights.catch_up(s.kafka.request_timeout_ms / 1000)
+            self._publish_outbox()  # leftovers of a replica that crashed
+            _log.info(
+                "collector_started",
+                replica=self.replica,
+                metrics_port=self.http.port,
+                keep_versions=s.keep_versions,
+                batch_groups=s.batch_groups,
+                group_id=s.group_id,
+            )
+            self.ready.set()
+            threading.Thread(target=self._watchdog, name="collector-watchdog", daemon=True).start()
+            self._loop()
+        finally:
+            self.consumer.close()
+            self.weights.close()
+            self.producer.close()
+            self.http.stop()
+            redis_client.close()
+
+    def _join(self) -> Consumer:
+        """A consumer-group member on chunks + events, joined only once their metadata is visible."""
+        s = self.settings
+        topics = s.topics
+        consumer = Consumer(
+            s.kafka, (), s.group_id, on_decode_error=self._bad_record, client_suffix=f"collector-{self.replica}"
+        )
+        for topic in (topics.chunks, topics.events):  # a member that joins without metadata gets nothing
+            deadline = time.monotonic() + s.kafka.request_timeout_ms / 1000
+            while not consumer.raw.partitions_for_topic(topic):
+                if time.monotonic() > deadline:
+                    consumer.close()
+                    raise RuntimeError(f"topic {topic!r} metadata did not arrive")
+        consumer.raw.subscribe(topics=[topics.chunks, topics.events], listener=_Rebalance(self))
+        self._stalled_since = None
+        return consumer
+
+    def _check_coordinator(self, now: float) -> None:
+        """Rejoin with a fresh consumer when the group coordinator stays unknown (seen with kafka-python 3.0).
+
+        Safe by construction: partial groups are forgotten and re-read from the committed offsets.
+        """
+        coordinator = getattr(self.consumer.raw, "_coordinator", None)
+        if coordinator is None or not coordinator.coordinator_unknown():
+            self._stalled_since = None
+            return
+        if self._stalled_since is None:
+            self._stalled_since = now
+            return
+        if now - self._stalled_since < self.settings.coordinator_stall_s:
+            return
+        _log.warning("consumer_rejoin", reason="group coordinator unknown", stalled_s=round(now - self._stalled_since))
+        self._rejoin()
+
+    def _rejoin(self) -> None:
+        self.metrics.rejoins.inc()
+        try:
+            self.consumer.close()
+        except Exception as exc:  # a wedged client may fail to close; the new one replaces it anyway
+            _log.warning("consumer_close_failed", error=repr(exc))
+        self.assembler.forget_partitions(list(self.assembler.partitions()))
+        self._committed.clear()
+        self._revoking = set()
+        self.consumer = self._join()
+
+    def _healthy(self) -> bool:
+        return self.ready.is_set() and time.monotonic() - self.last_loop < max(30.0, 10 * self.settings.poll_timeout_s)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        s = self.settings
+        next_drain = next_lag = time.monotonic()
+        while not self.stop.is_set():
+            self.last_loop = now = time.monotonic()
+            self.weights.poll(0.0)
+            polled = self._poll()
+            completed = self._fold(polled, now)
+            if completed:
+                self._handle(completed)
+                next_drain = now + s.drain_interval_s
+            elif now >= next_drain:
+                self._publish_outbox()
+                next_drain = now + s.drain_interval_s
+            for gid in self.assembler.expire(now, s.incomplete_timeout_s):
+                self.metrics.abandoned.inc()
+                _log.warning("group_abandoned", group_id=gid, timeout_s=s.incomplete_timeout_s)
+            self._commit()
+            self._check_coordinator(now)
+            self.metrics.assembling.set(self.assembler.assembling)
+            if now >= next_lag:
+                self._measure_lag()
+                next_lag = now + s.lag_interval_s
+
+    def _poll(self) -> list[Polled]:
+        """One consumer poll, watched: a poll wedged inside kafka-python is broken off and the member rejoins."""
+        self._poll_started = time.monotonic()
+        self._poll_broken = False
+        try:
+            return self.consumer.poll(self.settings.poll_timeout_s)
+        except Exception:  # whatever a client whose event loop was stopped under it raises
+            if not self._poll_broken:
+                raise
+            _log.warning("consumer_rejoin", reason="poll wedged", stall_s=self.settings.coordinator_stall_s)
+            self._rejoin()
+            return []
+        finally:
+            self._poll_started = None
+
+    def _watchdog(self) -> None:
+        """Breaks off a poll that has not returned within ``coordinator_stall_s`` (seen with kafka-python 3.0:
+        a fetch waiting forever on the client's IO thread). Stopping the client's event loop fails the
+        pending call, and :meth:`_poll` rebuilds the consumer; uncommitted records are simply re-read."""
+        limit = self.settings.coordinator_stall_s + self.settings.poll_timeout_s
+        while not self.stop.wait(1.0):
+            started = self._poll_started
+            if started is not None and time.monotonic() - started > limit and not self._poll_broken:
+                self._poll_broken = True
+                net = getattr(self.consumer.raw, "_net", None)
+                _log.warning("consumer_poll_wedged", waited_s=round(time.monotonic() - started, 1))
+                if net is not None:
+                    net.stop(timeout_ms=5_000)
+
+    def _bad_record(self, topic: str, partition: int, offset: int, exc: DecodeError) -> None:
+        self.metrics.decode_errors.inc(topic, exc.reason)
+        self.assembler.skip(Position(topic, partition, offset))
+
+    def _fold(self, polled: list[Polled], now: float) -> list[CompletedGroup]:
+        fresh = sorted(
+            {gid for p in polled if (gid := getattr(p.record, "group_id", None)) and not self.assembler.knows(gid)}
+        )
+        for gid in self.store.decided(fresh):
+            self.assembler.mark_done(gid)
+        completed = []
+        for p in polled:
+            group = self.assembler.add(Position(p.topic, p.partition, p.offset), p.record, now)
+            if group is not None:
+                completed.append(group)
+        return completed
+
+    def _handle(self, completed: list[CompletedGroup]) -> None:
+        done = self.store.decided([g.group_id for g in completed])
+        todo = [g for g in completed if g.group_id not in done]
+        futures = [self.producer.send_async(self.settings.topics.groups, g) for g in todo]
+        refs = [self.producer.wait(f) for f in futures]
+        views = [window_group(g) for g in todo]
+        self._ensure_registered(sorted({v for view in views for v in view.versions}))
+        for group, view, ref in zip(todo, views, refs, strict=True):
+            outcome = self.store.step(
+                view, GroupRef(group_id=group.group_id, partition=ref.partition, offset=ref.offset), group.prompt
+            )
+            self.metrics.groups.labels(status="failed" if group.failed else "ok").inc()
+            self._count(outcome)
+        self._publish_outbox()
+        for group in completed:
+            self.assembler.release(group.group_id)
+
+    def _ensure_registered(self, labels: list[str]) -> None:
+        """A label not in the registry yet may be in ``weights`` already: read it to the end once per label."""
+        unknown = [
+            label
+            for label, known in zip(labels, self.store.registered(labels), strict=True)
+            if not known and label not in self._caught_up_for
+        ]
+        if unknown:
+            self.weights.catch_up(self.settings.kafka.request_timeout_ms / 1000)
+            self._caught_up_for.update(unknown)
+
+    def _count(self, outcome: StepOutcome) -> None:
+        if outcome.result is None:
+            return
+        for d in outcome.result.decisions:
+            self.metrics.decisions.labels(decision=d.decision.value).inc()
+            if d.decision is not Decision.KEPT and d.decision is not Decision.FAILED_RETRY:
+                self.metrics.dropped.labels(reason=d.decision.value).inc()
+            log_fn = _log.info if d.decision is Decision.KEPT else _log.warning
+            log_fn(
+                "group_decided",
+                group_id=d.group_id,
+                prompt_id=d.prompt_id,
+                attempt=d.attempt,
+                decision=d.decision.value,
+                versions=list(d.versions),
+                current=d.window.current_version,
+                cutoff_index=d.window.cutoff_index,
+                step=outcome.step,
+            )
+        snap = outcome.result.decisions[-1].window
+        if snap.current_index is not None:
+            self.metrics.current_index.set(snap.current_index)
+        if snap.cutoff_index is not None:
+            self.metrics.cutoff_index.set(snap.cutoff_index)
+        batch = outcome.result.batch
+        if batch is not None:
+            self.metrics.batches.inc()
+            if batch.gap is not None:
+                self.metrics.gap_min.set(batch.gap.min)
+                self.metrics.gap_max.set(batch.gap.max)
+                self.metrics.gap_mean.set(batch.gap.mean)
+            _log.info("batch_taken", index=batch.index, groups=len(batch.groups), drops=len(batch.dropped))
+
+    def _publish_outbox(self) -> None:
+        before = self.store.conflicts
+        n = self.store.drain(self._send, timeout_s=max(30.0, 3 * self.settings.outbox_lock_ms / 1000))
+        if n:
+            self.metrics.published.inc(n)
+        self.metrics.conflicts.inc(self.store.conflicts - before)
+
+    def _send(self, items: list[tuple[str, Record]]) -> list[Delivered]:
+        return self.producer.send_many(items)
+
+    def _commit(self) -> None:
+        offsets = {tp: o for tp, o in self.assembler.commit_offsets().items() if self._committed.get(tp) != o}
+        if not offsets:
+            return
+        try:
+            self.consumer.commit(offsets)
+        except KafkaError as exc:  # the group rebalanced: the new owner re-reads from the last commit
+            self.metrics.commit_errors.inc()
+            _log.warning("commit_failed", error=str(exc))
+            return
+        self._committed.update(offsets)
+
+    def revoking(self, tps: set[tuple[str, int]]) -> None:
+        """A rebalance started: remember what we held (kept if it comes back to us)."""
+        self._revoking = tps
+
+    def assigned(self, tps: set[tuple[str, int]]) -> None:
+        """A rebalance ended: forget the groups of partitions now owned elsewhere (runs on kafka's IO thread)."""
+        lost = self._revoking - tps
+        gone = self.assembler.forget_partitions(lost)
+        for tp in lost:
+            self._committed.pop(tp, None)
+        # Partitions kept across the rebalance keep their fetch position (kafka-python does not rewind
+        # them), so their partial groups stay; new ones start at their committed offset.
+        self._revoking = set()
+        _log.info(
+            "partitions_assigned",
+            assigned=sorted(f"{t}/{p}" for t, p in tps),
+            lost=sorted(f"{t}/{p}" for t, p in lost),
+            groups_dropped=len(gone),
+        )
+
+    def _measure_lag(self) -> None:
+        raw = self.consumer.raw
+        assigned = list(raw.assignment())
+        if not assigned:
+            return
+        try:
+            end = raw.end_offsets(assigned)
+        except KafkaError:
+            return
+        for tp in assigned:
+            committed = self._committed.get((tp.topic, tp.partition))
+            if committed is not None:
+                self.metrics.lag.labels(topic=tp.topic, partition=str(tp.partition)).set(max(0, end[tp] - committed))

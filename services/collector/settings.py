@@ -1,0 +1,44 @@
+"""Collector settings (``REIN_*`` environment variables); built once in ``__main__``."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from shared.settings import ServiceSettings
+
+
+class CollectorSettings(ServiceSettings):
+    """Settings of ``python -m services.collector`` (every replica of one deployment uses the same values)."""
+
+    group_id: str = "rein-collector"
+    """Kafka consumer group of the replicas: partitions of chunks and events are split between its members."""
+    replica_id: str = ""
+    """Name of this replica in logs and decision records; empty: ``<hostname>-<pid>``."""
+    keep_versions: int = Field(default=2, ge=0)
+    """Batch window: keep groups whose versions are among the newest N (by registry order); 0 turns it off."""
+    batch_groups: int = Field(default=32, ge=1)
+    """Groups per training batch: a manifest is emitted each time this many groups are pending."""
+    max_retries: int = Field(default=2, ge=0)
+    """Retries of a failed group (so max_retries + 1 attempts) before it is dropped and counted per prompt."""
+    reconfigure: bool = False
+    """Overwrite the window settings stored in Redis (keep/batch/retries). Without it a replica whose
+    values differ from the shared window's refuses to start, so replicas never disagree about the window."""
+    metrics_host: str = "127.0.0.1"
+    """Interface of the ``/metrics`` and ``/health`` HTTP server (0.0.0.0 inside a container)."""
+    metrics_port: int = Field(default=9102, ge=0, le=65535)
+    """Port of the ``/metrics`` and ``/health`` HTTP server; 0 picks a free port (logged at start)."""
+    poll_timeout_s: float = Field(default=0.2, gt=0, le=10)
+    """Longest wait of one consumer poll; bounds how fast the loop notices a stop request."""
+    topic_partitions: int = Field(default=4, ge=1)
+    """Partitions of topics the collector creates when missing (chunks and events must have the same count)."""
+    outbox_lock_ms: int = Field(default=10_000, ge=100)
+    """Lease of the outbox publisher lock; a replica killed while publishing blocks others at most this long."""
+    drain_interval_s: float = Field(default=2.0, gt=0)
+    """How often an idle replica publishes leftover outbox entries (e.g. those of a replica that crashed)."""
+    incomplete_timeout_s: float = Field(default=1800.0, gt=0)
+    """A group with no new record for this long is abandoned (logged, counted) so it stops holding commits."""
+    lag_interval_s: float = Field(default=5.0, gt=0)
+    """How often consumer lag is measured for ``/metrics``."""
+    coordinator_stall_s: float = Field(default=20.0, gt=0)
+    """A consumer whose group coordinator stays unknown, or whose poll does not return, for this long is closed
+    and rebuilt (it rejoins the group; uncommitted records are re-read)."""

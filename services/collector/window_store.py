@@ -1,0 +1,422 @@
+"""The one version window all collector replicas share, in Redis, and its outbox.
+
+Each completed group goes through :meth:`WindowStore.step`: an optimistic
+WATCH/MULTI transaction that loads the window (current label, pending groups,
+counters), gets every needed label's index from the :class:`RedisRegistry`, runs
+the pure :func:`shared.staleness.window_step` (the only copy of the rules), and
+writes back the new state, the ``decided`` mark of every group it decided, and the
+records to publish (decisions, a manifest, a retry request) onto the Redis outbox
+list, all in one EXEC. A concurrent step by another replica changes the watched
+window hash, so EXEC fails and the step is recomputed (bounded retries).
+
+:meth:`WindowStore.drain` publishes the outbox: under a lease lock, from the
+head, in step order (so manifests reach ``train.batches`` in index order), waits
+for the broker's acks, then trims exactly what it published (a fenced Lua
+script: only while it still holds the lease and the head is unchanged). A replica
+killed between the ack and the trim leaves entries that the next drainer
+publishes again: duplicates are possible only as the same bytes under the same
+key (same group decision, same manifest ``index``/``batch_id``), and consumers
+dedupe by key.
+
+Idempotency: a group id already in the ``decided`` hash is never decided again.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from shared import log
+from shared.bus import Delivered
+from shared.names import RedisKeys, Topics
+from shared.schemas import (
+    BatchManifest,
+    DecisionRecord,
+    GapInfo,
+    GroupRef,
+    Record,
+    RetryRequest,
+    WindowInfo,
+    decode,
+    encode,
+)
+from shared.staleness import (
+    Decision,
+    StepResult,
+    WindowConfig,
+    WindowGroup,
+    WindowSnapshot,
+    WindowState,
+    cutoff_index,
+    window_step,
+)
+from shared.state import RedisRegistry
+
+_log = log.get(__name__)
+
+Publish = Callable[[list[tuple[str, Record]]], list[Delivered]]
+
+
+class WindowConflict(RuntimeError):
+    """A window step lost the optimistic race more times than allowed."""
+
+
+class ConfigMismatch(RuntimeError):
+    """This replica's window settings differ from the ones the shared window was started with."""
+
+
+# KEYS: outbox, lock; ARGV: token, n, first entry, last entry
+_TRIM = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+local n = tonumber(ARGV[2])
+if redis.call('LINDEX', KEYS[1], 0) ~= ARGV[3] or redis.call('LINDEX', KEYS[1], n - 1) ~= ARGV[4] then
+  return -2
+end
+redis.call('LTRIM', KEYS[1], n, -1)
+return n
+"""
+
+# KEYS: lock; ARGV: token
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# KEYS: lock; ARGV: token, lease ms
+_EXTEND = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step did: None ``result`` means the group had already been decided."""
+
+    group_id: str
+    result: StepResult | None
+    step: int | None
+    records: tuple[tuple[str, Record], ...]
+
+
+def _window_info(snap: WindowSnapshot) -> WindowInfo:
+    return WindowInfo(
+        keep_versions=snap.keep_versions,
+        current_version=snap.current_version,
+        current_index=snap.current_index,
+        cutoff_index=snap.cutoff_index,
+    )
+
+
+def _group_to_json(group: WindowGroup, ref: GroupRef) -> str:
+    return json.dumps(
+        {
+            "group_id": group.group_id,
+            "prompt_id": group.prompt_id,
+            "attempt": group.attempt,
+            "failed": group.failed,
+            "versions": list(group.versions),
+            "ref": ref.model_dump(),
+        }
+    )
+
+
+def _group_from_json(text: str) -> tuple[WindowGroup, GroupRef]:
+    obj = json.loads(text)
+    group = WindowGroup(
+        obj["group_id"], obj["prompt_id"], int(obj["attempt"]), bool(obj["failed"]), tuple(obj["versions"])
+    )
+    return group, GroupRef.model_validate(obj["ref"])
+
+
+class WindowStore:
+    """Shared window state in Redis; steps are atomic across replicas, outputs go through an outbox."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: RedisKeys,
+        topics: Topics,
+        config: WindowConfig,
+        *,
+        replica: str,
+        max_attempts: int = 200,
+        lock_ms: int = 10_000,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.topics = topics
+        self.config = config
+        self.replica = replica
+        self.registry = RedisRegistry(client, keys)
+        self.max_attempts = max_attempts
+        self.lock_ms = lock_ms
+        self.conflicts = 0
+        self._trim = client.register_script(_TRIM)
+        self._release = client.register_script(_RELEASE)
+        self._extend = client.register_script(_EXTEND)
+
+    # ------------------------------------------------------------------ config
+
+    def claim_config(self, overwrite: bool = False) -> None:
+        """Record this window's settings, or fail when the shared window runs with different ones."""
+        want: dict[str, str] = {
+            "keep_versions": str(self.config.keep_versions),
+            "batch_groups": str(self.config.batch_groups),
+            "max_retries": str(self.config.max_retries),
+        }
+        key = self.keys.window_config
+        if overwrite:
+            self.client.hset(key, mapping=dict(want))  # type: ignore[arg-type]
+            return
+        for name, value in want.items():
+            self.client.hsetnx(key, name, value)
+        have: dict[str, str] = self.client.hgetall(key)  # type: ignore[assignment]
+        differ = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
+        if differ:
+            detail = ", ".join(f"{k}: shared window has {h}, this replica {w}" for k, (h, w) in differ.items())
+            raise ConfigMismatch(
+                f"window settings differ from the shared window at {key} ({detail}); every replica must use the "
+                "same REIN_KEEP_VERSIONS / REIN_BATCH_GROUPS / REIN_MAX_RETRIES. To change them, stop all "
+                "replicas and start one with REIN_RECONFIGURE=true."
+            )
+
+    # ------------------------------------------------------------------ reads
+
+    def decided(self, group_ids: list[str]) -> dict[str, str]:
+        """group id -> decision for the ids already decided."""
+        if not group_ids:
+            return {}
+        values: list[str | None] = self.client.hmget(self.keys.decided, group_ids)  # type: ignore[assignment]
+        return {gid: v for gid, v in zip(group_ids, values, strict=True) if v is not None}
+
+    def registered(self, labels: list[str]) -> list[bool]:
+        """Whether each label was published (has a sequence number) in the registry."""
+        if not labels:
+            return []
+        values: list[str | None] = self.client.hmget(self.keys.registry, labels)  # type: ignore[assignment]
+        return [v is not None for v in values]
+
+    def window_indices(self) -> tuple[int | None, int | None]:
+        """(current index, cutoff index) of the shared window now (for metrics)."""
+        current: str | None = self.client.hget(self.keys.window, "current")  # type: ignore[assignment]
+        if current is None:
+            return None, None
+        index = self.registry.observe([current])[0]
+        return index, cutoff_index(index, self.config.keep_versions)
+
+    # ------------------------------------------------------------------ the step
+
+    def _load(self, pipe: Any) -> tuple[WindowState, dict[str, GroupRef], int]:
+        window: dict[str, str] = pipe.hgetall(self.keys.window)
+        order: list[str] = pipe.lrange(self.keys.pending_order, 0, -1)
+        raw: list[str | None] = pipe.hmget(self.keys.pending, order) if order else []
+        pending: list[WindowGroup] = []
+        refs: dict[str, GroupRef] = {}
+        for text in raw:
+            if text is None:
+                continue
+            group, ref = _group_from_json(text)
+            pending.append(group)
+            refs[group.group_id] = ref
+        dropped = tuple((str(g), str(d)) for g, d in json.loads(window.get("dropped_since", "[]")))
+        state = WindowState(
+            current=window.get("current"),
+            pending=tuple(pending),
+            batches=int(window.get("batches", 0)),
+            dropped_since_batch=dropped,
+            drops_total=int(window.get("drops_total", 0)),
+        )
+        return state, refs, int(window.get("steps", 0))
+
+    def step(self, group: WindowGroup, ref: GroupRef, prompt: dict[str, Any] | None = None) -> StepOutcome:
+        """Decide one completed group atomically for all replicas; idempotent per group id."""
+        if self.decided([group.group_id]):
+            return StepOutcome(group.group_id, None, None, ())
+        # Unknown labels become "unregistered" here, outside the transaction: registering
+        # writes registry keys, which must not happen under our own WATCH.
+        self.registry.observe(list(group.versions))
+        k = self.keys
+        for _attempt in range(self.max_attempts):
+            with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(k.window, k.registry_order, k.unregistered)  # type: ignore[no-untyped-call]
+                    if pipe.hexists(k.decided, group.group_id):
+                        return StepOutcome(group.group_id, None, None, ())
+                    state, refs, steps = self._load(pipe)
+                    labels = sorted(
+                        {*group.versions, *(v for g in state.pending for v in g.versions)}
+                        | ({state.current} if state.current else set())
+                    )
+                    index = dict(zip(labels, self.registry.observe(labels), strict=True))
+                    result = window_step(state, group, index.__getitem__, self.config)
+                    refs[group.group_id] = ref
+                    records = self._records(group, result, refs, prompt or {}, steps)
+                    pipe.multi()
+                    self._write(pipe, group, ref, state, result, records, steps)
+                    pipe.execute()
+                    return StepOutcome(group.group_id, result, steps, tuple(records))
+                except redis.WatchError:
+                    self.conflicts += 1
+                    continue
+        raise WindowConflict(f"window step for group {group.group_id} lost {self.max_attempts} optimistic races")
+
+    def _records(
+        self,
+        group: WindowGroup,
+        result: StepResult,
+        refs: dict[str, GroupRef],
+        prompt: dict[str, Any],
+        steps: int,
+    ) -> list[tuple[str, Record]]:
+        topics = self.topics
+        out: list[tuple[str, Record]] = []
+        for d in result.decisions:
+            out.append(
+                (
+                    topics.decisions,
+                    DecisionRecord(
+                        group_id=d.group_id,
+                        prompt_id=d.prompt_id,
+                        attempt=d.attempt,
+                        decision=d.decision.value,
+                        versions=list(d.versions),
+                        window=_window_info(d.window),
+                        collector=self.replica,
+                        step=steps,
+                    ),
+                )
+            )
+            if d.group_id == group.group_id and d.decision is Decision.FAILED_RETRY:
+                out.append(
+                    (
+                        topics.retries,
+                        RetryRequest(
+                            prompt_id=group.prompt_id,
+                            attempt=group.attempt + 1,
+                            previous_group_id=group.group_id,
+                            prompt=prompt,
+                        ),
+                    )
+                )
+        batch = result.batch
+        if batch is not None:
+            gap = None if batch.gap is None else GapInfo(min=batch.gap.min, max=batch.gap.max, mean=batch.gap.mean)
+            out.append(
+                (
+                    topics.batches,
+                    BatchManifest(
+                        batch_id=f"{self.keys.prefix}-batch-{batch.index:08d}",
+                        index=batch.index,
+                        groups=[refs[g.group_id] for g in batch.groups],
+                        window=_window_info(batch.window),
+                        version_gap=gap,
+                        dropped=[{"group_id": gid, "decision": why} for gid, why in batch.dropped],
+                        drops_in_batch=len(batch.dropped),
+                        drops_cumulative=batch.drops_total,
+                    ),
+                )
+            )
+        return out
+
+    def _write(
+        self,
+        pipe: Any,
+        group: WindowGroup,
+        ref: GroupRef,
+        before: WindowState,
+        result: StepResult,
+        records: list[tuple[str, Record]],
+        steps: int,
+    ) -> None:
+        k = self.keys
+        after = result.state
+        window: dict[str, str | int] = {
+            "batches": after.batches,
+            "drops_total": after.drops_total,
+            "dropped_since": json.dumps([list(p) for p in after.dropped_since_batch]),
+            "steps": steps + 1,
+        }
+        if after.current is not None:
+            window["current"] = after.current
+        pipe.hset(k.window, mapping=window)
+        # pending: rewrite the order, add the new group if kept, delete what left
+        kept_ids = {g.group_id for g in after.pending}
+        gone = [g.group_id for g in before.pending if g.group_id not in kept_ids]
+        if gone:
+            pipe.hdel(k.pending, *gone)
+        if group.group_id in kept_ids:
+            pipe.hset(k.pending, group.group_id, _group_to_json(group, ref))
+        pipe.delete(k.pending_order)
+        if after.pending:
+            pipe.rpush(k.pending_order, *[g.group_id for g in after.pending])
+        decided = {d.group_id: d.decision.value for d in result.decisions}
+        pipe.hset(k.decided, mapping=decided)
+        for d in result.decisions:
+            if d.decision is not Decision.KEPT:
+                pipe.hincrby(k.window, f"drops:{d.decision.value}", 1)
+            if d.decision is Decision.FAILED_DROPPED:
+                pipe.hincrby(k.prompt_drops, d.prompt_id, 1)
+        if records:
+            pipe.rpush(k.outbox, *[self._entry(topic, record) for topic, record in records])
+
+    @staticmethod
+    def _entry(topic: str, record: Record) -> str:
+        return json.dumps(
+            {"id": uuid.uuid4().hex, "topic": topic, "record": base64.b64encode(encode(record)).decode("ascii")}
+        )
+
+    # ------------------------------------------------------------------ outbox
+
+    def outbox_size(self) -> int:
+        return int(self.client.llen(self.keys.outbox))  # type: ignore[arg-type,unused-ignore]
+
+    def drain(self, publish: Publish, timeout_s: float = 30.0, chunk: int = 500) -> int:
+        """Publish every outbox entry in order under the lease; returns how many this call published."""
+        token = uuid.uuid4().hex
+        k = self.keys
+        deadline = time.monotonic() + timeout_s
+        delay = 0.001
+        while not self.client.set(k.outbox_lock, token, nx=True, px=self.lock_ms):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"outbox lock {k.outbox_lock} still held after {timeout_s}s")
+            time.sleep(delay)  # polling a lease held by another replica: no event to wait on
+            delay = min(delay * 2, 0.05)
+        published = 0
+        try:
+            while True:
+                entries: list[str] = self.client.lrange(k.outbox, 0, chunk - 1)  # type: ignore[assignment]
+                if not entries:
+                    return published
+                items = []
+                for text in entries:
+                    obj = json.loads(text)
+                    items.append((str(obj["topic"]), decode(base64.b64decode(obj["record"]))))
+                publish(items)
+                trimmed = self._trim(
+                    keys=[k.outbox, k.outbox_lock], args=[token, len(entries), entries[0], entries[-1]]
+                )
+                if int(trimmed) < 0:
+                    _log.warning("outbox_lease_lost", replica=self.replica, entries=len(entries))
+                    return published
+                published += len(entries)
+                self._extend(keys=[k.outbox_lock], args=[token, self.lock_ms])
+        finally:
+            self._release(keys=[k.outbox_lock], args=[token])
+
+    # ------------------------------------------------------------------ counters
+
+    def drops_by_reason(self) -> dict[str, int]:
+        window: dict[str, str] = self.client.hgetall(self.keys.window)  # type: ignore[assignment]
+        return {key.split(":", 1)[1]: int(v) for key, v in window.items() if key.startswith("drops:")}
+
+    def prompt_drops(self) -> dict[str, int]:
+        raw: dict[str, str] = self.client.hgetall(self.keys.prompt_drops)  # type: ignore[assignment]
+        return {k: int(v) for k, v in raw.items()}

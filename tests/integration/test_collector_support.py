@@ -1,0 +1,200 @@
+"""Helpers of the collector integration tests (no tests here): settings, topic tails, a replica in a thread.
+
+Every test gets its own topic names (``t.<uuid>.<name>``), its own Redis logical DB and key
+prefix, and its own consumer group, so tests never see each other's records or window.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from kafka import TopicPartition
+
+from services.collector.service import Collector
+from services.collector.settings import CollectorSettings
+from services.collector.synthetic import ChunkSpec, group_records
+from shared.bus import Consumer, Producer, ensure_topics
+from shared.names import Topics
+from shared.schemas import BatchManifest, Chunk, DecisionRecord, Record, WeightPublished
+from shared.settings import KafkaSettings, RedisSettings
+
+WAIT_S = 60.0
+
+
+def make_settings(kafka_bootstrap: str, redis_url: str, *, partitions: int = 1, **overrides: Any) -> CollectorSettings:
+    """Settings of a fresh deployment: unique topics, key prefix and consumer group; topics created."""
+    tag = uuid.uuid4().hex[:10]
+    topics = Topics(**{name: f"t.{tag}.{name}" for name in Topics.model_fields})
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, client_id=f"test-{tag}")
+    ensure_topics(kafka, topics.all(), partitions=partitions)
+    values: dict[str, Any] = {
+        "kafka": kafka,
+        "redis": RedisSettings(url=redis_url, key_prefix=f"test-{tag}"),
+        "topics": topics,
+        "group_id": f"collector-{tag}",
+        "metrics_port": 0,
+        "poll_timeout_s": 0.05,
+        "drain_interval_s": 0.5,
+        "outbox_lock_ms": 2_000,
+        "topic_partitions": partitions,
+        "batch_groups": 100,
+        "keep_versions": 2,
+        "coordinator_stall_s": 5.0,
+    }
+    values.update(overrides)
+    return CollectorSettings(**values)
+
+
+def env_of(settings: CollectorSettings) -> dict[str, str]:
+    """The ``REIN_*`` environment that reproduces ``settings`` in a subprocess."""
+    env = {
+        "REIN_KAFKA__BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,
+        "REIN_KAFKA__CLIENT_ID": settings.kafka.client_id,
+        "REIN_REDIS__URL": settings.redis.url,
+        "REIN_REDIS__KEY_PREFIX": settings.redis.key_prefix,
+        "REIN_LOG_JSON": "true",
+    }
+    for name in Topics.model_fields:
+        env[f"REIN_TOPICS__{name.upper()}"] = getattr(settings.topics, name)
+    for name in (
+        "group_id",
+        "keep_versions",
+        "batch_groups",
+        "max_retries",
+        "metrics_port",
+        "poll_timeout_s",
+        "drain_interval_s",
+        "outbox_lock_ms",
+        "topic_partitions",
+        "coordinator_stall_s",
+    ):
+        env[f"REIN_{name.upper()}"] = str(getattr(settings, name))
+    return env
+
+
+class Source:
+    """Plays the proxy, the rollout runner and the broadcaster: writes records to the input topics."""
+
+    def __init__(self, settings: CollectorSettings) -> None:
+        self.topics = settings.topics
+        self.producer = Producer(settings.kafka, client_suffix="test-source")
+
+    def weights(self, labels: Sequence[str], first_seq: int = 0) -> None:
+        self.producer.send_many(
+            (
+                self.topics.weights,
+                WeightPublished(version=label, seq=first_seq + i, path=f"/w/{label}", digest="d", step=i),
+            )
+            for i, label in enumerate(labels)
+        )
+
+    def records(self, records: Iterable[Record]) -> None:
+        self.producer.send_many(
+            (self.topics.chunks if isinstance(r, Chunk) else self.topics.events, r) for r in records
+        )
+
+    def group(self, group_id: str, trajectories: Sequence[Sequence[ChunkSpec]], **kw: Any) -> None:
+        self.records(group_records(group_id, trajectories, **kw))
+
+    def close(self) -> None:
+        self.producer.close()
+
+
+class Tail:
+    """Reads a topic from the beginning (all partitions, no consumer group) and keeps everything."""
+
+    def __init__(self, settings: CollectorSettings, topic: str) -> None:
+        self.consumer = Consumer(settings.kafka, (), None, client_suffix="test-tail")
+        raw = self.consumer.raw
+        parts = None
+        deadline = time.monotonic() + WAIT_S
+        while not parts and time.monotonic() < deadline:
+            raw.poll(timeout_ms=100)
+            parts = raw.partitions_for_topic(topic)
+        assert parts, f"topic {topic} has no partitions"
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        raw.assign(tps)
+        raw.seek_to_beginning(*tps)
+        self.records: list[Record] = []
+
+    def poll(self) -> list[Record]:
+        self.records.extend(p.record for p in self.consumer.poll(0.1))
+        return self.records
+
+    def wait(self, until: Callable[[list[Record]], bool], what: str, timeout_s: float = WAIT_S) -> list[Record]:
+        deadline = time.monotonic() + timeout_s
+        while not until(self.poll()):
+            if time.monotonic() > deadline:
+                faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)  # where is the collector?
+                raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; have {len(self.records)}")
+        return self.records
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def final_decisions(records: Iterable[Record]) -> dict[str, str]:
+    """group id -> its last decision (by window step)."""
+    best: dict[str, tuple[int, str]] = {}
+    for r in records:
+        if isinstance(r, DecisionRecord):
+            step = -1 if r.step is None else r.step
+            if r.group_id not in best or step >= best[r.group_id][0]:
+                best[r.group_id] = (step, r.decision)
+    return {gid: d for gid, (_, d) in best.items()}
+
+
+def manifests_by_index(records: Iterable[Record]) -> dict[int, BatchManifest]:
+    """Manifests deduplicated by index; a duplicate must be identical (same key, same content)."""
+    out: dict[int, BatchManifest] = {}
+    for r in records:
+        if isinstance(r, BatchManifest):
+            held = out.setdefault(r.index, r)
+            assert held == r, f"two different manifests with index {r.index}"
+    return out
+
+
+class Running:
+    """One collector replica in a thread of this process; ``stop()`` re-raises what killed it."""
+
+    def __init__(self, settings: CollectorSettings) -> None:
+        self.stop_event = threading.Event()
+        self.collector = Collector(settings, self.stop_event)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="collector-under-test", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.collector.run()
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def __enter__(self) -> Running:
+        self.thread.start()
+        deadline = time.monotonic() + WAIT_S
+        while not self.collector.ready.wait(0.1):
+            if self.error is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"collector did not start: {self.error!r}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(WAIT_S)
+        assert not self.thread.is_alive(), "collector thread did not stop"
+        if self.error is not None:
+            raise self.error
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        value = self.collector.metrics.registry.get_sample_value(name, labels or {})
+        return 0.0 if value is None else value

@@ -1,0 +1,228 @@
+"""The reference's §8 window scenarios end to end through one collector, plus retries, manifests, poison records.
+
+Topics have one partition here, so the collector takes groups in the order they were
+written and every decision is deterministic.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import redis
+from kafka import KafkaProducer
+
+from shared.bus import read_at
+from shared.names import RedisKeys
+from shared.schemas import CompletedGroup, DecisionRecord, RetryRequest, encode
+from tests.integration.test_collector_support import (
+    Running,
+    Source,
+    Tail,
+    final_decisions,
+    make_settings,
+    manifests_by_index,
+)
+
+# kafka-python 3.0 drops sockets it never connected without closing them; under "warnings are errors" the
+# ResourceWarning can fire inside a client's IO thread and kill the task a poll is waiting on.
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+
+def decided(tail: Tail, group_ids: list[str]) -> dict[str, str]:
+    records = tail.wait(lambda rs: set(group_ids) <= set(final_decisions(rs)), f"decisions of {group_ids}")
+    return final_decisions(records)
+
+
+def steps_of(records: list[object], group_id: str) -> list[tuple[int | None, str]]:
+    return [(r.step, r.decision) for r in records if isinstance(r, DecisionRecord) and r.group_id == group_id]
+
+
+def test_sliding_window_whole_group_drops_and_retroactive_removal_only_on_advance(
+    kafka_bootstrap: str, redis_db_url: str
+) -> None:
+    settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=2)
+    source = Source(settings)
+    source.weights(["v0", "v1", "v2", "v3"])
+    with Running(settings):
+        tail = Tail(settings, settings.topics.decisions)
+        source.group("A", [["v0"], ["v0"]])  # current v0: kept
+        source.group("B", [["v1"], ["v1"]])  # current v1, cutoff 0: A stays
+        source.group("C", [["v2"], ["v0"]])  # current v2, cutoff 1: A leaves; C has a v0 member: whole group out
+        source.group("D", [["v1"], ["v2"]])  # inside [v1, v2]: kept
+        source.group("E", [["v0"]])  # below the cutoff: stale
+        first = decided(tail, ["A", "B", "C", "D", "E"])
+        assert first == {
+            "A": "dropped_retroactive",
+            "B": "kept",
+            "C": "dropped_stale",
+            "D": "kept",
+            "E": "dropped_stale",
+        }
+        source.group("F", [["v2"]])  # no advance: nothing pending is re-checked
+        decided(tail, ["F"])
+        assert final_decisions(tail.records)["B"] == "kept"
+        source.group("G", [["v3"]])  # advance to v3, cutoff 2: B and D leave
+        final = decided(tail, ["G"])
+        records = tail.wait(lambda rs: final_decisions(rs).get("D") == "dropped_retroactive", "D retro-dropped")
+        final = final_decisions(records)
+    assert {k: final[k] for k in "BDFG"} == {
+        "B": "dropped_retroactive",
+        "D": "dropped_retroactive",
+        "F": "kept",
+        "G": "kept",
+    }
+    g_step = steps_of(records, "G")[0][0]
+    assert steps_of(records, "B") == [(1, "kept"), (g_step, "dropped_retroactive")]
+    retro = [r for r in records if isinstance(r, DecisionRecord) and r.decision == "dropped_retroactive"]
+    assert all(r.window.current_version in ("v2", "v3") for r in retro)
+    g = next(r for r in records if isinstance(r, DecisionRecord) and r.group_id == "G")
+    assert (g.window.current_version, g.window.current_index, g.window.cutoff_index) == ("v3", 3, 2)
+    source.close()
+    tail.close()
+
+
+def test_highest_segment_decides_and_unversioned_samples_are_ignored(kafka_bootstrap: str, redis_db_url: str) -> None:
+    settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=1)
+    source = Source(settings)
+    source.weights(["v0", "v1", "v2"])
+    with Running(settings):
+        tail = Tail(settings, settings.topics.decisions)
+        # segment 0 ends on v2, segment 1 (the highest) on v1: the trajectory counts as v1
+        source.group("H", [[(0, "v2"), (1, "v1")], [(0, "v1")]])
+        source.group("I", [[(0, "v1"), (1, "v2")]])  # highest segment v2: advance, H (v1) leaves
+        source.group("J", [[None], [None]])  # no versioned trajectory: never stale, never moves the window
+        source.group("K", [[None], ["v2"]])  # the unversioned member is ignored
+        source.group("L", [["v0"]])
+        final = decided(tail, ["H", "I", "J", "K", "L"])
+    assert final == {"H": "dropped_retroactive", "I": "kept", "J": "kept", "K": "kept", "L": "dropped_stale"}
+    h = next(r for r in tail.records if isinstance(r, DecisionRecord) and r.group_id == "H")
+    assert h.versions == ["v1", "v1"] and h.window.current_version == "v1"
+    j = next(r for r in tail.records if isinstance(r, DecisionRecord) and r.group_id == "J")
+    assert j.versions == [] and j.window.current_version == "v2"
+    source.close()
+    tail.close()
+
+
+def test_late_straggler_on_an_older_published_label_is_stale_and_does_not_move_the_window(
+    kafka_bootstrap: str, redis_db_url: str
+) -> None:
+    """The reference's W1: a never-observed old label was ranked newest; here the registry order decides."""
+    settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=1)
+    source = Source(settings)
+    source.weights(["v0", "v1", "v2"])
+    with Running(settings):
+        tail = Tail(settings, settings.topics.decisions)
+        source.group("P", [["v1"], ["v1"]])
+        source.group("Q", [["v2"], ["v2"]])
+        source.group("R", [["v0"], ["v0"]])  # finished late, on a label nobody observed before
+        source.group("S", [["v2"]])
+        final = decided(tail, ["P", "Q", "R", "S"])
+    assert final == {"P": "dropped_retroactive", "Q": "kept", "R": "dropped_stale", "S": "kept"}
+    r = next(x for x in tail.records if isinstance(x, DecisionRecord) and x.group_id == "R")
+    assert (r.window.current_version, r.window.current_index, r.window.cutoff_index) == ("v2", 2, 2)
+    source.close()
+    tail.close()
+
+
+def test_failed_groups_are_retried_then_dropped_and_never_move_the_window(
+    kafka_bootstrap: str, redis_db_url: str
+) -> None:
+    settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=1, max_retries=2)
+    source = Source(settings)
+    source.weights(["v0", "v1", "v2"])
+    with Running(settings):
+        tail = Tail(settings, settings.topics.decisions)
+        retries = Tail(settings, settings.topics.retries)
+        source.group("ok1", [["v1"], ["v1"]])
+        source.group("f0", [["v2"], ["v2"]], prompt_id="pf", attempt=0, rejected=[1])  # v2 must not advance
+        source.group("f2", [["v1"], ["v1"]], prompt_id="pf", attempt=2, rejected=[0])
+        source.group("ok2", [["v1"]])
+        final = decided(tail, ["ok1", "f0", "f2", "ok2"])
+        got = retries.wait(lambda rs: len(rs) >= 1, "a retry request")
+    assert final == {"ok1": "kept", "f0": "failed_retry", "f2": "failed_dropped", "ok2": "kept"}
+    f0 = next(r for r in tail.records if isinstance(r, DecisionRecord) and r.group_id == "f0")
+    assert f0.window.current_version == "v1"
+    assert len(got) == 1 and isinstance(got[0], RetryRequest)
+    assert (got[0].prompt_id, got[0].attempt, got[0].previous_group_id) == ("pf", 1, "f0")
+    assert got[0].prompt == {"id": "pf"}
+    client = redis.Redis.from_url(settings.redis.url, decode_responses=True)
+    assert client.hget(RedisKeys(settings.redis.key_prefix).prompt_drops, "pf") == "1"
+    client.close()
+    source.close()
+    tail.close()
+    retries.close()
+
+
+def test_manifests_reference_groups_and_report_window_drops_and_gaps(kafka_bootstrap: str, redis_db_url: str) -> None:
+    settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=2, batch_groups=2)
+    source = Source(settings)
+    source.weights(["v0", "v1", "v2"])
+    with Running(settings) as replica:
+        batches = Tail(settings, settings.topics.batches)
+        source.group("m1", [["v1"], ["v1"]])
+        source.group("m2", [["v0"]])  # kept: cutoff 0 while current is v1
+        source.group("m3", [["v2"]])  # advance: batch 0 was already taken, so nothing retro
+        source.group("m4", [["v0"]])  # stale now
+        source.group("m5", [["v2"], ["v1"]])
+        records = batches.wait(lambda rs: len(manifests_by_index(rs)) >= 2, "two manifests")
+        manifests = manifests_by_index(records)
+        assert replica.metric("rein_collector_batches_total") == 2
+        assert replica.metric("rein_staleness_dropped_groups_total", {"reason": "dropped_stale"}) == 1
+        assert replica.metric("rein_staleness_current_version_index") == 2
+        assert replica.metric("rein_staleness_cutoff_version_index") == 1
+    first, second = manifests[0], manifests[1]
+    assert [g.group_id for g in first.groups] == ["m1", "m2"]
+    assert [g.group_id for g in second.groups] == ["m3", "m5"]
+    assert first.version_gap is not None and (first.version_gap.min, first.version_gap.max) == (0, 1)
+    assert second.window.current_version == "v2" and second.window.cutoff_index == 1
+    assert second.dropped == [{"group_id": "m4", "decision": "dropped_stale"}]
+    assert (second.drops_in_batch, second.drops_cumulative) == (1, 1)
+    assert second.version_gap is not None and (second.version_gap.min, second.version_gap.max) == (0, 1)
+    assert second.batch_id.endswith("-batch-00000001") and second.index == 1
+    for ref in first.groups + second.groups:
+        group = read_at(settings.kafka, settings.topics.groups, ref.partition, ref.offset)
+        assert isinstance(group, CompletedGroup) and group.group_id == ref.group_id
+    source.close()
+    batches.close()
+
+
+def test_malformed_records_are_skipped_counted_and_the_collector_keeps_going(
+    kafka_bootstrap: str, redis_db_url: str
+) -> None:
+    settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=2)
+    settings = settings.model_copy(update={"kafka": settings.kafka.model_copy(update={"max_record_bytes": 20_000})})
+    source = Source(settings)
+    source.weights(["v0", "v1"])
+    raw = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    poison = {
+        "not_msgpack": b"\xc1\xc1garbage",
+        "schema_version": msgpack.packb({"schema": 99, "type": "chunk", "data": {}}),
+        "invalid_fields": msgpack.packb({"schema": 1, "type": "chunk", "data": {"seq": "x"}}),
+        "oversize": b"\x00" * 30_000,
+    }
+    with Running(settings) as replica:
+        tail = Tail(settings, settings.topics.decisions)
+        source.group("before", [["v1"]])
+        for topic in (settings.topics.chunks, settings.topics.events):
+            for value in poison.values():
+                raw.send(topic, key=b"poison", value=value)
+        raw.flush(timeout=30)
+        source.group("after", [["v1"], ["v1"]])
+        final = decided(tail, ["before", "after"])
+        # a valid record of a type the collector does not assemble is handled too (no stall)
+        raw.send(settings.topics.events, key=b"x", value=encode(_retry()))
+        raw.flush(timeout=30)
+        source.group("later", [["v1"]])
+        final = decided(tail, ["before", "after", "later"])
+        for topic in (settings.topics.chunks, settings.topics.events):
+            for reason in poison:
+                labels = {"topic": topic, "reason": reason}
+                assert replica.metric("rein_bus_decode_errors_total", labels) == 1, labels
+    assert final == {"before": "kept", "after": "kept", "later": "kept"}
+    raw.close()
+    source.close()
+    tail.close()
+
+
+def _retry() -> RetryRequest:
+    return RetryRequest(prompt_id="p", attempt=1, previous_group_id="g")

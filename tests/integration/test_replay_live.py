@@ -1,0 +1,74 @@
+"""``rein replay`` answers with the live run's decisions when given the live run's settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shared.cli import main as rein
+from tests.integration.test_collector_support import Running, Source, Tail, final_decisions, make_settings
+
+# kafka-python 3.0 drops sockets it never connected without closing them; under "warnings are errors" the
+# ResourceWarning can fire inside a client's IO thread and kill the task a poll is waiting on.
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+STREAM: list[tuple[str, list[list[str | None]], dict[str, object]]] = [
+    ("a", [["v1"], ["v1"]], {}),
+    ("b", [["v1"], [None]], {}),
+    ("c", [["v2"], ["v2"]], {}),  # advance: a and b leave (keep 1)
+    ("d", [["v0"]], {}),  # stale straggler
+    ("e", [["v2"]], {"attempt": 0, "rejected": [0]}),  # failed: retry
+    ("f", [["v2"], ["v2"]], {}),
+    ("g", [[(0, "v3"), (1, "v2")]], {}),  # the highest segment (v2) decides
+    ("h", [["v3"]], {}),  # advance: c, f, g leave unless batched
+]
+
+
+def _replay(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    capsys.readouterr()  # drop the collector's log lines
+    assert rein(["replay", *args, "--json"]) == 0
+    out: dict[str, object] = json.loads(capsys.readouterr().out)
+    return out
+
+
+def test_replay_of_a_recorded_run_gives_the_live_decisions(
+    kafka_bootstrap: str,
+    redis_db_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=1, batch_groups=2)
+    source = Source(settings)
+    source.weights(["v0", "v1", "v2", "v3"])
+    with Running(settings):
+        tail = Tail(settings, settings.topics.decisions)
+        for gid, trajs, kw in STREAM:
+            source.group(gid, trajs, **kw)  # type: ignore[arg-type]
+        live = final_decisions(tail.wait(lambda rs: len(final_decisions(rs)) == len(STREAM), "all decisions"))
+    assert set(live.values()) >= {"kept", "dropped_retroactive", "dropped_stale", "failed_retry"}
+
+    monkeypatch.setenv("REIN_KAFKA__BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("REIN_TOPICS__WEIGHTS", settings.topics.weights)
+    monkeypatch.setenv("REIN_TOPICS__DECISIONS", settings.topics.decisions)
+    export = tmp_path / "run.jsonl"
+    common = ["--keep-versions", "1", "--batch-groups", "2"]
+    from_topic = _replay(capsys, "--from-topic", settings.topics.groups, *common, "--export", str(export))
+    decisions = {g["group_id"]: g["decision"] for g in from_topic["groups"]}  # type: ignore[attr-defined]
+    assert decisions == live
+
+    lines = [json.loads(line) for line in export.read_text().splitlines()]
+    assert [line["kind"] for line in lines[:4]] == ["weight"] * 4
+    assert [line["group_id"] for line in lines[4:]] == [gid for gid, _, _ in STREAM]
+    from_file = _replay(capsys, "--from-file", str(export), *common)
+    assert {g["group_id"]: g["decision"] for g in from_file["groups"]} == live  # type: ignore[attr-defined]
+
+    # what-if: with the window off nothing is dropped for staleness
+    off = _replay(capsys, "--from-file", str(export), "--keep-versions", "0", "--batch-groups", "2")
+    summary = off["summary"]
+    assert summary["decisions"]["dropped_stale"] == 0  # type: ignore[index]
+    assert summary["decisions"]["dropped_retroactive"] == 0  # type: ignore[index]
+    source.close()
+    tail.close()

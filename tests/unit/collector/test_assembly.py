@@ -1,0 +1,214 @@
+"""Assembly of chunks and events into completed groups, and the commit offset rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.collector.assembly import Assembler, Position, commit_offset
+from shared.replay import window_group
+from shared.schemas import Chunk, CompletedGroup, GroupDispatched, Record, SessionFinished, SessionRejected
+
+CHUNKS = "rollout.chunks"
+EVENTS = "rollout.events"
+
+
+def chunk(
+    sid: str,
+    seq: int,
+    *,
+    seg: int = 0,
+    ctx: list[int] | None = None,
+    out: list[int] | None = None,
+    version: str | None = "v1",
+    gid: str = "g1",
+) -> Chunk:
+    out = [10 + seq, 20 + seq] if out is None else out
+    return Chunk(
+        session_id=sid,
+        group_id=gid,
+        seq=seq,
+        segment_index=seg,
+        chunk_index=0,
+        context_ids=[1, 2] if ctx is None else ctx,
+        output_ids=out,
+        logprobs=[-0.5] * len(out),
+        version=version,
+        finish_reason="stop",
+    )
+
+
+def dispatched(sids: list[str], gid: str = "g1", attempt: int = 0) -> GroupDispatched:
+    return GroupDispatched(group_id=gid, prompt_id="p1", attempt=attempt, session_ids=sids, prompt={"q": 1})
+
+
+def finished(sid: str, n: int, gid: str = "g1", reward: float = 1.0, status: str = "completed") -> SessionFinished:
+    return SessionFinished(session_id=sid, group_id=gid, reward=reward, num_chunks=n, status=status)  # type: ignore[arg-type]
+
+
+class Feed:
+    """Feeds records with increasing offsets per topic (partition 0)."""
+
+    def __init__(self) -> None:
+        self.asm = Assembler()
+        self.next = {CHUNKS: 0, EVENTS: 0}
+        self.completed: list[CompletedGroup] = []
+
+    def __call__(self, record: Record, offset: int | None = None) -> CompletedGroup | None:
+        topic = CHUNKS if isinstance(record, Chunk) else EVENTS
+        if offset is None:
+            offset = self.next[topic]
+            self.next[topic] += 1
+        out = self.asm.add(Position(topic, 0, offset), record)
+        if out is not None:
+            self.completed.append(out)
+        return out
+
+
+def test_group_completes_only_when_every_session_ended_and_all_chunks_arrived() -> None:
+    feed = Feed()
+    assert feed(dispatched(["s1", "s2"])) is None
+    assert feed(chunk("s1", 0)) is None
+    assert feed(finished("s1", 2)) is None  # s1 needs two chunks
+    assert feed(chunk("s1", 1, ctx=[3])) is None
+    assert feed(chunk("s2", 0)) is None
+    group = feed(finished("s2", 1, reward=0.0))
+    assert group is not None
+    assert group.group_id == "g1" and group.prompt_id == "p1" and not group.failed
+    assert [t.session_id for t in group.trajectories] == ["s1", "s2"]
+    seg = group.trajectories[0].segments[0]
+    assert seg.token_ids == [1, 2, 10, 20, 3, 11, 21]
+    assert seg.loss_mask == [0, 0, 1, 1, 0, 1, 1]
+    assert seg.logprobs == [0.0, 0.0, -0.5, -0.5, 0.0, -0.5, -0.5]
+    assert seg.versions == [None, None, "v1", "v1", None, "v1", "v1"]
+    assert group.trajectories[1].reward == 0.0
+    assert group.prompt == {"q": 1}
+
+
+def test_events_before_chunks_and_dispatch_last() -> None:
+    feed = Feed()
+    feed(finished("s1", 2))
+    feed(chunk("s1", 1))
+    feed(chunk("s1", 0))
+    assert feed.completed == []  # not dispatched yet
+    group = feed(dispatched(["s1"]))
+    assert group is not None
+    assert group.trajectories[0].segments[0].token_ids == [1, 2, 10, 20, 1, 2, 11, 21]  # seq order, not arrival
+
+
+def test_duplicates_are_ignored_and_the_group_is_emitted_once() -> None:
+    feed = Feed()
+    feed(dispatched(["s1"]))
+    feed(chunk("s1", 0))
+    feed(chunk("s1", 0, out=[99]))  # same seq again (a replay): first one wins
+    feed(dispatched(["s1", "other"]))  # duplicate dispatch: first one wins
+    group = feed(finished("s1", 1))
+    assert group is not None
+    assert group.trajectories[0].segments[0].token_ids == [1, 2, 10, 20]
+    assert feed(chunk("s1", 0)) is None
+    assert feed(finished("s1", 1)) is None
+    assert len(feed.completed) == 1
+
+
+def test_rejected_session_makes_a_failed_group_and_failed_status_too() -> None:
+    feed = Feed()
+    feed(dispatched(["s1", "s2"]))
+    feed(chunk("s1", 0))
+    feed(finished("s1", 1))
+    group = feed(
+        SessionRejected(session_id="s2", group_id="g1", error="partial_rollout_staleness_exceeded", num_chunks=0)
+    )
+    assert group is not None and group.failed
+    assert group.trajectories[1].status == "rejected"
+    assert group.trajectories[1].error == "partial_rollout_staleness_exceeded"
+    assert group.trajectories[1].segments == []
+
+    feed2 = Feed()
+    feed2(dispatched(["s1"], gid="g2"))
+    group2 = feed2(finished("s1", 0, gid="g2", status="failed"))
+    assert group2 is not None and group2.failed
+
+
+def test_segments_are_split_and_the_highest_segment_decides_the_window_version() -> None:
+    feed = Feed()
+    feed(dispatched(["s1"]))
+    feed(chunk("s1", 0, seg=0, version="v1"))
+    feed(chunk("s1", 1, seg=0, ctx=[], version="v2"))  # resumed after a preempt: same segment, new version
+    feed(chunk("s1", 2, seg=1, version="v1"))  # next segment ends on v1
+    group = feed(finished("s1", 3))
+    assert group is not None
+    segs = group.trajectories[0].segments
+    assert [s.segment_index for s in segs] == [0, 1]
+    assert segs[0].versions == [None, None, "v1", "v1", "v2", "v2"]
+    assert segs[0].finish_reason == "stop"
+    assert window_group(group).versions == ("v1",)
+
+
+def test_unversioned_trajectories_are_ignored_by_the_window() -> None:
+    feed = Feed()
+    feed(dispatched(["s1", "s2"]))
+    feed(chunk("s1", 0, version=None))
+    feed(chunk("s2", 0, version="v3"))
+    feed(finished("s1", 1))
+    group = feed(finished("s2", 1))
+    assert group is not None
+    assert window_group(group).versions == ("v3",)
+
+
+def test_offsets_of_incomplete_groups_hold_the_commit_until_release() -> None:
+    feed = Feed()
+    feed(dispatched(["a1"], gid="A"))  # events@0
+    feed(dispatched(["b1"], gid="B"))  # events@1
+    feed(chunk("a1", 0, gid="A"))  # chunks@0
+    feed(chunk("b1", 0, gid="B"))  # chunks@1
+    group = feed(finished("a1", 1, gid="A"))  # events@2
+    assert group is not None
+    # A complete but not yet released: everything still held
+    assert feed.asm.commit_offsets() == {(CHUNKS, 0): 0, (EVENTS, 0): 0}
+    feed.asm.release("A")
+    assert feed.asm.commit_offsets() == {(CHUNKS, 0): 1, (EVENTS, 0): 1}
+    feed.asm.skip(Position(EVENTS, 0, 3))  # a malformed record after everything
+    feed.next[EVENTS] = 4
+    assert feed.asm.commit_offsets() == {(CHUNKS, 0): 1, (EVENTS, 0): 1}
+    assert feed(finished("b1", 1, gid="B")) is not None  # events@4
+    feed.asm.release("B")
+    assert feed.asm.commit_offsets() == {(CHUNKS, 0): 2, (EVENTS, 0): 5}
+    # records of a released group arriving again are handled without being held
+    feed(chunk("a1", 0, gid="A"), offset=2)
+    assert feed.asm.commit_offsets() == {(CHUNKS, 0): 3, (EVENTS, 0): 5}
+
+
+def test_marked_done_groups_and_revoked_partitions() -> None:
+    feed = Feed()
+    feed.asm.mark_done("old")
+    assert feed(chunk("x", 0, gid="old")) is None
+    assert feed.asm.assembling == 0
+    feed(chunk("y", 0, gid="new"))
+    assert feed.asm.assembling == 1
+    assert feed.asm.forget_partitions([(CHUNKS, 0)]) == ["new"]
+    assert feed.asm.assembling == 0
+    assert (CHUNKS, 0) not in feed.asm.commit_offsets()
+
+
+def test_expire_abandons_silent_groups() -> None:
+    asm = Assembler()
+    asm.add(Position(CHUNKS, 0, 0), chunk("s", 0, gid="G"), now=100.0)
+    assert asm.expire(now=150.0, timeout_s=60.0) == []
+    assert asm.expire(now=161.0, timeout_s=60.0) == ["G"]
+    assert asm.commit_offsets() == {(CHUNKS, 0): 1}
+
+
+@pytest.mark.parametrize(
+    ("pending", "last_handled", "expected"),
+    [
+        ((), None, None),  # nothing read yet: no commit
+        ((), 0, 1),  # everything handled: last + 1
+        ((), 41, 42),
+        ((5,), 9, 5),  # a record still needed: its offset
+        ((7, 5, 9), 9, 5),  # the lowest pending offset wins
+        ((9,), 9, 9),  # the last record itself still needed
+        ((0,), 0, 0),  # the very first record pending
+        ((3, 3), 8, 3),  # the same offset held twice (a duplicate delivery)
+    ],
+)
+def test_commit_offset_rule(pending: tuple[int, ...], last_handled: int | None, expected: int | None) -> None:
+    assert commit_offset(pending, last_handled) == expected

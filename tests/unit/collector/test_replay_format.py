@@ -1,0 +1,66 @@
+"""The replay JSONL format and the pure replay fold."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared.replay import ReplayFormatError, event_to_json, read_jsonl, replay
+from shared.staleness import WindowConfig
+
+RUN = [
+    {"kind": "weight", "version": "v0", "seq": 0},
+    {"kind": "weight", "version": "v1", "seq": 1},
+    {
+        "kind": "group",
+        "group_id": "a",
+        "prompt_id": "p",
+        "attempt": 0,
+        "failed": False,
+        "samples": [{"trajectory_id": "t1", "segment_index": 0, "end_version": "v0"}],
+    },
+    {
+        "kind": "group",
+        "group_id": "b",
+        "prompt_id": "p",
+        "attempt": 0,
+        "failed": False,
+        "samples": [
+            {"trajectory_id": "t2", "segment_index": 0, "end_version": "v1"},
+            {"trajectory_id": "t2", "segment_index": 1, "end_version": None},
+        ],
+    },
+    {"kind": "group", "group_id": "c", "prompt_id": "q", "attempt": 2, "failed": True, "samples": []},
+    {"kind": "group", "group_id": "a", "prompt_id": "p", "attempt": 0, "failed": False, "samples": []},
+]
+
+
+def test_round_trip_and_fold() -> None:
+    events = list(read_jsonl(json.dumps(obj) for obj in RUN))
+    assert [event_to_json(e) for e in events][:2] == RUN[:2]
+    report = replay(events, WindowConfig(keep_versions=1, batch_groups=8))
+    assert report.decisions() == {"a": "dropped_retroactive", "b": "kept", "c": "failed_dropped"}
+    assert report.duplicates == 1
+    summary = report.summary()
+    assert summary["kept"] == 1 and summary["dropped"] == 2 and summary["batches"] == 0
+    off = replay(events, WindowConfig(keep_versions=0, batch_groups=2))
+    assert off.decisions() == {"a": "kept", "b": "kept", "c": "failed_dropped"}
+    assert off.batches == 1 and off.summary()["version_gap"] == {"min": 0, "max": 1, "mean": 0.5, "trajectories": 2}
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "not json",
+        '{"kind": "nope"}',
+        '{"kind": "weight", "version": "v0"}',
+        '{"kind": "weight", "version": "unknown", "seq": 1}',
+        '{"kind": "group", "samples": []}',
+        '{"kind": "group", "group_id": "g", "samples": [{"segment_index": "x"}]}',
+        '{"kind": "group", "group_id": "g", "failed": "yes", "samples": []}',
+    ],
+)
+def test_bad_lines_name_the_line(line: str) -> None:
+    with pytest.raises(ReplayFormatError, match="line 2"):
+        list(read_jsonl(["# comment", line]))
