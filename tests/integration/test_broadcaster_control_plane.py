@@ -65,8 +65,9 @@ class Stack:
         return data
 
     def proxy_state(self) -> dict[str, Any]:
-        data: dict[str, Any] = httpx.get(f"{self.proxy}/v1/rollout/state", timeout=10,
-                                         headers={"Authorization": f"Bearer {ADMIN}"}).json()
+        data: dict[str, Any] = httpx.get(
+            f"{self.proxy}/v1/rollout/state", timeout=10, headers={"Authorization": f"Bearer {ADMIN}"}
+        ).json()
         return data
 
     def checkpoint(self, step: int) -> WeightPublished:
@@ -94,8 +95,9 @@ class Stack:
 
 
 @pytest.fixture
-def stack(kafka_bootstrap: str, redis_db_url: str, unique_topic: Callable[..., str], unique_group: str,
-          tmp_path: Path) -> Iterator[Stack]:
+def stack(
+    kafka_bootstrap: str, redis_db_url: str, unique_topic: Callable[..., str], unique_group: str, tmp_path: Path
+) -> Iterator[Stack]:
     weights_dir = tmp_path / "weights"
     weights_dir.mkdir()
     topics = Topics(chunks=unique_topic(), events=unique_topic(), weights=unique_topic())
@@ -103,22 +105,45 @@ def stack(kafka_bootstrap: str, redis_db_url: str, unique_topic: Callable[..., s
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     engine = start_service(
         "services.engine",
-        {"REIN_HOST": "127.0.0.1", "REIN_PORT": str(engine_port), "REIN_WEIGHTS_DIR": str(weights_dir),
-         "REIN_STEP_DELAY_S": "0.05", "REIN_TORCH_THREADS": "1", "REIN_LOG_LEVEL": "warning"},
-        f"{engine_url}/health", timeout_s=90, log_dir=tmp_path / "logs",
+        {
+            "REIN_HOST": "127.0.0.1",
+            "REIN_PORT": str(engine_port),
+            "REIN_WEIGHTS_DIR": str(weights_dir),
+            "REIN_STEP_DELAY_S": "0.05",
+            "REIN_TORCH_THREADS": "1",
+            "REIN_LOG_LEVEL": "warning",
+        },
+        f"{engine_url}/health",
+        timeout_s=90,
+        log_dir=tmp_path / "logs",
     )
     try:
         proxy = start_service(
             "services.proxy",
-            {"REIN_HOST": "127.0.0.1", "REIN_PORT": str(proxy_port), "REIN_ENGINE_URLS": f'["{engine_url}"]',
-             "REIN_ADMIN_TOKEN": ADMIN, "REIN_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
-             "REIN_TOPICS__CHUNKS": topics.chunks, "REIN_TOPICS__EVENTS": topics.events,
-             "REIN_LOG_LEVEL": "warning"},
-            f"{proxy_url}/health", timeout_s=90, log_dir=tmp_path / "logs",
+            {
+                "REIN_HOST": "127.0.0.1",
+                "REIN_PORT": str(proxy_port),
+                "REIN_ENGINE_URLS": f'["{engine_url}"]',
+                "REIN_ADMIN_TOKEN": ADMIN,
+                "REIN_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
+                "REIN_TOPICS__CHUNKS": topics.chunks,
+                "REIN_TOPICS__EVENTS": topics.events,
+                "REIN_LOG_LEVEL": "warning",
+            },
+            f"{proxy_url}/health",
+            timeout_s=90,
+            log_dir=tmp_path / "logs",
         )
         try:
-            yield Stack(engine_url, proxy_url, weights_dir, KafkaSettings(bootstrap_servers=kafka_bootstrap),
-                        RedisSettings(url=redis_db_url, key_prefix=f"t{uuid.uuid4().hex[:8]}"), topics, unique_group)
+            yield Stack(
+                engine_url,
+                proxy_url,
+                weights_dir,
+                KafkaSettings(bootstrap_servers=kafka_bootstrap),
+                RedisSettings(url=redis_db_url, key_prefix=f"t{uuid.uuid4().hex[:8]}"),
+                topics,
+                unique_group,
+            )
         finally:
             proxy.stop()
     finally:
@@ -127,9 +152,19 @@ def stack(kafka_bootstrap: str, redis_db_url: str, unique_topic: Callable[..., s
 
 def start_broadcaster(stack: Stack, **overrides: Any) -> tuple[threading.Thread, threading.Event, int]:
     port = free_port()
-    settings = load(BroadcasterSettings, kafka=stack.kafka, redis=stack.redis, topics=stack.topics,
-                    proxy_urls=[stack.proxy], engine_urls=[stack.engine], admin_token=ADMIN,
-                    consumer_group=stack.group, metrics_port=port, log_json=False, **overrides)
+    settings = load(
+        BroadcasterSettings,
+        kafka=stack.kafka,
+        redis=stack.redis,
+        topics=stack.topics,
+        proxy_urls=[stack.proxy],
+        engine_urls=[stack.engine],
+        admin_token=ADMIN,
+        consumer_group=stack.group,
+        metrics_port=port,
+        log_json=False,
+        **overrides,
+    )
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -186,9 +221,15 @@ def test_unquiesced_pause_means_no_update(stack: Stack) -> None:
 
     def chat() -> None:
         result["response"] = httpx.post(
-            f"{stack.proxy}/v1/chat/completions", timeout=120, headers={"X-Session-Id": f"s-{uuid.uuid4().hex}"},
-            json={"model": "rein-tiny", "messages": [{"role": "user", "content": "guess"}], "max_tokens": 40,
-                  "ignore_eos": True},
+            f"{stack.proxy}/v1/chat/completions",
+            timeout=120,
+            headers={"X-Session-Id": f"s-{uuid.uuid4().hex}"},
+            json={
+                "model": "rein-tiny",
+                "messages": [{"role": "user", "content": "guess"}],
+                "max_tokens": 40,
+                "ignore_eos": True,
+            },
         )
 
     agent = threading.Thread(target=chat, name="agent", daemon=True)
@@ -196,8 +237,11 @@ def test_unquiesced_pause_means_no_update(stack: Stack) -> None:
     try:
         wait_until(lambda: stack.proxy_state()["active"] >= 1, 30, "a generation in flight")
         stack.publish(stack.checkpoint(1))
-        wait_until(lambda: _sample(port, 'rein_broadcaster_versions_total{outcome="unquiesced"}') >= 1, 60,
-                   "the broadcaster to give the version up")
+        wait_until(
+            lambda: _sample(port, 'rein_broadcaster_versions_total{outcome="unquiesced"}') >= 1,
+            60,
+            "the broadcaster to give the version up",
+        )
         assert _sample(port, "rein_broadcaster_unquiesced_total") == 1.0
         assert stack.model_info()["digest"] == before  # never updated under an unquiesced proxy
         assert not stack.proxy_state()["paused"]  # resumed after the failed round

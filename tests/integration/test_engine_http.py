@@ -74,8 +74,12 @@ async def wait_generating(client: httpx.AsyncClient, rid: str, min_tokens: int =
 
 
 def slow_body(rid: str, max_new_tokens: int = 50) -> dict[str, Any]:
-    return {"input_ids": PROMPT, "rid": rid, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    return {
+        "input_ids": PROMPT,
+        "rid": rid,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
 
 
 def batch_stats(metrics_text: str) -> tuple[float, float]:
@@ -171,8 +175,10 @@ def test_malformed_bodies(engine: Engine) -> None:
     with httpx.Client(base_url=engine.url, timeout=10) as client:
         r = client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": "x"}})
         assert r.status_code == 422 and "max_new_tokens" in r.text
-        assert client.post("/generate", content=b"{not json", headers={"content-type": "application/json"}
-                           ).status_code == 422
+        assert (
+            client.post("/generate", content=b"{not json", headers={"content-type": "application/json"}).status_code
+            == 422
+        )
         assert client.post("/update_weights_from_disk", json={}).status_code == 422
         r = client.post("/generate", json={"input_ids": list(range(6, 38)) * 3})
         assert r.status_code == 400 and "context window" in r.text

@@ -51,15 +51,19 @@ class Engine:
         """Write a checkpoint labelled ``version`` and make the engine serve it (engine idle or not)."""
         path = self.weights_dir / f"{version}-{uuid.uuid4().hex[:6]}.pt"
         checkpoint.save(path, init_policy(CFG, seed), CFG, version=version, step=seed)
-        r = httpx.post(f"{self.url}/update_weights_from_disk",
-                       json={"model_path": str(path), "weight_version": version}, timeout=30)
+        r = httpx.post(
+            f"{self.url}/update_weights_from_disk",
+            json={"model_path": str(path), "weight_version": version},
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
 
     def requests_total(self) -> float:
         """Finished /generate requests (the engine's own counter)."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("rein_engine_requests_total"))
+        return sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("rein_engine_requests_total")
+        )
 
     def active(self) -> list[dict[str, Any]]:
         requests: list[dict[str, Any]] = httpx.get(f"{self.url}/debug/active", timeout=10).json()["requests"]
@@ -72,9 +76,17 @@ def start_engine(tmp_path_factory: pytest.TempPathFactory, step_delay_s: float =
     url = f"http://127.0.0.1:{port}"
     proc = start_service(
         "services.engine",
-        {"REIN_HOST": "127.0.0.1", "REIN_PORT": str(port), "REIN_WEIGHTS_DIR": str(weights_dir),
-         "REIN_STEP_DELAY_S": str(step_delay_s), "REIN_TORCH_THREADS": "1", "REIN_LOG_LEVEL": "warning"},
-        f"{url}/health", timeout_s=90, log_dir=tmp_path_factory.mktemp("logs"),
+        {
+            "REIN_HOST": "127.0.0.1",
+            "REIN_PORT": str(port),
+            "REIN_WEIGHTS_DIR": str(weights_dir),
+            "REIN_STEP_DELAY_S": str(step_delay_s),
+            "REIN_TORCH_THREADS": "1",
+            "REIN_LOG_LEVEL": "warning",
+        },
+        f"{url}/health",
+        timeout_s=90,
+        log_dir=tmp_path_factory.mktemp("logs"),
     )
     try:
         yield Engine(url=url, weights_dir=weights_dir)
@@ -88,8 +100,11 @@ class ServerThread:
     def __init__(self, app: Any, port: int) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{port}", daemon=True)
 
     def start(self, timeout_s: float = 60) -> None:
@@ -114,15 +129,15 @@ class Proxy:
     clients: list[openai.OpenAI] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.admin = httpx.Client(base_url=self.url, timeout=60,
-                                  headers={"Authorization": f"Bearer {ADMIN}"})
+        self.admin = httpx.Client(base_url=self.url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"})
 
     def client(self, session_id: str, group_id: str = "", **headers: str) -> openai.OpenAI:
         hdrs = {"X-Session-Id": session_id, **headers}
         if group_id:
             hdrs["X-Group-Id"] = group_id
-        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", default_headers=hdrs, max_retries=0,
-                               timeout=120)
+        client = openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key="unused", default_headers=hdrs, max_retries=0, timeout=120
+        )
         self.clients.append(client)
         return client
 
@@ -168,8 +183,12 @@ def proxy_factory(kafka_bootstrap: str, unique_topic: Callable[..., str]) -> Ite
     def make(engine_urls: list[str], **overrides: Any) -> Proxy:
         topics = Topics(chunks=unique_topic(), events=unique_topic())
         settings = ProxySettings(
-            admin_token=ADMIN, engine_urls=engine_urls, kafka=KafkaSettings(bootstrap_servers=kafka_bootstrap),
-            topics=topics, log_json=False, **overrides,
+            admin_token=ADMIN,
+            engine_urls=engine_urls,
+            kafka=KafkaSettings(bootstrap_servers=kafka_bootstrap),
+            topics=topics,
+            log_json=False,
+            **overrides,
         )
         server = ServerThread(create_app(settings), free_port())
         server.start()

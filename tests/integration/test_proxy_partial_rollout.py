@@ -56,13 +56,21 @@ def labels(n: int) -> list[str]:
 
 
 def ask(client: openai.OpenAI, messages: list[dict[str, str]], max_tokens: int = 2, **kw: Any) -> Any:
-    return client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens,  # type: ignore[arg-type]
-                                          extra_body=SLOW, **kw)
+    return client.chat.completions.create(
+        model="m",
+        messages=messages,
+        max_tokens=max_tokens,  # type: ignore[arg-type]
+        extra_body=SLOW,
+        **kw,
+    )
 
 
 def follow(messages: list[dict[str, str]], resp: Any, user: str = "higher") -> list[dict[str, str]]:
-    return [*messages, {"role": "assistant", "content": resp.choices[0].message.content or ""},
-            {"role": "user", "content": user}]
+    return [
+        *messages,
+        {"role": "assistant", "content": resp.choices[0].message.content or ""},
+        {"role": "user", "content": user},
+    ]
 
 
 def chunks_of(proxy: Proxy, n: int) -> list[Chunk]:
@@ -251,9 +259,7 @@ def test_partial_rollout_off_preempt(engine: Engine, proxy_factory: ProxyFactory
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_soft_reject_gives_empty_assistant_message(
-    engine: Engine, proxy_factory: ProxyFactory, stream: bool
-) -> None:
+def test_soft_reject_gives_empty_assistant_message(engine: Engine, proxy_factory: ProxyFactory, stream: bool) -> None:
     a, b = labels(2)
     engine.load(a)
     proxy = proxy_factory([engine.url], max_preempts=0)
@@ -287,11 +293,13 @@ class NaturalStopShim:
         self.generate_calls = 0
         self.aborts: list[str] = []
         self._abort_seen = asyncio.Event()
-        self.app = Starlette(routes=[
-            Route("/generate", self.generate, methods=["POST"]),
-            Route("/abort_request", self.abort, methods=["POST"]),
-            Route("/model_info", self.model_info, methods=["GET"]),
-        ])
+        self.app = Starlette(
+            routes=[
+                Route("/generate", self.generate, methods=["POST"]),
+                Route("/abort_request", self.abort, methods=["POST"]),
+                Route("/model_info", self.model_info, methods=["GET"]),
+            ]
+        )
 
     async def generate(self, request: Request) -> JSONResponse:
         self.generate_calls += 1

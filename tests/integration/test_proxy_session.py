@@ -38,12 +38,18 @@ def test_multi_turn_chunks_reconstruct_engine_tokens(engine: Engine, proxy_facto
     proxy = proxy_factory([engine.url])
     sid, gid = f"s-{uuid.uuid4().hex}", f"g-{uuid.uuid4().hex}"
     client = proxy.client(sid, gid, **{"X-Prompt-Id": "p-7", "X-Attempt": "1", "X-Turn-Id": "t"})
-    messages: list[dict[str, str]] = [{"role": "system", "content": "guess the number"},
-                                      {"role": "user", "content": "guess"}]
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": "guess the number"},
+        {"role": "user", "content": "guess"},
+    ]
     outputs: list[list[int]] = []
     for turn, user in enumerate(["higher", "lower", None]):
-        resp = client.chat.completions.create(model="rein-tiny", messages=messages,  # type: ignore[arg-type]
-                                              max_tokens=4, temperature=0.0)
+        resp = client.chat.completions.create(
+            model="rein-tiny",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=4,
+            temperature=0.0,
+        )
         info = rein(resp)
         assert info["segment_index"] == 0 and info["new_segment"] == (turn == 0)
         outputs.append(info["output_ids"])
@@ -55,8 +61,9 @@ def test_multi_turn_chunks_reconstruct_engine_tokens(engine: Engine, proxy_facto
 
     chunks = [r for r in proxy.records("chunks", 3) if isinstance(r, Chunk)]
     assert [c.seq for c in chunks] == [0, 1, 2]
-    assert all((c.session_id, c.group_id, c.prompt_id, c.attempt, c.turn_id) == (sid, gid, "p-7", 1, "t")
-               for c in chunks)
+    assert all(
+        (c.session_id, c.group_id, c.prompt_id, c.attempt, c.turn_id) == (sid, gid, "p-7", 1, "t") for c in chunks
+    )
     assert [c.output_ids for c in chunks] == outputs
     assert all(c.chunk_index == 0 and c.segment_index == 0 and c.version == "v0" for c in chunks)
     assert all(len(c.logprobs) == len(c.output_ids) for c in chunks)
@@ -73,8 +80,11 @@ def test_multi_turn_chunks_reconstruct_engine_tokens(engine: Engine, proxy_facto
     # The engine, asked directly (greedy) for the reconstructed prefix, produces the last chunk again.
     sequence = [t for c in chunks for t in (*c.context_ids, *c.output_ids)]
     prefix = sequence[: len(sequence) - len(chunks[-1].output_ids)]
-    direct = httpx.post(f"{engine.url}/generate", json={
-        "input_ids": prefix, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}, timeout=30).json()
+    direct = httpx.post(
+        f"{engine.url}/generate",
+        json={"input_ids": prefix, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}},
+        timeout=30,
+    ).json()
     assert direct["output_ids"] == chunks[-1].output_ids
 
     r = proxy.finish(sid, reward=0.5)
@@ -92,8 +102,9 @@ def test_rewritten_history_starts_new_segment_and_stream(engine: Engine, proxy_f
     sid, gid = f"s-{uuid.uuid4().hex}", "g1"
     client = proxy.client(sid, gid)
     first = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "guess"}], max_tokens=3)
-    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "number"}],
-                                            max_tokens=3, stream=True)
+    stream = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "number"}], max_tokens=3, stream=True
+    )
     pieces = list(stream)
     text = "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
     assert pieces[-1].choices[0].finish_reason in ("stop", "length")
@@ -108,7 +119,8 @@ def test_session_without_group_is_served_but_not_published(engine: Engine, proxy
     proxy = proxy_factory([engine.url])
     sid = f"s-{uuid.uuid4().hex}"
     resp = proxy.client(sid).chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "guess"}], max_tokens=2)
+        model="m", messages=[{"role": "user", "content": "guess"}], max_tokens=2
+    )
     assert resp.choices[0].message.role == "assistant"
     assert proxy.finish(sid).json()["published"] is False
     assert count_records(proxy.bootstrap, proxy.settings.topics.chunks) == 0
@@ -163,8 +175,11 @@ def test_error_statuses(engine: Engine, proxy_factory: ProxyFactory) -> None:
         assert detail["input_tokens"] == 83
 
         for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": ADMIN}):
-            for method, path in (("POST", "/v1/rollout/pause"), ("POST", "/v1/rollout/resume"),
-                                 ("GET", "/v1/rollout/state")):
+            for method, path in (
+                ("POST", "/v1/rollout/pause"),
+                ("POST", "/v1/rollout/resume"),
+                ("GET", "/v1/rollout/state"),
+            ):
                 r = http.request(method, f"{proxy.url}{path}", headers=headers)
                 assert r.status_code == 401, (path, headers)
                 assert r.json()["detail"]["error"] == "unauthorized"
@@ -184,7 +199,8 @@ def test_engine_unreachable_is_503(proxy_factory: ProxyFactory) -> None:
     proxy = proxy_factory([f"http://127.0.0.1:{free_port()}"], engine_connect_timeout_s=1.0)
     with pytest.raises(openai.APIStatusError) as info:
         proxy.client("s", "g").chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "guess"}], max_tokens=2)
+            model="m", messages=[{"role": "user", "content": "guess"}], max_tokens=2
+        )
     assert info.value.status_code == 503
     assert info.value.response.json()["detail"]["error"] == "engine_unavailable"
     # nothing was published, the session may retry

@@ -55,8 +55,9 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(kafka_bootstrap: str, kafka_admin: KafkaAdminClient,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(
+    kafka_bootstrap: str, kafka_admin: KafkaAdminClient, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
     suffix = uuid.uuid4().hex[:8]
     topics = Topics(chunks=f"t.rollout.chunks.{suffix}", events=f"t.rollout.events.{suffix}")
     names = [topics.chunks, topics.events]
@@ -66,18 +67,32 @@ def stack(kafka_bootstrap: str, kafka_admin: KafkaAdminClient,
     engine_port, proxy_port = free_port(), free_port()
     engine = start_service(
         "services.engine",
-        {"REIN_PORT": str(engine_port), "REIN_WEIGHTS_DIR": str(tmp_path_factory.mktemp("weights")),
-         "REIN_TORCH_THREADS": "1", "REIN_LOG_LEVEL": "warning", "REIN_SEED": "3"},
-        f"http://127.0.0.1:{engine_port}/health", timeout_s=90, log_dir=logs,
+        {
+            "REIN_PORT": str(engine_port),
+            "REIN_WEIGHTS_DIR": str(tmp_path_factory.mktemp("weights")),
+            "REIN_TORCH_THREADS": "1",
+            "REIN_LOG_LEVEL": "warning",
+            "REIN_SEED": "3",
+        },
+        f"http://127.0.0.1:{engine_port}/health",
+        timeout_s=90,
+        log_dir=logs,
     )
     try:
         proxy = start_service(
             "services.proxy",
-            {"REIN_PORT": str(proxy_port), "REIN_ENGINE_URLS": f'["http://127.0.0.1:{engine_port}"]',
-             "REIN_ADMIN_TOKEN": "rollout-test-token", "REIN_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
-             "REIN_TOPICS__CHUNKS": topics.chunks, "REIN_TOPICS__EVENTS": topics.events,
-             "REIN_LOG_LEVEL": "warning"},
-            f"http://127.0.0.1:{proxy_port}/health", timeout_s=90, log_dir=logs,
+            {
+                "REIN_PORT": str(proxy_port),
+                "REIN_ENGINE_URLS": f'["http://127.0.0.1:{engine_port}"]',
+                "REIN_ADMIN_TOKEN": "rollout-test-token",
+                "REIN_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
+                "REIN_TOPICS__CHUNKS": topics.chunks,
+                "REIN_TOPICS__EVENTS": topics.events,
+                "REIN_LOG_LEVEL": "warning",
+            },
+            f"http://127.0.0.1:{proxy_port}/health",
+            timeout_s=90,
+            log_dir=logs,
         )
         try:
             yield Stack(kafka_bootstrap, topics, f"http://127.0.0.1:{proxy_port}", logs)
@@ -91,20 +106,22 @@ def _runner_env(stack: Stack, group: str, retries: str, weights: str, **extra: s
     """The runner's environment; ``retries`` / ``weights`` are the test's own topics (the runner
     reads them from the beginning, so records of another test must not be there)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("REIN_")}
-    env.update({
-        "PYTHONUNBUFFERED": "1",
-        "REIN_PROXY_URL": stack.proxy_url,
-        "REIN_KAFKA__BOOTSTRAP_SERVERS": stack.bootstrap,
-        "REIN_TOPICS__EVENTS": stack.topics.events,
-        "REIN_TOPICS__CHUNKS": stack.topics.chunks,
-        "REIN_TOPICS__RETRIES": retries,
-        "REIN_TOPICS__WEIGHTS": weights,
-        "REIN_RETRY_CONSUMER_GROUP": group,
-        "REIN_METRICS_PORT": "0",
-        "REIN_GROUP_SIZE": "4",
-        "REIN_REQUEST_TIMEOUT_S": "30",
-        "REIN_STARTUP_TIMEOUT_S": "120",
-    })
+    env.update(
+        {
+            "PYTHONUNBUFFERED": "1",
+            "REIN_PROXY_URL": stack.proxy_url,
+            "REIN_KAFKA__BOOTSTRAP_SERVERS": stack.bootstrap,
+            "REIN_TOPICS__EVENTS": stack.topics.events,
+            "REIN_TOPICS__CHUNKS": stack.topics.chunks,
+            "REIN_TOPICS__RETRIES": retries,
+            "REIN_TOPICS__WEIGHTS": weights,
+            "REIN_RETRY_CONSUMER_GROUP": group,
+            "REIN_METRICS_PORT": "0",
+            "REIN_GROUP_SIZE": "4",
+            "REIN_REQUEST_TIMEOUT_S": "30",
+            "REIN_STARTUP_TIMEOUT_S": "120",
+        }
+    )
     env.update(extra)
     return env
 
@@ -112,8 +129,14 @@ def _runner_env(stack: Stack, group: str, retries: str, weights: str, **extra: s
 def _start_runner(stack: Stack, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
     log_path = stack.log_dir / f"rollout-{uuid.uuid4().hex[:6]}.log"
     with log_path.open("wb") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "services.rollout"], cwd=REPO_ROOT, env=env,
-                                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.rollout"],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     return proc, log_path
 
 
@@ -231,8 +254,9 @@ def test_retry_request_is_dispatched_first_with_its_attempt(
     retries = unique_topic()
     before = {g.group_id for g in _dispatched(stack)}
     payload = {"task": "guess_number", "secret": 9, "low": 0, "high": 15, "max_turns": 5}
-    retry = RetryRequest(prompt_id=f"gn-retry-{uuid.uuid4().hex[:6]}", attempt=2, previous_group_id="g-old",
-                         prompt=payload)
+    retry = RetryRequest(
+        prompt_id=f"gn-retry-{uuid.uuid4().hex[:6]}", attempt=2, previous_group_id="g-old", prompt=payload
+    )
     partition, offset = _produce(stack.bootstrap, retries, retry)
     env = _runner_env(stack, unique_group, retries, unique_topic(), REIN_MAX_GROUPS="2", REIN_SEED="6")
     proc, log_path = _start_runner(stack, env)
@@ -256,10 +280,20 @@ def test_sync_mode_waits_for_a_new_weight_version(
 ) -> None:
     before = {g.group_id for g in _dispatched(stack)}
     port, weights = free_port(), unique_topic()
-    env = _runner_env(stack, unique_group, unique_topic(), weights, REIN_MAX_GROUPS="2", REIN_SEED="7",
-                      REIN_MODE="sync", REIN_GROUPS_PER_STEP="1", REIN_METRICS_PORT=str(port))
+    env = _runner_env(
+        stack,
+        unique_group,
+        unique_topic(),
+        weights,
+        REIN_MAX_GROUPS="2",
+        REIN_SEED="7",
+        REIN_MODE="sync",
+        REIN_GROUPS_PER_STEP="1",
+        REIN_METRICS_PORT=str(port),
+    )
     proc, log_path = _start_runner(stack, env)
     try:
+
         def health() -> dict[str, Any] | None:
             try:
                 body: dict[str, Any] = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
@@ -270,8 +304,7 @@ def test_sync_mode_waits_for_a_new_weight_version(
         state = _wait_for(health, 60, "the runner to wait for weights after its first wave")
         assert (state["dispatched"], state["in_flight"]) == (1, 0)
         assert len([g for g in _dispatched(stack) if g.group_id not in before]) == 1
-        _produce(stack.bootstrap, weights,
-                 WeightApplied(version="v-test", seq=state["weights_seq"] + 1, digest="d"))
+        _produce(stack.bootstrap, weights, WeightApplied(version="v-test", seq=state["weights_seq"] + 1, digest="d"))
         _wait_exit(proc, log_path)
     finally:
         if proc.poll() is None:
@@ -287,10 +320,18 @@ def test_sigterm_drains_in_flight_groups_and_exits_zero(
 ) -> None:
     before = {g.group_id for g in _dispatched(stack)}
     port = free_port()
-    env = _runner_env(stack, unique_group, unique_topic(), unique_topic(), REIN_SEED="8",
-                      REIN_MAX_CONCURRENT_GROUPS="2", REIN_METRICS_PORT=str(port))
+    env = _runner_env(
+        stack,
+        unique_group,
+        unique_topic(),
+        unique_topic(),
+        REIN_SEED="8",
+        REIN_MAX_CONCURRENT_GROUPS="2",
+        REIN_METRICS_PORT=str(port),
+    )
     proc, log_path = _start_runner(stack, env)
     try:
+
         def dispatched() -> int:
             try:
                 body = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()

@@ -52,15 +52,35 @@ def _group(i: int) -> CompletedGroup:
         ids = [3 + (i + k + j) % (TOKENIZER.vocab_size - 3) for j in range(12)]
         mask = [0] * 4 + [1] * 8
         versions: list[str | None] = [None] * 4 + ["v0"] * 4 + ["v1"] * 4  # mixed: half masked
-        trajs.append(Trajectory(session_id=f"s{i}-{k}", status="completed", reward=reward, segments=[
-            Segment(segment_index=0, token_ids=ids, loss_mask=mask, logprobs=[0.0] * 4 + [-3.0] * 8,
-                    versions=versions)]))
+        trajs.append(
+            Trajectory(
+                session_id=f"s{i}-{k}",
+                status="completed",
+                reward=reward,
+                segments=[
+                    Segment(
+                        segment_index=0,
+                        token_ids=ids,
+                        loss_mask=mask,
+                        logprobs=[0.0] * 4 + [-3.0] * 8,
+                        versions=versions,
+                    )
+                ],
+            )
+        )
     return CompletedGroup(group_id=f"g{i}", prompt_id=f"p{i}", failed=False, trajectories=trajs)
 
 
 def _manifest(index: int, refs: list[GroupRef]) -> BatchManifest:
-    return BatchManifest(batch_id=f"b{index}", index=index, groups=refs, window=WINDOW,
-                         version_gap=GapInfo(min=0, max=1, mean=0.5), drops_in_batch=0, drops_cumulative=0)
+    return BatchManifest(
+        batch_id=f"b{index}",
+        index=index,
+        groups=refs,
+        window=WINDOW,
+        version_gap=GapInfo(min=0, max=1, mean=0.5),
+        drops_in_batch=0,
+        drops_cumulative=0,
+    )
 
 
 class Env:
@@ -80,9 +100,18 @@ class Env:
             self.producer.send(self.topics.batches, m)
 
     def settings(self, **overrides: object) -> TrainerSettings:
-        return load(TrainerSettings, kafka=self.kafka, topics=self.topics, weights_dir=self.tmp / "weights",
-                    run_dir=self.tmp / "run", consumer_group=self.group, metrics_port=0, torch_threads=1,
-                    log_json=False, **overrides)
+        return load(
+            TrainerSettings,
+            kafka=self.kafka,
+            topics=self.topics,
+            weights_dir=self.tmp / "weights",
+            run_dir=self.tmp / "run",
+            consumer_group=self.group,
+            metrics_port=0,
+            torch_threads=1,
+            log_json=False,
+            **overrides,
+        )
 
     def lines(self) -> list[dict[str, object]]:
         path = self.tmp / "run" / "metrics.jsonl"
@@ -162,8 +191,9 @@ def test_sigkill_mid_run_trains_each_manifest_once(env: Env) -> None:
         "REIN_MAX_STEPS": "6",
         "REIN_TORCH_THREADS": "1",
     }
-    proc = start_service("services.trainer", run_env, f"http://127.0.0.1:{port}/health", timeout_s=60,
-                         log_dir=env.tmp / "logs")
+    proc = start_service(
+        "services.trainer", run_env, f"http://127.0.0.1:{port}/health", timeout_s=60, log_dir=env.tmp / "logs"
+    )
     try:
         deadline = time.monotonic() + 60
         while len(env.lines()) < 2:  # wait for progress, then kill wherever it is
@@ -176,7 +206,10 @@ def test_sigkill_mid_run_trains_each_manifest_once(env: Env) -> None:
         proc.stop()
     env.manifests(manifests[3:])
     restarted = subprocess.run(
-        [sys.executable, "-m", "services.trainer"], cwd=REPO_ROOT, timeout=120, capture_output=True,
+        [sys.executable, "-m", "services.trainer"],
+        cwd=REPO_ROOT,
+        timeout=120,
+        capture_output=True,
         env={**{k: v for k, v in os.environ.items() if not k.startswith("REIN_")}, **run_env},
     )
     assert restarted.returncode == 0, restarted.stderr.decode()[-3000:]
