@@ -13,9 +13,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka import errors as kafka_errors
 from kafka.admin import NewTopic
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, NoBrokersAvailable, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
 from shared import log
@@ -24,8 +23,6 @@ from shared.settings import KafkaSettings
 
 _log = log.get(__name__)
 
-# kafka-python 2.x constructors raise NoBrokersAvailable; 3.x removed the class and connects lazily.
-NoBrokersAvailable: type[Exception] = getattr(kafka_errors, "NoBrokersAvailable", kafka_errors.KafkaConnectionError)
 
 
 class BusUnavailable(RuntimeError):
@@ -200,9 +197,48 @@ class Consumer:
         self._consumer.close(autocommit=False)
 
 
-def ensure_topics(settings: KafkaSettings, topics: Iterable[str], partitions: int = 4) -> list[str]:
-    """Create missing topics (replication 1 on a single broker); returns the ones created."""
-    admin: KafkaAdminClient = _connect(
+def create_topics(
+    admin: KafkaAdminClient,
+    partitions: dict[str, int],
+    configs: dict[str, str] | None = None,
+    timeout_s: float = 30.0,
+) -> list[str]:
+    """Create the missing topics (replication 1) and wait until every partition has a leader.
+
+    Returns the names this call created. Waiting matters: a producer or an assigned
+    consumer that races a fresh topic's leader election sees errors or stalls.
+    """
+    existing = set(admin.list_topics())
+    created: list[str] = []
+    for name, count in partitions.items():
+        if name in existing:
+            continue
+        try:
+            admin.create_topics(
+                [NewTopic(name, count, 1, topic_configs=dict(configs or {}))], timeout_ms=int(timeout_s * 1000)
+            )
+            created.append(name)
+        except TopicAlreadyExistsError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    waiting = dict(partitions)
+    while waiting:
+        for meta in admin.describe_topics(list(waiting)):
+            parts = meta.get("partitions") or []
+            if meta.get("error_code", 0) == 0 and len(parts) >= waiting.get(meta["topic"], 1) and all(
+                p.get("leader", -1) >= 0 for p in parts
+            ):
+                waiting.pop(meta["topic"], None)
+        if waiting:
+            if time.monotonic() > deadline:
+                raise BusUnavailable(f"topics {sorted(waiting)} have no leader after {timeout_s}s")
+            time.sleep(0.1)
+    return created
+
+
+def admin_client(settings: KafkaSettings) -> KafkaAdminClient:
+    """An admin client on the configured brokers (bounded connection attempts)."""
+    client: KafkaAdminClient = _connect(
         lambda: KafkaAdminClient(
             bootstrap_servers=_servers(settings),
             client_id=f"{settings.client_id}-admin",
@@ -211,17 +247,14 @@ def ensure_topics(settings: KafkaSettings, topics: Iterable[str], partitions: in
         "admin",
         settings,
     )
+    return client
+
+
+def ensure_topics(settings: KafkaSettings, topics: Iterable[str], partitions: int = 4) -> list[str]:
+    """Create missing topics with ``partitions`` each and wait for their leaders; returns the ones created."""
+    admin = admin_client(settings)
     try:
-        existing = set(admin.list_topics())
-        wanted = [t for t in dict.fromkeys(topics) if t not in existing]
-        created: list[str] = []
-        for name in wanted:
-            try:
-                admin.create_topics([NewTopic(name, partitions, 1)])
-                created.append(name)
-            except TopicAlreadyExistsError:
-                pass
-        return created
+        return create_topics(admin, dict.fromkeys(topics, partitions))
     finally:
         admin.close()
 

@@ -130,15 +130,9 @@ def kafka_admin(kafka_bootstrap: str) -> Iterator[KafkaAdminClient]:
 
 
 def _create_topics(admin: KafkaAdminClient, partitions: dict[str, int], configs: dict[str, str]) -> None:
-    existing = set(admin.list_topics())
-    new = {
-        name: {"num_partitions": n, "replication_factor": 1, "configs": dict(configs)}
-        for name, n in partitions.items()
-        if name not in existing
-    }
-    if new:
-        admin.create_topics(new, timeout_ms=30_000)
-    admin.wait_for_topics(list(partitions), timeout_ms=30_000)
+    from shared.bus import create_topics
+
+    create_topics(admin, partitions, configs)
 
 
 @pytest.fixture(scope="session")

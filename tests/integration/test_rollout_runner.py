@@ -25,6 +25,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
 from services.rollout.task import NumberGuessTask
+from shared.bus import create_topics
 from shared.names import Topics
 from shared.schemas import (
     Chunk,
@@ -61,8 +62,7 @@ def stack(
     suffix = uuid.uuid4().hex[:8]
     topics = Topics(chunks=f"t.rollout.chunks.{suffix}", events=f"t.rollout.events.{suffix}")
     names = [topics.chunks, topics.events]
-    kafka_admin.create_topics({n: {"num_partitions": 4, "replication_factor": 1} for n in names}, timeout_ms=30_000)
-    kafka_admin.wait_for_topics(names, timeout_ms=30_000)
+    create_topics(kafka_admin, dict.fromkeys(names, 4))
     logs = tmp_path_factory.mktemp("rollout-logs")
     engine_port, proxy_port = free_port(), free_port()
     engine = start_service(

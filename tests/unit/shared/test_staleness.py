@@ -106,7 +106,12 @@ def test_segment_tie_goes_to_the_later_record() -> None:
 
 
 def test_unversioned_samples_and_missing_ids_are_ignored() -> None:
-    samples = [SegmentEnd("t1", 0, "unknown"), SegmentEnd(None, 0, "v1"), SegmentEnd("", 3, "v1"), SegmentEnd("t2", 0, "v1")]
+    samples = [
+        SegmentEnd("t1", 0, "unknown"),
+        SegmentEnd(None, 0, "v1"),
+        SegmentEnd("", 3, "v1"),
+        SegmentEnd("t2", 0, "v1"),
+    ]
     assert trajectory_versions(samples) == {"t2": "v1"}
 
 

@@ -12,7 +12,9 @@ def test_not_real_values_never_count(value: object) -> None:
     assert real_version(value) is None
 
 
-@pytest.mark.parametrize(("value", "label"), [("v1", "v1"), (" v1 ", "v1"), (0, "0"), ("0", "0"), (7, "7"), ("V2", "V2")])
+@pytest.mark.parametrize(
+    ("value", "label"), [("v1", "v1"), (" v1 ", "v1"), (0, "0"), ("0", "0"), (7, "7"), ("V2", "V2")]
+)
 def test_real_values_are_stripped_once(value: object, label: str) -> None:
     assert real_version(value) == label
 

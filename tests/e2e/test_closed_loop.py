@@ -1,0 +1,189 @@
+"""The closed loop end to end: every service as a real process, several training steps.
+
+One run of the local stack (the same processes ``make demo`` starts) with slow
+multi-token generations, so weight updates land while generations are in flight,
+and a kill -9 + restart of the trainer in the middle. Then the topics are read
+back and checked independently of the services' own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared.checkpoint import load as load_checkpoint
+from shared.commands.replay import read_topic
+from shared.names import Topics
+from shared.schemas import BatchManifest, Chunk, CompletedGroup, WeightApplied, WeightPublished
+from shared.settings import KafkaSettings
+from shared.stack import LocalStack, StackConfig, start
+from shared.versions import real_version
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
+
+STEPS = 8
+RESTART_AT = 3
+
+
+def _wait(what: str, cond: Callable[[], bool], timeout_s: float, local: LocalStack) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        dead = [s.name for s in local.stack.dead() if s.name != "trainer"]
+        assert not dead, f"{dead} died while waiting for {what}; logs in {local.config.run_dir / 'logs'}"
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; logs in {local.config.run_dir / 'logs'}")
+
+
+def _rows(path: Path) -> list[dict[str, object]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
+
+
+def _last_trainable_version(mask: list[int], versions: list[str | None]) -> str | None:
+    real = [real_version(v) for m, v in zip(mask, versions, strict=True) if m]
+    real = [v for v in real if v is not None]
+    return real[-1] if real else None
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    config = StackConfig(
+        run_dir=tmp_path_factory.mktemp("closed-loop"),
+        steps=STEPS,
+        keep_versions=2,
+        max_preempts=2,
+        collectors=2,
+        group_size=4,
+        batch_groups=4,
+        max_concurrent_groups=8,
+        engine_step_delay_s=0.01,
+        extra_env={"rollout": {"REIN_MAX_TOKENS": "6"}},
+    )
+    local = start(config)
+    try:
+        trainer = next(s for s in local.stack.services if s.name == "trainer")
+        _wait(f"trainer step {RESTART_AT}", lambda: len(_rows(local.trainer_metrics)) >= RESTART_AT, 300, local)
+        assert trainer.proc is not None
+        trainer.proc.kill()  # kill -9 in the middle of the run
+        trainer.proc.wait(timeout=30)
+        trainer.start()
+        _wait(f"trainer step {STEPS}", lambda: len(_rows(local.trainer_metrics)) >= STEPS, 420, local)
+        _wait("trainer exit after max_steps", lambda: not trainer.alive(), 60, local)
+        final = f"v{STEPS}"
+
+        def engine_on_final() -> bool:
+            info = httpx.get(f"{local.urls['engine']}/model_info", timeout=5).json()
+            return bool(info.get("weight_version") == final)
+
+        _wait(f"engine serving {final}", engine_on_final, 120, local)
+        engine_info = httpx.get(f"{local.urls['engine']}/model_info", timeout=5).json()
+        kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
+        topics = Topics()
+        data = {
+            "config": config,
+            "engine_info": engine_info,
+            "rows": _rows(local.trainer_metrics),
+            "chunks": read_topic(kafka, topics.chunks, 60),
+            "groups": read_topic(kafka, topics.groups, 60),
+            "batches": read_topic(kafka, topics.batches, 60),
+            "weights": read_topic(kafka, topics.weights, 60),
+        }
+    finally:
+        local.stop()
+    return data
+
+
+def test_trainer_restart_trains_every_manifest_once_in_order(run: dict[str, object]) -> None:
+    rows = run["rows"]
+    assert isinstance(rows, list)
+    indices = [int(r["manifest_index"]) for r in rows]
+    assert indices == list(range(STEPS)), indices
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+
+
+def test_every_trained_batch_respects_the_window(run: dict[str, object]) -> None:
+    seq = {r.version: r.seq for r in run["weights"] if isinstance(r, WeightPublished)}  # type: ignore[attr-defined]
+    order = sorted(seq, key=seq.__getitem__)
+    index = {label: i for i, label in enumerate(order)}
+    groups = {g.group_id: g for g in run["groups"] if isinstance(g, CompletedGroup)}  # type: ignore[attr-defined]
+    manifests = {m.index: m for m in run["batches"] if isinstance(m, BatchManifest)}  # type: ignore[attr-defined]
+    assert set(range(STEPS)) <= set(manifests)
+    for i in range(STEPS):
+        m = manifests[i]
+        assert m.window.keep_versions == 2 and m.window.cutoff_index is not None
+        for ref in m.groups:
+            group = groups[ref.group_id]
+            assert not group.failed
+            for traj in group.trajectories:
+                top = max(traj.segments, key=lambda s: s.segment_index)
+                end = _last_trainable_version(top.loss_mask, top.versions)
+                if end is not None:
+                    assert index[end] >= m.window.cutoff_index, (i, ref.group_id, end, m.window)
+
+
+def test_masked_tokens_are_exactly_the_non_last_version_ones(run: dict[str, object]) -> None:
+    groups = {g.group_id: g for g in run["groups"] if isinstance(g, CompletedGroup)}  # type: ignore[attr-defined]
+    manifests = {m.index: m for m in run["batches"] if isinstance(m, BatchManifest)}  # type: ignore[attr-defined]
+    rows = {int(r["manifest_index"]): r for r in run["rows"]}  # type: ignore[attr-defined]
+    mixed_seen = 0
+    for i, row in rows.items():
+        expected = 0
+        for ref in manifests[i].groups:
+            for traj in groups[ref.group_id].trajectories:
+                for seg in traj.segments:
+                    mask = list(seg.loss_mask)
+                    if mask:
+                        mask[0] = 0
+                    last = _last_trainable_version(mask, seg.versions)
+                    trainable_real = {real_version(v) for m, v in zip(mask, seg.versions, strict=True) if m} - {None}
+                    if len(trainable_real) >= 2:
+                        mixed_seen += 1
+                        expected += sum(
+                            1 for m, v in zip(mask, seg.versions, strict=True) if m and real_version(v) != last
+                        )
+        assert row["version_masked_tokens"] == expected, (i, row["version_masked_tokens"], expected)
+    assert mixed_seen > 0, "no sample spanned two versions: the run did not exercise the token mask"
+
+
+def test_held_generation_resumed_on_the_new_version(run: dict[str, object]) -> None:
+    calls: dict[tuple[str, int], list[Chunk]] = defaultdict(list)
+    for c in run["chunks"]:  # type: ignore[attr-defined]
+        if isinstance(c, Chunk):
+            calls[(c.session_id, c.seq - c.chunk_index)].append(c)
+    resumed = []
+    for chunks in calls.values():
+        chunks.sort(key=lambda c: c.chunk_index)
+        for a, b in itertools.pairwise(chunks):
+            assert a.finish_reason == "abort", "only an aborted chunk is ever continued"
+            assert b.context_ids == []
+            if a.version != b.version:
+                resumed.append((a.version, b.version))
+    assert resumed, "no generation was preempted by a weight update and resumed"
+    seq = {r.version: r.seq for r in run["weights"] if isinstance(r, WeightPublished)}  # type: ignore[attr-defined]
+    assert all(seq[new] > seq[old] for old, new in resumed if old in seq and new in seq)
+
+
+def test_engine_weights_match_the_trainers_checkpoint(run: dict[str, object]) -> None:
+    info = run["engine_info"]
+    assert isinstance(info, dict)
+    config = run["config"]
+    assert isinstance(config, StackConfig)
+    ckpt = load_checkpoint(config.run_dir / "weights" / f"v{STEPS}.pt")
+    assert info["digest"] == ckpt.digest
+    applied = [r for r in run["weights"] if isinstance(r, WeightApplied) and r.version == f"v{STEPS}"]  # type: ignore[attr-defined]
+    assert applied and applied[-1].digest == ckpt.digest
