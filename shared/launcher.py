@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,11 +162,25 @@ class Stack:
     def dead(self) -> list[Service]:
         return [s for s in self.services if not s.alive()]
 
-    def stop(self, on_stop: Callable[[str], None] | None = None) -> None:
-        for service in reversed(self.services):
-            if on_stop is not None:
-                on_stop(service.name)
-            service.stop()
+    def stop(self, timeout_s: float = 20) -> None:
+        """SIGTERM every service (newest first), wait for all under one deadline, then SIGKILL the rest.
+
+        One shared deadline keeps Ctrl-C quick: a slow drain in one service does not
+        add to the next one's.
+        """
+        running = [s for s in reversed(self.services) if s.alive()]
+        for service in running:
+            assert service.proc is not None
+            service.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for service in running:
+            assert service.proc is not None
+            try:
+                service.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _log.warning("service_killed", service=service.name, after_s=timeout_s)
+                service.proc.kill()
+                service.proc.wait(timeout=10)
         self._write_pids()
 
     def _write_pids(self) -> None:

@@ -223,8 +223,13 @@ def start(config: StackConfig) -> LocalStack:
             )
         )
         (run_dir / "stack.json").write_text(
-            json.dumps({"config": asdict(config), "urls": urls, "infra": asdict(infra)}, indent=2, default=str)
+            json.dumps(
+                {"config": asdict(config), "urls": urls, "infra": asdict(infra), "admin_token": token},
+                indent=2,
+                default=str,
+            )
         )
+        (run_dir / "stack.json").chmod(0o600)  # holds the admin token
     except BaseException:
         local.stop()
         raise

@@ -23,7 +23,7 @@ released, and only re-reads records of released groups as duplicates.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +38,7 @@ from shared.schemas import (
     SessionRejected,
     Trajectory,
 )
+from shared.versions import real_version
 
 TopicPartition = tuple[str, int]
 
@@ -284,3 +285,73 @@ class Assembler:
     def assembling(self) -> int:
         """Groups seen but not yet released."""
         return len(self._groups)
+
+
+# --------------------------------------------------------------------------- staleness metrics (pure)
+
+PARTIAL_ROLLOUT_STALENESS = "partial_rollout_staleness_exceeded"
+"""The proxy's error name for a session that would span more than ``max_preempts + 1`` versions."""
+
+
+def trajectory_version_span(trajectory: Trajectory) -> int:
+    """Distinct real versions over all tokens of a trajectory (context tokens carry none)."""
+    raw = {v for seg in trajectory.segments for v in seg.versions if v is not None}
+    return len({label for label in map(real_version, raw) if label is not None})
+
+
+def version_spans(group: CompletedGroup) -> list[int]:
+    """Version span of each trajectory of a completed, non-failed group.
+
+    Failed groups give nothing (they never reach training); trajectories without any real
+    version (an unlabelled engine) give nothing either, so a span is always >= 1.
+    """
+    if group.failed:
+        return []
+    return [span for span in map(trajectory_version_span, group.trajectories) if span > 0]
+
+
+def partial_rollout_rejected_samples(group: CompletedGroup) -> int:
+    """Trajectories of ``group`` when it failed with a session rejected for partial-rollout staleness, else 0."""
+    if not group.failed:
+        return 0
+    hit = any(t.status == "rejected" and t.error == PARTIAL_ROLLOUT_STALENESS for t in group.trajectories)
+    return len(group.trajectories) if hit else 0
+
+
+@dataclass(frozen=True)
+class SpanStats:
+    min: int
+    max: int
+    mean: float
+
+
+class RecentSpans:
+    """Version spans of the last ``size`` trajectories: what the span gauges show."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self._spans: deque[int] = deque(maxlen=size)
+
+    def add(self, spans: Iterable[int]) -> None:
+        self._spans.extend(spans)
+
+    def stats(self) -> SpanStats | None:
+        if not self._spans:
+            return None
+        return SpanStats(min(self._spans), max(self._spans), sum(self._spans) / len(self._spans))
+
+
+class SeenOnce:
+    """A bounded set that says whether a key is new (oldest keys are forgotten first)."""
+
+    def __init__(self, size: int = 100_000) -> None:
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        self._size = size
+
+    def add(self, key: str) -> bool:
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            return False
+        self._keys[key] = None
+        while len(self._keys) > self._size:
+            self._keys.popitem(last=False)
+        return True

@@ -29,7 +29,14 @@ from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka.errors import KafkaError
 from prometheus_client import CollectorRegistry
 
-from services.collector.assembly import Assembler, Position
+from services.collector.assembly import (
+    Assembler,
+    Position,
+    RecentSpans,
+    SeenOnce,
+    partial_rollout_rejected_samples,
+    version_spans,
+)
 from services.collector.settings import CollectorSettings
 from services.collector.window_store import StepOutcome, WindowStore
 from shared import log
@@ -42,6 +49,12 @@ from shared.staleness import Decision, WindowConfig
 from shared.state import RedisRegistry, connect
 
 _log = log.get(__name__)
+
+
+_SPAN_DOC = (
+    "Version span {} (distinct real versions per trajectory) over the last trajectories of completed, "
+    "non-failed groups on this replica"
+)
 
 
 class CollectorMetrics:
@@ -67,6 +80,24 @@ class CollectorMetrics:
         self.gap_min = gauge(r, "staleness/version_gap_min", "Version gap min of the last manifest")
         self.gap_max = gauge(r, "staleness/version_gap_max", "Version gap max of the last manifest")
         self.gap_mean = gauge(r, "staleness/version_gap_mean", "Version gap mean of the last manifest")
+        self.span_min = gauge(r, "staleness/version_span_min", _SPAN_DOC.format("min"))
+        self.span_max = gauge(r, "staleness/version_span_max", _SPAN_DOC.format("max"))
+        self.span_mean = gauge(r, "staleness/version_span_mean", _SPAN_DOC.format("mean"))
+        self.partial_rejected_groups = counter(
+            r,
+            "staleness/partial_rollout_rejected_groups",
+            "Failed group attempts with a session rejected for partial_rollout_staleness_exceeded",
+        )
+        self.partial_rejected_samples = counter(
+            r,
+            "staleness/partial_rollout_rejected_samples",
+            "Trajectories of the group attempts counted in partial_rollout_rejected_groups",
+        )
+        self.partial_rejected_prompts = counter(
+            r,
+            "staleness/partial_rollout_rejected_prompts",
+            "Distinct prompts (seen by this replica) with a group rejected for partial_rollout_staleness_exceeded",
+        )
         self.assembling = gauge(r, "collector/assembling_groups", "Groups seen but not complete on this replica")
         self.lag = gauge(r, "collector/consumer_lag", "Records behind the partition end", ("topic", "partition"))
 
@@ -191,6 +222,8 @@ class Collector:
         self.metrics = CollectorMetrics()
         self.config = WindowConfig(settings.keep_versions, settings.batch_groups, settings.max_retries)
         self.assembler = Assembler()
+        self.spans = RecentSpans()
+        self.rejected_prompts = SeenOnce()
         self.last_loop = time.monotonic()
         self.ready = threading.Event()
         self.http: HealthServer | None = None
@@ -384,6 +417,8 @@ class Collector:
             )
             self.metrics.groups.labels(status="failed" if group.failed else "ok").inc()
             self._count(outcome)
+            if outcome.result is not None:
+                self._count_staleness(group)
         self._publish_outbox()
         for group in completed:
             self.assembler.release(group.group_id)
@@ -431,6 +466,21 @@ class Collector:
                 self.metrics.gap_max.set(batch.gap.max)
                 self.metrics.gap_mean.set(batch.gap.mean)
             _log.info("batch_taken", index=batch.index, groups=len(batch.groups), drops=len(batch.dropped))
+
+    def _count_staleness(self, group: CompletedGroup) -> None:
+        """Span gauges and partial-rollout rejection counters of one newly decided group."""
+        self.spans.add(version_spans(group))
+        stats = self.spans.stats()
+        if stats is not None:
+            self.metrics.span_min.set(stats.min)
+            self.metrics.span_max.set(stats.max)
+            self.metrics.span_mean.set(stats.mean)
+        samples = partial_rollout_rejected_samples(group)
+        if samples:
+            self.metrics.partial_rejected_groups.inc()
+            self.metrics.partial_rejected_samples.inc(samples)
+            if self.rejected_prompts.add(group.prompt_id):
+                self.metrics.partial_rejected_prompts.inc()
 
     def _publish_outbox(self) -> None:
         before = self.store.conflicts
