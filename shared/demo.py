@@ -29,7 +29,7 @@ _REJECTIONS = re.compile(r"^rein_proxy_rejections_total\{[^}]*\}\s+([0-9.eE+-]+)
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="make demo", description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--steps", type=int, default=40, help="trainer steps to run (default 40)")
+    p.add_argument("--steps", type=int, default=80, help="trainer steps to run (default 80, about 10 minutes)")
     p.add_argument("--keep-versions", type=int, default=2)
     p.add_argument("--max-preempts", type=int, default=2)
     p.add_argument("--collectors", type=int, default=2)
