@@ -156,3 +156,12 @@ def init_policy(config: PolicyConfig, seed: int) -> TinyPolicy:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return TinyPolicy(config)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``auto`` (CUDA when available); asking for CUDA without it is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("REIN_DEVICE=cuda but CUDA is not available")
+    return torch.device(name)

@@ -17,7 +17,6 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Histogram
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.engine.batcher import AdmissionError, Batcher, SamplingParams, StepReport, Weights
 from services.engine.batcher import Request as EngineRequest
@@ -25,7 +24,8 @@ from services.engine.runner import EngineRunner, EngineUnavailableError, WeightU
 from services.engine.schemas import AbortBody, GenerateBody, UpdateWeightsBody, generate_response
 from services.engine.settings import EngineSettings
 from shared import checkpoint, log, metrics
-from shared.policy import PolicyConfig, init_policy
+from shared.body_limit import BodyLimit
+from shared.policy import PolicyConfig, init_policy, resolve_device
 from shared.tokenizer import TOKENIZER
 
 
@@ -61,14 +61,6 @@ class EngineMetrics:
         self.weight_info.labels(weight_version=weights.version, digest=weights.digest).set(1)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("REIN_DEVICE=cuda but CUDA is not available")
-    return torch.device(name)
-
-
 def initial_weights(settings: EngineSettings, device: torch.device) -> Weights:
     """The checkpoint at ``model_path``, or a policy initialised from ``seed``."""
     path = settings.resolved_model_path()
@@ -84,61 +76,6 @@ def initial_weights(settings: EngineSettings, device: torch.device) -> Weights:
     model.to(device).eval()
     return Weights(model=model, version=settings.initial_version, digest=checkpoint.digest(model.state_dict()),
                    step=0, model_path=None)
-
-
-class BodyLimit:
-    """Pure ASGI middleware: 413 for request bodies over ``max_bytes`` (declared or streamed)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-    ) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            body = message.get("body", b"")
-            total += len(body)
-            if total > self.max_bytes:
-                await self._reject(scope, receive, send)
-                return
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _reject(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-    ) -> None:
-        response = JSONResponse({"detail": f"request body exceeds {self.max_bytes} bytes"}, status_code=413)
-        await response(scope, receive, send)
 
 
 def _finish_reason(req: EngineRequest) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from services.proxy.publisher import Publisher
 from services.proxy.service import CallIds, ProxyService
 from services.proxy.settings import ProxySettings
 from shared import log, metrics
+from shared.body_limit import BodyLimit
 from shared.errors import (
     EngineError,
     EngineUnavailable,
@@ -160,7 +161,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
         body, content_type = metrics.render(proxy_metrics.registry)
         return Response(body, media_type=content_type)
 
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, reject=_too_large)
     app.add_middleware(RequestCounter)
     return app
 
@@ -236,54 +237,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
-async def _send_error(error: ReinError, scope: Scope, receive: Receive, send: Send) -> None:
-    await JSONResponse(http_body(error), status_code=error.status)(scope, receive, send)
-
-
-class BodyLimit:
-    """Pure ASGI middleware: 413 for bodies over ``max_bytes``, declared or actually sent.
-
-    The body (at most ``max_bytes``) is read here and replayed to the app, so the
-    route never sees a partial body.
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        too_large = PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes", max_bytes=self.max_bytes)
-        declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _send_error(too_large, scope, receive, send)
-            return
-        parts: list[bytes] = []
-        total = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            body = message.get("body", b"")
-            total += len(body)
-            if total > self.max_bytes:
-                await _send_error(too_large, scope, receive, send)
-                return
-            parts.append(body)
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(parts), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+def _too_large(max_bytes: int) -> Response:
+    error = PayloadTooLarge(f"request body exceeds {max_bytes} bytes", max_bytes=max_bytes)
+    return JSONResponse(http_body(error), status_code=error.status)
 
 
 _ROUTES = ("/v1/chat/completions", "/v1/models", "/v1/rollout/pause", "/v1/rollout/resume", "/v1/rollout/state",

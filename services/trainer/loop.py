@@ -40,20 +40,12 @@ from services.trainer.step import Hyper, PolicyTrainer
 from services.trainer.store import MetricsLog, Sidecar, latest, reconcile_metrics, save_step
 from shared import log
 from shared.bus import Consumer, Producer
-from shared.policy import PolicyConfig, init_policy
+from shared.policy import PolicyConfig, init_policy, resolve_device
 from shared.schemas import BatchManifest, DecodeError, WeightPublished
 from shared.status_server import StatusServer
 from shared.tokenizer import TOKENIZER
 
 _log = log.get(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("REIN_DEVICE=cuda but CUDA is not available")
-    return torch.device(name)
 
 
 def hyper_from(settings: TrainerSettings) -> Hyper:
