@@ -7,6 +7,7 @@ import uvicorn
 from services.engine.app import create_app
 from services.engine.settings import EngineSettings
 from shared import log
+from shared.http_server import KEEP_ALIVE_S
 from shared.settings import load
 
 
@@ -14,7 +15,7 @@ def main() -> None:
     settings = load(EngineSettings)
     log.configure("engine", settings.log_level, settings.log_json)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False)
+                access_log=False, timeout_keep_alive=KEEP_ALIVE_S)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from services.engine.runner import EngineRunner, EngineUnavailableError, WeightU
 from services.engine.schemas import AbortBody, GenerateBody, UpdateWeightsBody, generate_response
 from services.engine.settings import EngineSettings
 from shared import checkpoint, log, metrics
-from shared.body_limit import BodyLimit
+from shared.http_server import BodyLimit
 from shared.policy import PolicyConfig, init_policy, resolve_device
 from shared.tokenizer import TOKENIZER
 

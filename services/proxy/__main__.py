@@ -7,6 +7,7 @@ import uvicorn
 from services.proxy.app import create_app
 from services.proxy.settings import ProxySettings
 from shared import log
+from shared.http_server import KEEP_ALIVE_S
 from shared.settings import load
 
 
@@ -14,7 +15,7 @@ def main() -> None:
     settings = load(ProxySettings)
     log.configure("proxy", settings.log_level, settings.log_json)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False)
+                access_log=False, timeout_keep_alive=KEEP_ALIVE_S)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ from services.proxy.publisher import Publisher
 from services.proxy.service import CallIds, ProxyService
 from services.proxy.settings import ProxySettings
 from shared import log, metrics
-from shared.body_limit import BodyLimit
 from shared.errors import (
     EngineError,
     EngineUnavailable,
@@ -51,6 +50,7 @@ from shared.errors import (
     Unauthorized,
     http_body,
 )
+from shared.http_server import BodyLimit
 from shared.tokenizer import TOKENIZER
 
 _log = log.get(__name__)
@@ -64,7 +64,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
         registry = CollectorRegistry(auto_describe=True)
         proxy_metrics = ProxyMetrics(registry)
         timeout = httpx.Timeout(settings.engine_timeout_s, connect=settings.engine_connect_timeout_s)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=5.0)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             engines = [EngineHandle(url, client, settings.context_window, settings.engine_connect_timeout_s)
                        for url in settings.engine_urls]

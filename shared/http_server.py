@@ -1,8 +1,9 @@
-"""ASGI middleware that answers 413 for request bodies over a limit, declared or actually sent.
+"""What the HTTP services (engine, proxy) share: the body-size limit and the keep-alive rule.
 
-Shared by every HTTP service that takes bodies (engine, proxy). The body (at most
-``max_bytes``) is read here and replayed to the app, so a route never sees a
-partial body and a client cannot stream past the limit by lying in Content-Length.
+:class:`BodyLimit` answers 413 for request bodies over a limit, declared or actually
+sent; the body (at most ``max_bytes``) is read here and replayed to the app, so a
+route never sees a partial body and a client cannot stream past the limit by lying
+in Content-Length.
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from collections.abc import Callable
 
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+KEEP_ALIVE_S = 75
+"""Servers keep idle connections longer than any client's pool expiry (httpx: 5 s), so the
+client always closes first; equal timeouts race and a reused connection dies mid-request."""
 
 
 def default_reject(max_bytes: int) -> Response:
