@@ -45,19 +45,25 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def run_mode(mode: str, steps: int, root: Path, seed: int, timeout_s: float) -> dict[str, Any]:
-    config = StackConfig(
-        run_dir=root / mode,
-        steps=steps,
-        mode=mode,
-        seed=seed,
-        keep_versions=2,
-        max_preempts=2,
-        collectors=1,
-        batch_groups=8,
-        group_size=8,
-        max_concurrent_groups=16 if mode == "async" else 8,
-    )
+def config_for(name: str, steps: int, root: Path, seed: int) -> StackConfig:
+    """The compared set-ups. ``controls``/``none`` run under high asynchrony (48 groups in flight
+    for batches of 8, multi-token replies) so that staleness actually occurs."""
+    base = dict(run_dir=root / f"{name}-s{seed}", steps=steps, seed=seed, collectors=1, batch_groups=8, group_size=8)
+    if name == "sync":
+        return StackConfig(**base, mode="sync", keep_versions=2, max_preempts=2, max_concurrent_groups=8)
+    if name == "async":
+        return StackConfig(**base, mode="async", keep_versions=2, max_preempts=2, max_concurrent_groups=16)
+    high = dict(max_concurrent_groups=48, engine_step_delay_s=0.002, extra_env={"rollout": {"REIN_MAX_TOKENS": "2"}})
+    if name == "controls":
+        return StackConfig(**base, **high, mode="async", keep_versions=1, max_preempts=1)
+    if name == "none":
+        return StackConfig(**base, **high, mode="async", keep_versions=0, max_preempts=None, mask_nonlast_version=False)
+    raise ValueError(f"unknown set-up {name!r}")
+
+
+def run_mode(name: str, steps: int, root: Path, seed: int, timeout_s: float) -> dict[str, Any]:
+    config = config_for(name, steps, root, seed)
+    mode = name
     local = start(config)
     samples: list[float] = []
     stop = threading.Event()
@@ -95,6 +101,10 @@ def run_mode(mode: str, steps: int, root: Path, seed: int, timeout_s: float) -> 
     busy = sum(float(r["step_time_s"]) + float(r.get("fetch_time_s") or 0.0) for r in rows[1:])
     return {
         "mode": mode,
+        "seed": seed,
+        "logprob_abs_diff_mean": sum(float(r["train_rollout_logprob_abs_diff"] or 0) for r in rows[1:])
+        / max(1, len(rows) - 1),
+        "masked_token_fraction": sum(float(r["masked_token_fraction"] or 0) for r in rows) / len(rows),
         "steps": len(rows),
         "wall_s": wall,
         "trained_tokens": tokens,
@@ -113,7 +123,16 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--out", type=Path, default=Path("bench/pipeline.json"))
+    p.add_argument(
+        "--compare",
+        choices=["sync-async", "controls"],
+        default="sync-async",
+        help="sync vs async throughput, or async with staleness controls vs none under high asynchrony",
+    )
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (controls comparison)")
     args = p.parse_args()
+    if args.compare == "controls":
+        return compare_controls(args)
     with tempfile.TemporaryDirectory(prefix="rein-bench-") as tmp:
         results = [run_mode(mode, args.steps, Path(tmp), args.seed, args.timeout_s) for mode in ("sync", "async")]
     sync, asyn = results
@@ -127,6 +146,25 @@ def main() -> int:
         )
     print(f"async / sync trained tokens per second: {ratio:.2f}x")
     args.out.write_text(json.dumps({"results": results, "async_over_sync": ratio}, indent=2))
+    return 0
+
+
+def compare_controls(args: argparse.Namespace) -> int:
+    seeds = args.seeds or [args.seed]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="rein-bench-") as tmp:
+        for seed in seeds:
+            for name in ("controls", "none"):
+                results.append(run_mode(name, args.steps, Path(tmp), seed, args.timeout_s))
+    print(
+        f"{'set-up':<9} {'seed':>4} {'|logprob diff|':>14} {'gap':>5} {'reward last5':>12} {'drops':>5} {'masked':>6}"
+    )
+    for r in results:
+        print(
+            f"{r['mode']:<9} {r['seed']:>4} {r['logprob_abs_diff_mean']:>14.4f} {r['version_gap_mean']:>5.2f} "
+            f"{r['reward_last5']:>12.3f} {r['drops'] or 0:>5} {r['masked_token_fraction']:>6.2f}"
+        )
+    args.out.write_text(json.dumps({"results": results}, indent=2))
     return 0
 
 
