@@ -221,7 +221,8 @@ def create_topics(
         except TopicAlreadyExistsError:
             pass
     deadline = time.monotonic() + timeout_s
-    waiting = dict(partitions)
+    # A topic that already existed keeps its own partition count; only new ones must reach theirs.
+    waiting = {name: (count if name in created else 1) for name, count in partitions.items()}
     while waiting:
         for meta in admin.describe_topics(list(waiting)):
             parts = meta.get("partitions") or []

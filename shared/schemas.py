@@ -106,7 +106,7 @@ class SessionFinished(Record):
     type: Literal["session_finished"] = "session_finished"
     session_id: str
     group_id: str
-    reward: float
+    reward: float = Field(allow_inf_nan=False)
     status: Literal["completed", "truncated", "failed"] = "completed"
     num_chunks: int = Field(ge=0)
     """How many chunk records the session produced: the collector waits for all of them."""
@@ -151,7 +151,7 @@ class Trajectory(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     session_id: str
     status: Literal["completed", "truncated", "failed", "rejected"]
-    reward: float = 0.0
+    reward: float = Field(default=0.0, allow_inf_nan=False)
     error: str = ""
     segments: list[Segment]
 

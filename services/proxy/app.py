@@ -175,7 +175,7 @@ def _call_ids(request: Request) -> CallIds:
     if not session_id:
         raise MissingHeader("header X-Session-Id is required: one id per agent conversation", header="X-Session-Id")
     attempt_text = headers.get("x-attempt", "0").strip() or "0"
-    if not attempt_text.isdigit():
+    if not (attempt_text.isascii() and attempt_text.isdigit()):  # '²'.isdigit() but int('²') fails
         raise InvalidRequest(f"header X-Attempt must be an integer >= 0, got {attempt_text!r}",
                              fields=[{"field": "X-Attempt", "message": "not an integer >= 0"}])
     return CallIds(
@@ -193,7 +193,7 @@ def _parse(model: type[B], raw: bytes, empty_ok: bool = False) -> B:
         return model.model_validate({})
     try:
         data = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly nested JSON
         fields = [{"field": "body", "message": str(exc)}]
         raise InvalidRequest(f"body is not valid JSON: {exc}", fields=fields) from None
     try:

@@ -63,7 +63,8 @@ class ChatRequest(BaseModel):
 
 class FinishBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reward: float
+    reward: float = Field(allow_inf_nan=False)
+    """A NaN or infinite reward would poison every advantage of its group: refused with 422."""
     status: Literal["completed", "truncated", "failed"] = "completed"
 
 
