@@ -285,3 +285,29 @@ def read_at(settings: KafkaSettings, topic: str, partition: int, offset: int, ti
         raise LookupError(f"no record at {topic}/{partition}@{offset} within {timeout_s}s")
     finally:
         consumer.close()
+
+
+def read_topic(settings: KafkaSettings, topic: str, timeout_s: float) -> list[Record]:
+    """Every decodable record of ``topic`` up to its current end, without a consumer group."""
+    consumer = Consumer(settings, (), None, client_suffix="reader")
+    raw = consumer.raw
+    try:
+        deadline = time.monotonic() + timeout_s
+        parts = raw.partitions_for_topic(topic)
+        while not parts:
+            if time.monotonic() > deadline:
+                raise LookupError(f"topic {topic!r} not found on {settings.bootstrap_servers}")
+            raw.poll(timeout_ms=100)
+            parts = raw.partitions_for_topic(topic)
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        raw.assign(tps)
+        raw.seek_to_beginning(*tps)
+        end = raw.end_offsets(tps)
+        out: list[Record] = []
+        while any(raw.position(tp) < end[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not read {topic!r} to its end within {timeout_s}s")
+            out.extend(p.record for p in consumer.poll(0.2))
+        return out
+    finally:
+        consumer.close()

@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
+from shared.bus import read_topic
 from shared.replay import (
     ReplayEvent,
     ReplayFormatError,
@@ -29,8 +29,8 @@ from shared.replay import (
     read_jsonl,
     replay,
 )
-from shared.schemas import CompletedGroup, DecisionRecord, Record, WeightPublished
-from shared.settings import KafkaSettings, ServiceSettings, SettingsError, load
+from shared.schemas import CompletedGroup, DecisionRecord, WeightPublished
+from shared.settings import ServiceSettings, SettingsError, load
 from shared.staleness import WindowConfig
 
 DEFAULT_BATCH_GROUPS = 32
@@ -62,36 +62,6 @@ def register(subparsers: Any) -> None:
 
 
 # --------------------------------------------------------------------------- reading Kafka
-
-
-def read_topic(settings: KafkaSettings, topic: str, timeout_s: float) -> list[Record]:
-    """Every decodable record of ``topic`` up to its current end, without a consumer group."""
-    from kafka import TopicPartition
-
-    from shared.bus import Consumer
-
-    consumer = Consumer(settings, (), None, client_suffix="replay")
-    raw = consumer.raw
-    try:
-        deadline = time.monotonic() + timeout_s
-        parts = raw.partitions_for_topic(topic)
-        while not parts:
-            if time.monotonic() > deadline:
-                raise LookupError(f"topic {topic!r} not found on {settings.bootstrap_servers}")
-            raw.poll(timeout_ms=100)
-            parts = raw.partitions_for_topic(topic)
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
-        raw.assign(tps)
-        raw.seek_to_beginning(*tps)
-        end = raw.end_offsets(tps)
-        out: list[Record] = []
-        while any(raw.position(tp) < end[tp] for tp in tps):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"could not read {topic!r} to its end within {timeout_s}s")
-            out.extend(p.record for p in consumer.poll(0.2))
-        return out
-    finally:
-        consumer.close()
 
 
 def events_from_topics(settings: ServiceSettings, groups_topic: str, timeout_s: float) -> list[ReplayEvent]:

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from shared.bus import read_topic
 from shared.checkpoint import load as load_checkpoint
-from shared.commands.replay import read_topic
 from shared.names import Topics
 from shared.schemas import BatchManifest, Chunk, CompletedGroup, WeightApplied, WeightPublished
 from shared.settings import KafkaSettings
