@@ -34,8 +34,6 @@ from tests.procs import free_port, start_service
 
 pytestmark = [
     pytest.mark.integration,
-    # shared/bus.py passes lambdas as key (de)serializers; kafka-python 3 deprecates that (reported to the lead).
-    pytest.mark.filterwarnings("ignore:key_(de)?serializer does not implement kafka.serializer:DeprecationWarning"),
 ]
 
 ADMIN = "broadcaster-test-token"

@@ -71,8 +71,6 @@ from tests.procs import Proc, free_port, start_service
 
 pytestmark = [
     pytest.mark.integration,
-    # shared/bus.py passes lambdas as key (de)serializers; kafka-python 3 deprecates that (reported to the lead).
-    pytest.mark.filterwarnings("ignore:key_(de)?serializer does not implement kafka.serializer:DeprecationWarning"),
 ]
 
 ADMIN = "fault-suite-admin-token"

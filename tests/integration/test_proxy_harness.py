@@ -35,10 +35,6 @@ from shared.tokenizer import TOKENIZER
 from tests.procs import free_port, start_service
 
 ADMIN = "test-admin-token-0123"
-KAFKA_WARNINGS = pytest.mark.filterwarnings(
-    # shared/bus.py passes a lambda as key_serializer; kafka-python 3 deprecates that (reported to the lead).
-    "ignore:key_serializer does not implement kafka.serializer.Serializer:DeprecationWarning"
-)
 CFG = PolicyConfig(vocab_size=TOKENIZER.vocab_size)
 
 

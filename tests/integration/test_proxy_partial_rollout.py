@@ -24,7 +24,6 @@ from starlette.routing import Route
 from shared.schemas import Chunk, SessionRejected
 from shared.staleness import check_span
 from tests.integration.test_proxy_harness import (
-    KAFKA_WARNINGS,
     Engine,
     Proxy,
     ProxyFactory,
@@ -38,7 +37,7 @@ from tests.integration.test_proxy_harness import (
 )
 from tests.procs import free_port
 
-pytestmark = [pytest.mark.integration, KAFKA_WARNINGS]
+pytestmark = [pytest.mark.integration]
 __all__ = ["proxy_factory"]
 
 USER = [{"role": "user", "content": "guess"}]

@@ -16,7 +16,6 @@ from shared.schemas import Chunk, SessionFinished
 from shared.tokenizer import TOKENIZER as TOK
 from tests.integration.test_proxy_harness import (
     ADMIN,
-    KAFKA_WARNINGS,
     Engine,
     ProxyFactory,
     count_records,
@@ -25,7 +24,7 @@ from tests.integration.test_proxy_harness import (
     start_engine,
 )
 
-pytestmark = [pytest.mark.integration, KAFKA_WARNINGS]
+pytestmark = [pytest.mark.integration]
 __all__ = ["proxy_factory"]
 
 

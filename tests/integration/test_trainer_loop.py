@@ -39,8 +39,6 @@ from tests.procs import REPO_ROOT, free_port, start_service
 
 pytestmark = [
     pytest.mark.integration,
-    # shared/bus.py passes lambdas as key (de)serializers; kafka-python 3 deprecates that (reported to the lead).
-    pytest.mark.filterwarnings("ignore:key_(de)?serializer does not implement kafka.serializer:DeprecationWarning"),
 ]
 
 WINDOW = WindowInfo(keep_versions=2, current_version="v0", current_index=0, cutoff_index=0)
