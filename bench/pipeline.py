@@ -28,7 +28,11 @@ from typing import Any
 
 import httpx
 
-from shared.stack import StackConfig, start
+from shared.bus import read_topic
+from shared.names import Topics
+from shared.schemas import BatchManifest, CompletedGroup, DecisionRecord
+from shared.settings import KafkaSettings
+from shared.stack import LocalStack, StackConfig, start
 
 _IN_FLIGHT = re.compile(r"^rein_rollout_groups_in_flight\s+([0-9.eE+-]+)$", re.M)
 
@@ -58,7 +62,55 @@ def config_for(name: str, steps: int, root: Path, seed: int) -> StackConfig:
         return StackConfig(**base, **high, mode="async", keep_versions=1, max_preempts=1)
     if name == "none":
         return StackConfig(**base, **high, mode="async", keep_versions=0, max_preempts=None, mask_nonlast_version=False)
+    if name.startswith("cost-"):  # cost-k<keep>-p<preempts>
+        keep, preempts = (int(part[1:]) for part in name.split("-")[1:])
+        return StackConfig(**base, **high, mode="async", keep_versions=keep, max_preempts=preempts)
     raise ValueError(f"unknown set-up {name!r}")
+
+
+def token_accounting(local: LocalStack, steps: int) -> dict[str, Any]:
+    """Generated tokens of every decided group, split by what became of them.
+
+    Only groups with a final outcome count: dropped by the window, failed (a session
+    rejected or errored), or in one of the first ``steps`` manifests (trained, minus the
+    tokens the version mask removed). Groups still pending at the end are left out.
+    """
+    kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
+    topics = Topics()
+    groups = {g.group_id: g for g in read_topic(kafka, topics.groups, 120) if isinstance(g, CompletedGroup)}
+    final: dict[str, str] = {}
+    for d in sorted(
+        (d for d in read_topic(kafka, topics.decisions, 120) if isinstance(d, DecisionRecord)),
+        key=lambda d: d.step or 0,
+    ):
+        final[d.group_id] = d.decision
+    trained = {
+        ref.group_id
+        for m in read_topic(kafka, topics.batches, 120)
+        if isinstance(m, BatchManifest) and m.index < steps
+        for ref in m.groups
+    }
+
+    def tokens(group_id: str) -> int:
+        group = groups.get(group_id)
+        if group is None:
+            return 0
+        return sum(sum(seg.loss_mask) for t in group.trajectories for seg in t.segments)
+
+    out = {"tokens_dropped_stale": 0, "tokens_failed": 0, "tokens_in_trained_batches": 0}
+    for gid, decision in final.items():
+        if gid in trained:
+            out["tokens_in_trained_batches"] += tokens(gid)
+        elif decision in ("dropped_stale", "dropped_retroactive"):
+            out["tokens_dropped_stale"] += tokens(gid)
+        elif decision in ("failed_retry", "failed_dropped"):
+            out["tokens_failed"] += tokens(gid)
+    out["tokens_masked"] = sum(int(r.get("version_masked_tokens") or 0) for r in _rows(local.trainer_metrics)[:steps])
+    total = out["tokens_dropped_stale"] + out["tokens_failed"] + out["tokens_in_trained_batches"]
+    wasted = out["tokens_dropped_stale"] + out["tokens_failed"] + out["tokens_masked"]
+    out["tokens_generated"] = total
+    out["untrained_fraction"] = wasted / total if total else None
+    return out
 
 
 def run_mode(name: str, steps: int, root: Path, seed: int, timeout_s: float) -> dict[str, Any]:
@@ -90,6 +142,7 @@ def run_mode(name: str, steps: int, root: Path, seed: int, timeout_s: float) -> 
             if dead:
                 raise RuntimeError(f"{mode}: {dead} died; logs in {config.run_dir / 'logs'}")
             time.sleep(0.5)
+        accounting = token_accounting(local, steps) if name.startswith("cost-") else {}
     finally:
         stop.set()
         sampler.join(5)
@@ -100,6 +153,7 @@ def run_mode(name: str, steps: int, root: Path, seed: int, timeout_s: float) -> 
     tokens = sum(int(r["trained_tokens"]) for r in rows[1:])
     busy = sum(float(r["step_time_s"]) + float(r.get("fetch_time_s") or 0.0) for r in rows[1:])
     return {
+        **accounting,
         "mode": mode,
         "seed": seed,
         "logprob_abs_diff_mean": sum(float(r["train_rollout_logprob_abs_diff"] or 0) for r in rows[1:])
@@ -125,7 +179,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("bench/pipeline.json"))
     p.add_argument(
         "--compare",
-        choices=["sync-async", "controls"],
+        choices=["sync-async", "controls", "cost"],
         default="sync-async",
         help="sync vs async throughput, or async with staleness controls vs none under high asynchrony",
     )
@@ -133,6 +187,8 @@ def main() -> int:
     args = p.parse_args()
     if args.compare == "controls":
         return compare_controls(args)
+    if args.compare == "cost":
+        return compare_cost(args)
     with tempfile.TemporaryDirectory(prefix="rein-bench-") as tmp:
         results = [run_mode(mode, args.steps, Path(tmp), args.seed, args.timeout_s) for mode in ("sync", "async")]
     sync, asyn = results
@@ -165,6 +221,24 @@ def compare_controls(args: argparse.Namespace) -> int:
             f"{r['reward_last5']:>12.3f} {r['drops'] or 0:>5} {r['masked_token_fraction']:>6.2f}"
         )
     args.out.write_text(json.dumps({"results": results}, indent=2))
+    return 0
+
+
+def compare_cost(args: argparse.Namespace) -> int:
+    """Share of generated tokens never trained, for keep_versions 1/2/4 x max_preempts 0/1/2."""
+    results = []
+    with tempfile.TemporaryDirectory(prefix="rein-bench-") as tmp:
+        for keep in (1, 2, 4):
+            for preempts in (0, 1, 2):
+                results.append(run_mode(f"cost-k{keep}-p{preempts}", args.steps, Path(tmp), args.seed, args.timeout_s))
+                r = results[-1]
+                print(
+                    f"keep {keep} preempts {preempts}: untrained {r['untrained_fraction']:.3f} "
+                    f"(stale {r['tokens_dropped_stale']}, failed {r['tokens_failed']}, masked {r['tokens_masked']}, "
+                    f"generated {r['tokens_generated']})",
+                    flush=True,
+                )
+                args.out.write_text(json.dumps({"results": results}, indent=2))
     return 0
 
 
