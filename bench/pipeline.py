@@ -30,23 +30,12 @@ import httpx
 
 from shared.bus import read_topic
 from shared.names import Topics
+from shared.report import rows_so_far
 from shared.schemas import BatchManifest, CompletedGroup, DecisionRecord
 from shared.settings import KafkaSettings
 from shared.stack import LocalStack, StackConfig, start
 
 _IN_FLIGHT = re.compile(r"^rein_rollout_groups_in_flight\s+([0-9.eE+-]+)$", re.M)
-
-
-def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def config_for(name: str, steps: int, root: Path, seed: int) -> StackConfig:
@@ -105,7 +94,9 @@ def token_accounting(local: LocalStack, steps: int) -> dict[str, Any]:
             out["tokens_dropped_stale"] += tokens(gid)
         elif decision in ("failed_retry", "failed_dropped"):
             out["tokens_failed"] += tokens(gid)
-    out["tokens_masked"] = sum(int(r.get("version_masked_tokens") or 0) for r in _rows(local.trainer_metrics)[:steps])
+    out["tokens_masked"] = sum(
+        int(r.get("version_masked_tokens") or 0) for r in rows_so_far(local.trainer_metrics)[:steps]
+    )
     total = out["tokens_dropped_stale"] + out["tokens_failed"] + out["tokens_in_trained_batches"]
     wasted = out["tokens_dropped_stale"] + out["tokens_failed"] + out["tokens_masked"]
     out["tokens_generated"] = total
@@ -125,7 +116,7 @@ def run_mode(name: str, steps: int, root: Path, seed: int, timeout_s: float) -> 
             while not stop.is_set():
                 try:
                     found = _IN_FLIGHT.findall(client.get(f"{local.urls['rollout']}/metrics").text)
-                    if found and _rows(local.trainer_metrics):
+                    if found and rows_so_far(local.trainer_metrics):
                         samples.append(float(found[0]))
                 except httpx.HTTPError:
                     pass
@@ -135,9 +126,11 @@ def run_mode(name: str, steps: int, root: Path, seed: int, timeout_s: float) -> 
     sampler.start()
     try:
         deadline = time.monotonic() + timeout_s
-        while len(_rows(local.trainer_metrics)) < steps:
+        while len(rows_so_far(local.trainer_metrics)) < steps:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{mode}: only {len(_rows(local.trainer_metrics))}/{steps} steps in {timeout_s}s")
+                raise TimeoutError(
+                    f"{mode}: only {len(rows_so_far(local.trainer_metrics))}/{steps} steps in {timeout_s}s"
+                )
             dead = [s.name for s in local.stack.dead() if s.name != "trainer"]
             if dead:
                 raise RuntimeError(f"{mode}: {dead} died; logs in {config.run_dir / 'logs'}")
@@ -147,7 +140,7 @@ def run_mode(name: str, steps: int, root: Path, seed: int, timeout_s: float) -> 
         stop.set()
         sampler.join(5)
         local.stop()
-    rows = _rows(local.trainer_metrics)[:steps]
+    rows = rows_so_far(local.trainer_metrics)[:steps]
     # From the end of step 1 to the end of step N: start-up and the first rollout are excluded.
     wall = float(rows[-1]["ts"]) - float(rows[0]["ts"])
     tokens = sum(int(r["trained_tokens"]) for r in rows[1:])

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from shared.launcher import LaunchError
+from shared.report import plot_run, rows_so_far
 from shared.stack import LocalStack, StackConfig, start
 
 _REJECTIONS = re.compile(r"^rein_proxy_rejections_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
@@ -41,19 +42,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--runs-dir", type=Path, default=Path("runs"))
     p.add_argument("--timeout-min", type=float, default=30.0, help="give up after this many minutes")
     return p.parse_args(argv)
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Trainer step lines written so far (a half-written last line is ignored)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def proxy_rejections(url: str) -> int:
@@ -148,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         deadline = started + args.timeout_min * 60
         shown = 0
         while True:
-            rows = read_metrics(local.trainer_metrics)
+            rows = rows_so_far(local.trainer_metrics)
             if len(rows) > shown:
                 rejections = proxy_rejections(local.urls["proxy"])
                 for row in rows[shown:]:
@@ -186,8 +174,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_outputs(config: StackConfig, rows: list[dict[str, Any]], rejections: int, wall_s: float) -> None:
-    from shared.report import plot_run
-
     summary = summarize(rows, rejections, wall_s, config)
     (config.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     png = plot_run(rows, config.run_dir / "plot.png", title=f"rein demo {config.run_dir.name}")

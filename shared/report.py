@@ -79,6 +79,11 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
     return read_metrics(Path(path)).rows
 
 
+def rows_so_far(path: Path) -> list[dict[str, Any]]:
+    """Rows of a ``metrics.jsonl`` a live trainer is still writing: none yet if it does not exist."""
+    return load_metrics(path) if Path(path).exists() else []
+
+
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None

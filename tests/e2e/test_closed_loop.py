@@ -8,13 +8,10 @@ back and checked independently of the services' own bookkeeping.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,6 +19,7 @@ import pytest
 from shared.bus import read_topic
 from shared.checkpoint import load as load_checkpoint
 from shared.names import Topics
+from shared.report import rows_so_far
 from shared.schemas import BatchManifest, Chunk, CompletedGroup, WeightApplied, WeightPublished
 from shared.settings import KafkaSettings
 from shared.stack import LocalStack, StackConfig, start
@@ -42,16 +40,6 @@ def _wait(what: str, cond: Callable[[], bool], timeout_s: float, local: LocalSta
         assert not dead, f"{dead} died while waiting for {what}; logs in {local.config.run_dir / 'logs'}"
         time.sleep(0.25)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; logs in {local.config.run_dir / 'logs'}")
-
-
-def _rows(path: Path) -> list[dict[str, object]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
 
 
 def _last_trainable_version(mask: list[int], versions: list[str | None]) -> str | None:
@@ -77,12 +65,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     local = start(config)
     try:
         trainer = next(s for s in local.stack.services if s.name == "trainer")
-        _wait(f"trainer step {RESTART_AT}", lambda: len(_rows(local.trainer_metrics)) >= RESTART_AT, 300, local)
+        _wait(f"trainer step {RESTART_AT}", lambda: len(rows_so_far(local.trainer_metrics)) >= RESTART_AT, 300, local)
         assert trainer.proc is not None
         trainer.proc.kill()  # kill -9 in the middle of the run
         trainer.proc.wait(timeout=30)
         trainer.start()
-        _wait(f"trainer step {STEPS}", lambda: len(_rows(local.trainer_metrics)) >= STEPS, 420, local)
+        _wait(f"trainer step {STEPS}", lambda: len(rows_so_far(local.trainer_metrics)) >= STEPS, 420, local)
         _wait("trainer exit after max_steps", lambda: not trainer.alive(), 60, local)
         final = f"v{STEPS}"
 
@@ -97,7 +85,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         data = {
             "config": config,
             "engine_info": engine_info,
-            "rows": _rows(local.trainer_metrics),
+            "rows": rows_so_far(local.trainer_metrics),
             "chunks": read_topic(kafka, topics.chunks, 60),
             "groups": read_topic(kafka, topics.groups, 60),
             "batches": read_topic(kafka, topics.batches, 60),
