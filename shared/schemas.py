@@ -124,7 +124,9 @@ class SessionRejected(Record):
     group_id: str
     error: str
     detail: dict[str, Any] = Field(default_factory=dict)
-    num_chunks: int = Field(ge=0)
+    num_chunks: int | None = Field(ge=0)
+    """Chunks the session published; ``None`` when the publisher cannot know (the rollout runner
+    ending a session its proxy lost): the collector then does not wait for chunks."""
 
     def key(self) -> str:
         return self.group_id

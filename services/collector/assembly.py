@@ -7,7 +7,9 @@ Lifecycle of a group in the :class:`Assembler`:
    offsets), possibly before the group's ``GroupDispatched``. Every record's
    position is remembered as *pending* on its partition.
 2. *complete*: the dispatch record is in, every dispatched session has its end
-   event (finished or rejected) and all ``num_chunks`` chunks (seq 0..n-1).
+   event (finished or rejected) and all ``num_chunks`` chunks (seq 0..n-1). The first
+   end of a session wins; a rejection of unknown ``num_chunks`` (published by the
+   rollout runner for a session its proxy lost) needs no chunks.
    :meth:`Assembler.add` returns the :class:`CompletedGroup` once.
 3. *released*: the shell made the group's outputs durable (audit record, window
    step, outbox published) and calls :meth:`Assembler.release`; its positions stop
@@ -72,7 +74,17 @@ class _Session:
     end: SessionFinished | SessionRejected | None = None
 
     def complete(self) -> bool:
-        return self.end is not None and all(seq in self.chunks for seq in range(self.end.num_chunks))
+        return self.end is not None and all(seq in self.chunks for seq in range(self.expected()))
+
+    def expected(self) -> int:
+        """How many chunks (seq 0..n-1) make the session whole; an end of unknown count takes what is here."""
+        assert self.end is not None
+        if self.end.num_chunks is not None:
+            return self.end.num_chunks
+        n = 0
+        while n in self.chunks:
+            n += 1
+        return n
 
 
 @dataclass
@@ -138,7 +150,7 @@ def build_trajectory(session_id: str, session: _Session) -> Trajectory:
     assert end is not None
     segments: dict[int, dict[str, list[Any]]] = {}
     finish: dict[int, str] = {}
-    for seq in range(end.num_chunks):
+    for seq in range(session.expected()):
         chunk = session.chunks[seq]
         seg = segments.setdefault(
             chunk.segment_index, {"token_ids": [], "loss_mask": [], "logprobs": [], "versions": []}

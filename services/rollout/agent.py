@@ -14,6 +14,10 @@ assistant reply and the environment's answer, and at the end reports the reward 
   proxy). The agent reports ``status: failed`` when it can, so the collector completes
   the group as failed and asks for a retry.
 
+:attr:`EpisodeResult.on_record` says whether the proxy confirmed that the session's end
+record is on Kafka. When it did not (the proxy crashed, lost the session, or could not
+publish), the rollout runner publishes the end itself, so the group never waits forever.
+
 Every call is bounded by the client's timeout; nothing here retries forever.
 """
 
@@ -66,6 +70,8 @@ class EpisodeResult:
     """Error name (``detail.error`` of the proxy, or ``timeout`` / ``unreachable`` / ``http_<status>``)."""
     reported: bool = False
     """The finish call was delivered (always False for rejected sessions)."""
+    on_record: bool = False
+    """The proxy confirmed the session's end record (finish answered, or a 502 rejection it published)."""
     unreachable: bool = False
     """The proxy could not be reached at all (connection refused / reset)."""
     messages: list[Message] = field(default_factory=list)
@@ -78,6 +84,8 @@ class CallError:
     outcome: Outcome
     error: str
     unreachable: bool = False
+    on_record: bool = False
+    """The proxy published the session's end before answering (its 502 staleness rejections)."""
 
 
 def error_name(body: object) -> str:
@@ -115,7 +123,7 @@ def classify(exc: openai.APIError) -> CallError:
             # session_finalized: the proxy rejected (or closed) the session; it takes no more calls.
             return CallError("rejected", name or "session_finalized")
         if exc.status_code == 502 and name in STALENESS_ERRORS:
-            return CallError("rejected", name)
+            return CallError("rejected", name, on_record=True)
         if exc.status_code == 413 and name == "context_overflow":
             return CallError("truncated", name)
         return CallError("failed", name or f"http_{exc.status_code}")
@@ -161,7 +169,7 @@ class Agent:
             except openai.APIError as exc:
                 call = classify(exc)
                 result = EpisodeResult(ids.session_id, call.outcome, turns=turn, error=call.error,
-                                       unreachable=call.unreachable, messages=messages)
+                                       unreachable=call.unreachable, on_record=call.on_record, messages=messages)
                 logger.info("episode_call_failed", turn=turn, outcome=call.outcome, error=call.error)
                 if call.outcome == "rejected":
                     return result
@@ -185,7 +193,7 @@ class Agent:
             # The proxy had already closed the session (it rejected it, e.g. a soft reject).
             result.outcome, result.error = "rejected", result.error or "session_closed"
         elif delivered in ("ok", "conflict_retry"):
-            result.reported = True
+            result.reported = result.on_record = True
         else:
             logger.warning("finish_not_delivered", reason=delivered, status=status)
             result.error = result.error or f"finish_{delivered}"

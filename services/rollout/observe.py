@@ -36,6 +36,12 @@ class RolloutMetrics:
         self.unreported = metrics.counter(
             registry, "rollout/finish_not_delivered", "Ended episodes whose finish call never reached the proxy"
         )
+        self.lost_sessions = metrics.counter(
+            registry, "rollout/lost_sessions", "Sessions the runner ended as rejected because the proxy lost them"
+        )
+        self.lost_sessions_unpublished = metrics.counter(
+            registry, "rollout/lost_sessions_unpublished", "Lost sessions whose rejection could not be published"
+        )
         self.groups = metrics.counter(registry, "rollout/groups_dispatched", "Groups dispatched", ("kind",))
         self.in_flight = metrics.gauge(registry, "rollout/groups_in_flight", "Groups whose episodes are running")
         self.reward_mean = metrics.gauge(

@@ -35,12 +35,14 @@ from services.rollout.settings import RolloutSettings
 from services.rollout.task import TASKS, Task
 from shared import log
 from shared.bus import BusUnavailable, Consumer, Polled, Producer, ensure_topics
-from shared.schemas import DecodeError, GroupDispatched, RetryRequest, WeightApplied, new_id
+from shared.schemas import DecodeError, GroupDispatched, RetryRequest, SessionRejected, WeightApplied, new_id
 from shared.settings import KafkaSettings
 
 _log = log.get(__name__)
 
 MAX_PUBLISH_FAILURES = 5
+LOST_SESSION = "session_lost"
+"""``SessionRejected.error`` of a session the runner ended because its proxy never confirmed an end."""
 """Consecutive GroupDispatched publish failures (each bounded by Kafka's request timeout) before giving up."""
 
 
@@ -367,11 +369,13 @@ class Runner:
         self.metrics.groups.labels(kind=work.kind).inc()
         self.metrics.in_flight.set(self.scheduler.in_flight)
         self.log.info("group_dispatched", group_id=group_id, prompt_id=work.prompt_id, attempt=work.attempt)
-        task = asyncio.create_task(self._run_group(work, group_id, session_ids, agent))
+        task = asyncio.create_task(self._run_group(work, group_id, session_ids, agent, producer))
         self._tasks.add(task)
         task.add_done_callback(self._group_done)
 
-    async def _run_group(self, work: Work, group_id: str, session_ids: list[str], agent: Agent) -> None:
+    async def _run_group(
+        self, work: Work, group_id: str, session_ids: list[str], agent: Agent, producer: Producer
+    ) -> None:
         try:
             results: list[EpisodeResult] = await asyncio.gather(*(
                 agent.run(self.task.episode(), dict(work.payload),
@@ -380,6 +384,9 @@ class Runner:
             ))
             for result in results:
                 self.metrics.on_episode(result)
+            lost = [r for r in results if not r.on_record]
+            if lost:
+                await self._end_lost_sessions(group_id, lost, producer)
             if all(r.unreachable for r in results):
                 self._proxy_suspect = True
             self.log.info("group_ended", group_id=group_id, prompt_id=work.prompt_id, attempt=work.attempt,
@@ -388,6 +395,38 @@ class Runner:
             self.scheduler.on_group_done()
             self.metrics.in_flight.set(self.scheduler.in_flight)
             self._wake.set()
+
+    async def _end_lost_sessions(self, group_id: str, lost: list[EpisodeResult], producer: Producer) -> None:
+        """Publish ``SessionRejected`` for sessions whose end the proxy never confirmed (it crashed,
+        lost them, or could not write): without it their group would wait for an end that never
+        comes. The collector takes a session's first end, so a duplicate of the proxy's is harmless."""
+        records = [
+            SessionRejected(session_id=r.session_id, group_id=group_id, error=LOST_SESSION,
+                            detail={"outcome": r.outcome, "error": r.error}, num_chunks=None)
+            for r in lost
+        ]
+        delay, attempt = 0.5, 0
+        deadline = time.monotonic() + self.settings.lost_session_publish_s
+        while True:
+            attempt += 1
+            try:
+                await asyncio.to_thread(producer.send_many, [(self.settings.topics.events, r) for r in records])
+            except (BusUnavailable, KafkaError) as exc:
+                # Kafka is down (the proxy likely failed for the same reason): keep the group's slot
+                # and try again, so dispatching slows down instead of leaving groups open.
+                self.log.warning("lost_sessions_not_published", group_id=group_id, error=str(exc), attempt=attempt)
+                if self._stopping or time.monotonic() + delay > deadline:
+                    break
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            self.metrics.lost_sessions.inc(len(records))
+            self.log.warning("lost_sessions_ended", group_id=group_id, sessions=[r.session_id for r in lost],
+                             outcomes=[r.outcome for r in lost], errors=[r.error for r in lost])
+            return
+        self.metrics.lost_sessions_unpublished.inc(len(records))
+        self.log.error("lost_sessions_unpublished", group_id=group_id, sessions=[r.session_id for r in lost],
+                       note="the collector abandons the group after REIN_INCOMPLETE_TIMEOUT_S")
 
     def _group_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

@@ -50,6 +50,9 @@ class RolloutSettings(ServiceSettings):
     must fit inside it; past it the episode ends as failed."""
     finish_attempts: int = Field(default=3, ge=1)
     """Tries of the finish call when the proxy cannot be reached (a 409 after a lost answer is success)."""
+    lost_session_publish_s: float = Field(default=300.0, gt=0)
+    """How long the runner keeps trying to publish the end of sessions its proxy lost (Kafka down)
+    before it gives up and leaves the group to the collector's ``incomplete_timeout_s``."""
     startup_timeout_s: float = Field(default=60.0, gt=0)
     """Bound on waiting for the proxy's ``/health`` and for the Kafka consumers to catch up at start,
     and on waiting for the proxy to come back when every episode of a group found it unreachable."""

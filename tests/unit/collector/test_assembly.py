@@ -128,6 +128,34 @@ def test_rejected_session_makes_a_failed_group_and_failed_status_too() -> None:
     assert group2 is not None and group2.failed
 
 
+def test_a_lost_session_ends_without_its_chunks_and_the_first_end_wins() -> None:
+    feed = Feed()
+    feed(dispatched(["s1", "s2"]))
+    feed(chunk("s1", 0))
+    feed(finished("s1", 1))
+    feed(chunk("s2", 0))
+    # s2's proxy died after publishing chunk 1 of an unknown number: the runner ends it, count unknown
+    group = feed(SessionRejected(session_id="s2", group_id="g1", error="session_lost", num_chunks=None))
+    assert group is not None and group.failed
+    lost = group.trajectories[1]
+    assert (lost.status, lost.error) == ("rejected", "session_lost")
+    assert lost.segments[0].token_ids == [1, 2, 10, 20]  # what had arrived, in seq order
+    assert feed(chunk("s2", 1)) is None  # late chunks of a decided group are duplicates
+    assert feed(finished("s2", 2)) is None
+    assert len(feed.completed) == 1
+
+    # The proxy's own end came first: the runner's later one changes nothing.
+    feed2 = Feed()
+    feed2(dispatched(["s1"], gid="g2"))
+    feed2(chunk("s1", 0, gid="g2"))
+    feed2(SessionRejected(session_id="s1", group_id="g2", error="trajectory_version_changed", num_chunks=2))
+    assert feed2.completed == []  # still waits for chunk 1
+    feed2(SessionRejected(session_id="s1", group_id="g2", error="session_lost", num_chunks=None))
+    assert feed2.completed == []
+    group2 = feed2(chunk("s1", 1, gid="g2"))
+    assert group2 is not None and group2.trajectories[0].error == "trajectory_version_changed"
+
+
 def test_segments_are_split_and_the_highest_segment_decides_the_window_version() -> None:
     feed = Feed()
     feed(dispatched(["s1"]))

@@ -105,25 +105,27 @@ def test_turn_limit_reports_zero() -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "body", "outcome", "error", "finish_status"),
+    ("status", "body", "outcome", "error", "finish_status", "on_record"),
     [
         (502, {"detail": {"error": "partial_rollout_staleness_exceeded", "versions": ["v0", "v1", "v2"]}},
-         "rejected", "partial_rollout_staleness_exceeded", None),
-        (502, {"detail": {"error": "trajectory_version_changed"}}, "rejected", "trajectory_version_changed", None),
-        (502, {"detail": {"error": "generation_preempted"}}, "rejected", "generation_preempted", None),
-        (409, {"detail": {"error": "session_finalized"}}, "rejected", "session_finalized", None),
-        (409, {"detail": {"error": "session_busy"}}, "failed", "session_busy", "failed"),
-        (503, {"detail": {"error": "engine_unavailable"}}, "failed", "engine_unavailable", "failed"),
-        (502, {"detail": {"error": "engine_error"}}, "failed", "engine_error", "failed"),
-        (500, {"detail": "boom"}, "failed", "boom", "failed"),
-        (413, {"detail": {"error": "context_overflow"}}, "truncated", "context_overflow", "truncated"),
+         "rejected", "partial_rollout_staleness_exceeded", None, True),
+        (502, {"detail": {"error": "trajectory_version_changed"}}, "rejected", "trajectory_version_changed", None,
+         True),
+        (502, {"detail": {"error": "generation_preempted"}}, "rejected", "generation_preempted", None, True),
+        # closed earlier, maybe without a record (the proxy could not publish): the runner ends it itself
+        (409, {"detail": {"error": "session_finalized"}}, "rejected", "session_finalized", None, False),
+        (409, {"detail": {"error": "session_busy"}}, "failed", "session_busy", "failed", True),
+        (503, {"detail": {"error": "engine_unavailable"}}, "failed", "engine_unavailable", "failed", True),
+        (502, {"detail": {"error": "engine_error"}}, "failed", "engine_error", "failed", True),
+        (500, {"detail": "boom"}, "failed", "boom", "failed", True),
+        (413, {"detail": {"error": "context_overflow"}}, "truncated", "context_overflow", "truncated", True),
     ],
 )
 def test_error_on_second_turn(status: int, body: dict[str, Any], outcome: str, error: str,
-                              finish_status: str | None) -> None:
+                              finish_status: str | None, on_record: bool) -> None:
     proxy = FakeProxy(lambda m, i: (200, "0") if i == 0 else (status, body))
     result = _run(proxy)
-    assert (result.outcome, result.error, result.turns) == (outcome, error, 1)
+    assert (result.outcome, result.error, result.turns, result.on_record) == (outcome, error, 1, on_record)
     if finish_status is None:
         assert proxy.finishes == [] and not result.reported
     else:
@@ -149,6 +151,7 @@ def test_finish_answers(replies: list[tuple[int, Any]], outcome: str, reported: 
     proxy = FakeProxy(_binary, finish_replies=replies)
     result = _run(proxy)
     assert (result.outcome, result.reported, len(proxy.finishes)) == (outcome, reported, calls)
+    assert result.on_record is reported  # no confirmed end: the runner must publish one itself
 
 
 def test_unreachable_proxy_fails_fast_without_hanging() -> None:
@@ -170,6 +173,7 @@ def test_unreachable_proxy_fails_fast_without_hanging() -> None:
     result = asyncio.run(asyncio.wait_for(go(), 30))
     assert (result.outcome, result.error, result.unreachable, result.reported) == ("failed", "unreachable", True,
                                                                                     False)
+    assert not result.on_record
 
 
 @pytest.mark.parametrize(
