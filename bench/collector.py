@@ -175,6 +175,7 @@ def decision_cost(redis_url: str, versions: int, steps: int) -> dict[str, Any]:
     keys = RedisKeys(f"bench-dec-{uuid.uuid4().hex[:8]}")
     fill_registry(client, keys, versions)
     store = WindowStore(client, keys, Topics(), WindowConfig(2, 32), replica="bench")
+    store.claim_config()
     newest = versions - 1
     timings = []
     for i in range(steps):

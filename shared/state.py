@@ -118,6 +118,10 @@ class RedisRegistry:
         result = self._observe(keys=[k.registry_order, k.unregistered, k.unregistered_counter], args=labels)
         return [int(x) for x in cast(list[Any], result)]
 
+    def count(self) -> int:
+        """How many versions are published."""
+        return int(self.client.zcard(self.keys.registry_order))
+
     def ordered(self) -> list[tuple[str, int]]:
         """Published (label, seq) pairs in order."""
         pairs = cast(list[tuple[str, float]], self.client.zrange(self.keys.registry_order, 0, -1, withscores=True))

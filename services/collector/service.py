@@ -43,6 +43,7 @@ from shared import log
 from shared.bus import Consumer, Delivered, Polled, Producer, ensure_topics
 from shared.metrics import DecodeErrors, counter, gauge, render
 from shared.names import RedisKeys
+from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.replay import window_group
 from shared.schemas import CompletedGroup, DecodeError, GroupRef, Record, WeightApplied, WeightPublished
 from shared.staleness import Decision, WindowConfig
@@ -73,6 +74,13 @@ class CollectorMetrics:
         self.weight_errors = counter(r, "collector/weight_errors", "Weight records the registry refused")
         self.rejoins = counter(r, "collector/rejoins", "Consumers rebuilt after the group coordinator stayed unknown")
         self.commit_errors = counter(r, "collector/commit_errors", "Offset commits refused (rebalance)")
+        self.outages = counter(
+            r, "collector/dependency_errors", "Loop iterations that failed on Redis or Kafka and were retried",
+            ("what",),
+        )
+        self.registry_rebuilds = counter(
+            r, "collector/registry_rebuilds", "Times the Redis version registry was found short and rebuilt"
+        )
         self.current_index = gauge(
             r, "staleness/current_version_index", "Registry index of the window's newest version"
         )
@@ -148,6 +156,10 @@ class WeightsFollower:
         self.registry = registry
         self.metrics = metrics
         self.consumer = Consumer(settings.kafka, (), None, on_decode_error=self._bad, client_suffix="collector-weights")
+        self.known: dict[str, int] = {}
+        """label -> sequence of every weight record read (the first one of a label wins, as in Redis)."""
+        self._unpublished: dict[str, int] = {}
+        self._refused: set[str] = set()
         self.timeout_s = settings.kafka.request_timeout_ms / 1000
         raw = self.consumer.raw
         self.tps = [TopicPartition(self.topic, p) for p in self.partitions(self.topic)]
@@ -171,17 +183,38 @@ class WeightsFollower:
         self.metrics.decode_errors.inc(topic, exc.reason)
 
     def poll(self, timeout_s: float = 0.0) -> int:
+        """Fold new weight records into Redis. Each is remembered first, so a Redis error here loses
+        nothing: the unpublished ones are published on the next call, and :meth:`repair` restores
+        whatever Redis lost."""
         n = 0
         for polled in self.consumer.poll(timeout_s):
             record = polled.record
-            if isinstance(record, WeightPublished | WeightApplied):
-                try:
-                    self.registry.publish(record.version, record.seq)
-                    n += 1
-                except ValueError as exc:
-                    self.metrics.weight_errors.inc()
-                    _log.error("weight_refused", version=record.version, seq=record.seq, error=str(exc))
+            if isinstance(record, WeightPublished | WeightApplied) and record.version not in self.known:
+                self.known[record.version] = record.seq
+                self._unpublished[record.version] = record.seq
+                n += 1
+        self._publish_unpublished()
         return n
+
+    def repair(self) -> None:
+        """Rebuild the registry from the records read so far when Redis holds fewer than were read
+        (Redis restarted empty, or its keys were deleted): one ZCARD when nothing is missing."""
+        in_redis = self.registry.count()
+        if in_redis < len(self.known) - len(self._refused):
+            _log.warning("registry_rebuilt", known=len(self.known), in_redis=in_redis)
+            self.metrics.registry_rebuilds.inc()
+            self._unpublished = {k: v for k, v in self.known.items() if k not in self._refused}
+            self._publish_unpublished()
+
+    def _publish_unpublished(self) -> None:
+        for label, seq in sorted(self._unpublished.items(), key=lambda kv: kv[1]):
+            try:
+                self.registry.publish(label, seq)
+            except ValueError as exc:
+                self._refused.add(label)
+                self.metrics.weight_errors.inc()
+                _log.error("weight_refused", version=label, seq=seq, error=str(exc))
+            del self._unpublished[label]
 
     def catch_up(self, timeout_s: float) -> None:
         """Read until every partition's position reaches the end offset seen now (bounded)."""
@@ -233,6 +266,8 @@ class Collector:
         self._stalled_since: float | None = None
         self._poll_started: float | None = None
         self._poll_broken = False
+        self._unfolded: list[Polled] = []
+        self._backlog: list[CompletedGroup] = []
 
     # ------------------------------------------------------------------ wiring
 
@@ -336,18 +371,36 @@ class Collector:
 
     def _loop(self) -> None:
         s = self.settings
-        next_drain = next_lag = time.monotonic()
+        next_drain = next_lag = next_registry_check = time.monotonic()
+        outage: Outage | None = None
         while not self.stop.is_set():
             self.last_loop = now = time.monotonic()
-            self.weights.poll(0.0)
-            polled = self._poll()
-            completed = self._fold(polled, now)
-            if completed:
-                self._handle(completed)
-                next_drain = now + s.drain_interval_s
-            elif now >= next_drain:
-                self._publish_outbox()
-                next_drain = now + s.drain_interval_s
+            try:
+                self.weights.poll(0.0)
+                if now >= next_registry_check:
+                    self.weights.repair()
+                    next_registry_check = now + s.registry_check_s
+                # Records polled but not folded yet (Redis failed under _fold) are folded again before
+                # polling on; groups completed but not handled yet are handled again (steps are
+                # idempotent per group id). Nothing read is dropped during an outage.
+                if not self._unfolded:
+                    self._unfolded = self._poll()
+                self._backlog.extend(self._fold(self._unfolded, now))
+                self._unfolded = []
+                if self._backlog:
+                    self._handle(self._backlog)
+                    self._backlog = []
+                    next_drain = now + s.drain_interval_s
+                elif now >= next_drain:
+                    self._publish_outbox()
+                    next_drain = now + s.drain_interval_s
+            except DEPENDENCY_ERRORS as exc:
+                outage = outage or Outage(_log, self.metrics.outages)
+                self.stop.wait(outage.failed(exc))
+                continue
+            if outage is not None:
+                outage.recovered()
+                outage = None
             for gid in self.assembler.expire(now, s.incomplete_timeout_s):
                 self.metrics.abandoned.inc()
                 _log.warning("group_abandoned", group_id=gid, timeout_s=s.incomplete_timeout_s)

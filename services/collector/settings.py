@@ -39,6 +39,8 @@ class CollectorSettings(ServiceSettings):
     """A group with no new record for this long is abandoned (logged, counted) so it stops holding commits."""
     lag_interval_s: float = Field(default=5.0, gt=0)
     """How often consumer lag is measured for ``/metrics``."""
+    registry_check_s: float = Field(default=1.0, gt=0)
+    """How often the replica checks that Redis still holds every version read from ``weights``."""
     coordinator_stall_s: float = Field(default=20.0, gt=0)
     """A consumer whose group coordinator stays unknown, or whose poll does not return, for this long is closed
     and rebuilt (it rejoins the group; uncommitted records are re-read)."""

@@ -72,6 +72,13 @@ class ConfigMismatch(RuntimeError):
     """This replica's window settings differ from the ones the shared window was started with."""
 
 
+class WindowLost(RuntimeError):
+    """The shared window's keys vanished from Redis while replicas ran (Redis restarted empty, or a flush).
+
+    Going on would restart batch numbering at 0 and forget pending groups; the trainer would skip
+    the renumbered manifests as already trained. Fatal with a clear message instead."""
+
+
 # KEYS: outbox, lock; ARGV: token, n, first entry, last entry
 _TRIM = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
@@ -250,6 +257,12 @@ class WindowStore:
                     pipe.watch(k.window, k.registry_order, k.unregistered)  # type: ignore[no-untyped-call]
                     if pipe.hexists(k.decided, group.group_id):
                         return StepOutcome(group.group_id, None, None, ())
+                    if not pipe.exists(k.window_config):
+                        raise WindowLost(
+                            f"the shared window's keys ({k.window_config}, {k.window}) are gone from Redis: it "
+                            "restarted without its data or was flushed while the run went on. Restore its data "
+                            "(deploy/redis.sh runs Redis with an append-only file) or start a fresh run."
+                        )
                     state, refs, steps = self._load(pipe)
                     labels = sorted(
                         {*group.versions, *(v for g in state.pending for v in g.versions)}

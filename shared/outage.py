@@ -1,0 +1,69 @@
+"""Riding out a Redis or Kafka outage inside a service loop: back off, say so once, say when it ended.
+
+A loop whose iteration is safe to repeat catches :data:`DEPENDENCY_ERRORS`, waits
+:meth:`Outage.failed` seconds and tries again; the service stays up (its ``/health``
+keeps answering) and picks up where it stopped once the dependency is back.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+from kafka.errors import KafkaError
+from prometheus_client import Counter
+
+from shared.bus import BusUnavailable
+from shared.state import StateUnavailable
+
+DEPENDENCY_ERRORS: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    StateUnavailable,
+    BusUnavailable,
+    KafkaError,
+)
+"""Errors that mean "a dependency is down right now", not "this input is bad"."""
+
+
+def dependency_of(exc: BaseException) -> str:
+    """``redis`` or ``kafka``: which dependency an error in :data:`DEPENDENCY_ERRORS` came from."""
+    return "redis" if isinstance(exc, redis.RedisError | StateUnavailable) else "kafka"
+
+
+class Outage:
+    """One outage: exponential backoff, a warning when it starts and every ``remind_s``, an info when it ends."""
+
+    def __init__(
+        self, logger: Any, errors: Counter | None = None, *, first_s: float = 0.2, cap_s: float = 5.0,
+        remind_s: float = 30.0,
+    ) -> None:
+        self._log = logger
+        self._errors = errors
+        self._delay = first_s
+        self._cap = cap_s
+        self._remind = remind_s
+        self._started = time.monotonic()
+        self._last_said: float | None = None
+        self.failures = 0
+
+    def failed(self, exc: BaseException) -> float:
+        """Count one failed try; returns how long to wait before the next."""
+        what = dependency_of(exc)
+        self.failures += 1
+        if self._errors is not None:
+            self._errors.labels(what=what).inc()
+        now = time.monotonic()
+        if self._last_said is None or now - self._last_said >= self._remind:
+            self._last_said = now
+            self._log.warning(
+                "dependency_unavailable", dependency=what, error=f"{type(exc).__name__}: {exc}"[:300],
+                down_s=round(now - self._started, 1), retry_in_s=self._delay,
+            )
+        delay = self._delay
+        self._delay = min(self._delay * 2, self._cap)
+        return delay
+
+    def recovered(self) -> None:
+        self._log.info("dependency_recovered", down_s=round(time.monotonic() - self._started, 1), tries=self.failures)
