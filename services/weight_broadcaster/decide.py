@@ -16,7 +16,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from shared.schemas import WeightPublished
+from shared.schemas import WeightApplied, WeightPublished
 
 
 @dataclass(frozen=True)
@@ -110,3 +110,11 @@ def backoff_s(attempt: int, base_s: float, max_s: float) -> float:
 def digest_mismatches(expected: str, reported: dict[str, str | None]) -> list[str]:
     """Engines (by URL) whose reported digest is not ``expected``, in input order."""
     return [url for url, digest in reported.items() if digest != expected]
+
+
+def latest_applied(records: Sequence[object]) -> WeightPublished | None:
+    """The newest version (by ``seq``) that was both published and announced applied, from the
+    ``weights`` topic read back: what every engine should serve when nothing newer arrives."""
+    applied = {(r.version, r.digest) for r in records if isinstance(r, WeightApplied)}
+    done = [r for r in records if isinstance(r, WeightPublished) and (r.version, r.digest) in applied]
+    return max(done, key=lambda r: r.seq, default=None)

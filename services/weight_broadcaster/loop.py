@@ -14,12 +14,18 @@ not quiesce, resume all, back off and retry (bounded, then give the version up)
 (always, in ``finally``; with the version when it was applied) → publish
 ``WeightApplied``. Offsets are committed once the poll's events are handled, so
 a crash replays them and the replay is idempotent.
+
+Every ``reconcile_interval_s`` it also checks what each engine serves: an engine that
+restarted on its start checkpoint gets the newest applied version loaded again (the
+same pause → update → resume). A Redis or Kafka outage is waited out: the poll's
+records are handled again once the dependency is back.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -33,12 +39,14 @@ from services.weight_broadcaster.decide import (
     backoff_s,
     classify,
     digest_mismatches,
+    latest_applied,
     plan_events,
 )
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import log, metrics
-from shared.bus import Consumer, Polled, Producer
+from shared.bus import Consumer, Polled, Producer, read_topic
 from shared.names import RedisKeys
+from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.schemas import DecodeError, WeightApplied, WeightPublished
 from shared.state import RedisRegistry, connect
 from shared.status_server import StatusServer
@@ -55,6 +63,13 @@ class BroadcasterMetrics:
         self.outcomes = metrics.counter(registry, "broadcaster/versions", "Weight versions handled, by outcome",
                                         ("outcome",))
         self.pause_rounds = metrics.counter(registry, "broadcaster/pause_rounds", "Pause rounds sent to the proxies")
+        self.reconciles = metrics.counter(
+            registry, "broadcaster/reconciles", "Times an engine served an older version and the newest was reloaded"
+        )
+        self.dependency_errors = metrics.counter(
+            registry, "broadcaster/dependency_errors", "Loop iterations that failed on Redis or Kafka and were retried",
+            ("what",),
+        )
         self.update_failures = metrics.counter(registry, "broadcaster/update_failures",
                                                "Engine update calls that failed or reported a wrong digest",
                                                ("engine",))
@@ -95,6 +110,8 @@ class Broadcaster:
         self.metrics = bmetrics
         self.stop = stop
         self.applied_seq: int | None = None
+        self.latest: WeightPublished | None = None
+        """The newest version applied: what :meth:`reconcile` puts back on an engine that lost it."""
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(settings.proxy_urls), len(settings.engine_urls)),
                                         thread_name_prefix="broadcast")
 
@@ -143,6 +160,7 @@ class Broadcaster:
             return Outcome(event.version, event.seq, "older")
         if action is EventAction.ALREADY_APPLIED:
             self._announce(event)
+            self._applied(event)
             return Outcome(event.version, event.seq, "already_applied")
 
         unquiesced: list[str] = []
@@ -174,9 +192,8 @@ class Broadcaster:
                 if failed:
                     return Outcome(event.version, event.seq, "update_failed", failed_engines=failed)
                 self.metrics.update_seconds.set(time.monotonic() - started)
-                self.applied_seq = max(event.seq, self.applied_seq if self.applied_seq is not None else event.seq)
-                self.metrics.applied_seq.set(self.applied_seq)
                 self._announce(event)
+                self._applied(event)
                 return Outcome(event.version, event.seq, "applied")
             if attempt < self.s.max_pause_attempts and self.stop.wait(
                 backoff_s(attempt, self.s.backoff_base_s, self.s.backoff_max_s)
@@ -216,9 +233,43 @@ class Broadcaster:
         self.producer.send(self.s.topics.weights, applied)
         _log.info("weights_applied", version=event.version, seq=event.seq, digest=event.digest)
 
-    def recover(self) -> None:
-        """At start: resume every proxy (a previous run may have died between pause and resume)."""
+    def _applied(self, event: WeightPublished) -> None:
+        self.applied_seq = max(event.seq, self.applied_seq if self.applied_seq is not None else event.seq)
+        self.metrics.applied_seq.set(self.applied_seq)
+        if self.latest is None or event.seq >= self.latest.seq:
+            self.latest = event
+
+    def reconcile(self) -> Outcome | None:
+        """Load the newest applied version again on every engine that serves an older or unknown one.
+
+        An engine that restarts loads its start checkpoint (``v0``): left alone, everything it
+        generates falls outside the window, no batch fills, no new version comes, and the run
+        stalls. Engines that cannot be reached are skipped (they are retried next time)."""
+        latest = self.latest
+        if latest is None:
+            return None
+        infos = list(self._pool.map(self.client.model_info, self.s.engine_urls))
+        behind = []
+        for info in infos:
+            if not info.ok or (info.weight_version == latest.version and info.digest == latest.digest):
+                continue
+            seq = self._engine_seq(info.weight_version)
+            if seq is None or seq < latest.seq:
+                behind.append(f"{info.engine} ({info.weight_version})")
+        if not behind:
+            return None
+        self.metrics.reconciles.inc()
+        _log.warning("engines_behind", version=latest.version, seq=latest.seq, engines=behind)
+        return self._count(self.apply(latest))
+
+    def recover(self, weights: Sequence[object] = ()) -> None:
+        """At start: resume every proxy (a previous run may have died between pause and resume), and
+        learn the newest applied version from ``weights`` read back (for :meth:`reconcile`)."""
         self._resume_all(None)
+        if weights:
+            latest = latest_applied(weights)
+            if latest is not None:
+                self._applied(latest)
 
 
 def run(settings: BroadcasterSettings, stop: threading.Event | None = None) -> None:
@@ -244,18 +295,37 @@ def run(settings: BroadcasterSettings, stop: threading.Event | None = None) -> N
     broadcaster = Broadcaster(settings, client, registry, producer, bmetrics, stop)
     _log.info("broadcaster_ready", proxies=settings.proxy_urls, engines=settings.engine_urls, port=server.port)
     try:
-        broadcaster.recover()
+        timeout_s = settings.kafka.request_timeout_ms / 1000
+        broadcaster.recover(read_topic(settings.kafka, settings.topics.weights, timeout_s))
+        polled: list[Polled] = []
+        outage: Outage | None = None
+        next_reconcile = time.monotonic() + settings.reconcile_interval_s
         while not stop.is_set():
-            polled: list[Polled] = consumer.poll(settings.poll_timeout_s)
-            last_poll[0] = time.monotonic()
-            events = [p.record for p in polled if isinstance(p.record, WeightPublished)]
-            if events:
-                broadcaster.handle(events)
-            positions: dict[tuple[str, int], int] = {}
-            for p in polled:
-                positions[(p.topic, p.partition)] = max(p.offset + 1, positions.get((p.topic, p.partition), 0))
-            if positions and not stop.is_set():
-                consumer.commit(positions)
+            last_poll[0] = now = time.monotonic()
+            # Records whose handling failed on Redis or Kafka are handled again (handling is idempotent:
+            # the registry publish is, and an applied version is only announced again), then committed.
+            try:
+                if not polled:
+                    polled = consumer.poll(settings.poll_timeout_s)
+                events = [p.record for p in polled if isinstance(p.record, WeightPublished)]
+                if events:
+                    broadcaster.handle(events)
+                positions: dict[tuple[str, int], int] = {}
+                for p in polled:
+                    positions[(p.topic, p.partition)] = max(p.offset + 1, positions.get((p.topic, p.partition), 0))
+                if positions and not stop.is_set():
+                    consumer.commit(positions)
+                polled = []
+                if now >= next_reconcile:
+                    next_reconcile = now + settings.reconcile_interval_s
+                    broadcaster.reconcile()
+            except DEPENDENCY_ERRORS as exc:
+                outage = outage or Outage(_log, bmetrics.dependency_errors)
+                stop.wait(outage.failed(exc))
+                continue
+            if outage is not None:
+                outage.recovered()
+                outage = None
     finally:
         broadcaster.close()
         server.stop()

@@ -47,6 +47,9 @@ class BroadcasterSettings(ServiceSettings):
     """Pass ``abort_all_requests`` to the engines (the proxies already aborted their requests when pausing)."""
     consumer_group: str = "rein-weight-broadcaster"
     """Kafka consumer group of the ``weights`` consumer; offsets are committed once a version is handled."""
+    reconcile_interval_s: float = Field(default=5.0, gt=0)
+    """How often every engine's version is checked; one serving an older version (it restarted)
+    gets the newest applied version loaded again."""
     poll_timeout_s: float = Field(default=0.5, gt=0)
     """Longest wait of one Kafka poll; bounds how fast a stop request is noticed."""
     metrics_host: str = "127.0.0.1"
