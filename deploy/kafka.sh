@@ -4,6 +4,9 @@
 #   deploy/kafka.sh fetch            resolve the broker jars from Maven Central into the cache
 #   deploy/kafka.sh start DATA_DIR   format a fresh KRaft log in DATA_DIR and start a broker on free ports
 #   deploy/kafka.sh stop DATA_DIR    stop the broker started in DATA_DIR (TERM, bounded wait, then KILL)
+#   deploy/kafka.sh restart DATA_DIR [--kill]
+#                                    stop it (--kill: SIGKILL, a crash) and start it again with its data
+#                                    on the same ports (the fault tests use this)
 #   deploy/kafka.sh version          print the Kafka version deploy/kafka/pom.xml pins
 #
 # The jars live outside the checkout, in ${REIN_CACHE:-$HOME/.cache/rein}/kafka-<version>/libs,
@@ -184,7 +187,7 @@ fail_start() {
 
 # One attempt: 0 = up, 2 = port lost to another process (retry), else die.
 start_once() {
-    local dir="$1" ports port cport cluster_id pid deadline
+    local dir="$1" ports port cport cluster_id
     ports="$(free_ports 2)"
     port="${ports% *}"
     cport="${ports#* }"
@@ -199,6 +202,15 @@ start_once() {
         cat "$dir/logs/format.out" >&2
         die "kafka-storage format failed (cluster id $cluster_id, config $dir/server.properties)"
     fi
+    launch "$dir" "$port" "$cport"
+}
+
+# Start the broker of DIR (formatted, configured) and wait until it serves PORT.
+# 0 = up, 2 = port lost to another process, else die.
+launch() {
+    local dir="$1" port="$2" cport="$3" pid deadline
+    local jvm_common=(-Djava.awt.headless=true "-Dlog4j2.configurationFile=$dir/log4j2.properties"
+        "-Dkafka.logs.dir=$dir/logs" -cp "$LIBS/*")
     # shellcheck disable=SC2086  # the heap/JVM option strings are word lists on purpose
     nohup java ${KAFKA_HEAP_OPTS:--Xmx512m -Xms256m} -server -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
         -XX:InitiatingHeapOccupancyPercent=35 -XX:+ExplicitGCInvokesConcurrent -XX:MaxInlineLevel=15 \
@@ -278,13 +290,42 @@ cmd_stop() {
     log "broker pid $pid stopped"
 }
 
+# Stop the broker (--kill: SIGKILL, a crash) and start it again with its data, on the same ports.
+cmd_restart() {
+    local dir="${1:-}" how="${2:-}" pid port cport rc=0
+    [[ -n "$dir" && -f "$dir/bootstrap" ]] || die "usage: kafka.sh restart DATA_DIR [--kill] (DATA_DIR of a started broker)"
+    need_java
+    dir="$(cd "$dir" && pwd)"
+    if [[ "$how" == --kill ]]; then
+        pid="$(cat "$dir/pid" 2>/dev/null || true)"
+        if [[ -n "$pid" ]] && pid_alive "$pid" && is_our_broker "$pid" "$dir"; then
+            kill -KILL "$pid"
+            while pid_alive "$pid"; do sleep 0.05; done
+            log "broker pid $pid killed"
+        fi
+        rm -f "$dir/pid"
+    else
+        cmd_stop "$dir"
+    fi
+    # A fresh server.log, so that readiness is this run's "Kafka Server started" line.
+    [[ -f "$dir/logs/server.log" ]] && mv -f "$dir/logs/server.log" "$dir/logs/server.log.before-restart"
+    port="$(cut -d: -f2 <"$dir/bootstrap")"
+    cport="$(cut -d: -f2 <"$dir/controller")"
+    launch "$dir" "$port" "$cport" || rc=$?
+    [[ $rc -eq 0 ]] || fail_start "$dir" "could not start the broker again on port $port (taken meanwhile?)"
+    echo "bootstrap=$(cat "$dir/bootstrap")"
+    echo "version=$(cat "$dir/version")"
+    log "Kafka restarted on $(cat "$dir/bootstrap"), pid $(cat "$dir/pid")"
+}
+
 case "${1:-}" in
 fetch) cmd_fetch ;;
 start) cmd_start "${2:-}" ;;
 stop) cmd_stop "${2:-}" ;;
+restart) cmd_restart "${2:-}" "${3:-}" ;;
 version) echo "$KAFKA_VERSION" ;;
 *)
-    echo "usage: $0 {fetch|start DATA_DIR|stop DATA_DIR|version}" >&2
+    echo "usage: $0 {fetch|start DATA_DIR|stop DATA_DIR|restart DATA_DIR [--kill]|version}" >&2
     exit 2
     ;;
 esac

@@ -2,11 +2,19 @@
 # A throwaway Redis from the OS package, for `make demo` and the test fixtures.
 #
 #   deploy/redis.sh install          apt-get install redis-server if it is missing
-#   deploy/redis.sh start DATA_DIR   start redis-server on a free 127.0.0.1 port, no persistence
-#   deploy/redis.sh stop DATA_DIR    stop the server started in DATA_DIR (SHUTDOWN NOSAVE, TERM, KILL)
+#   deploy/redis.sh start DATA_DIR   start a fresh redis-server (empty data) on a free 127.0.0.1 port
+#   deploy/redis.sh stop DATA_DIR    stop the server started in DATA_DIR (TERM, bounded wait, then KILL)
+#   deploy/redis.sh restart DATA_DIR [--kill]
+#                                    stop it (--kill: SIGKILL, a crash) and start it again on the same
+#                                    port with its data (the fault tests use this)
 #
-# After `start`, DATA_DIR holds: redis.pid, url (redis://127.0.0.1:PORT/0), port, version, redis.log.
-# `start` prints two lines: `url=redis://127.0.0.1:PORT/0` and `version=X.Y.Z` (from INFO of the server).
+# Persistence: an append-only file fsynced on every write (appendfsync always), no RDB snapshots.
+# The collectors' window and outbox live in Redis and records derived from them are already on
+# Kafka, so a Redis that comes back must come back with every acknowledged write, even after a crash.
+#
+# After `start`, DATA_DIR holds: redis.pid, url (redis://127.0.0.1:PORT/0), port, version, redis.log,
+# and the append-only files under appendonly/.
+# `start` and `restart` print two lines: `url=redis://127.0.0.1:PORT/0` and `version=X.Y.Z`.
 # Knobs (environment, optional): REDIS_START_TIMEOUT (seconds, default 20), REDIS_STOP_TIMEOUT (default 10).
 set -euo pipefail
 
@@ -57,11 +65,13 @@ pid_alive() {
 is_redis() { [[ -r "/proc/$1/comm" ]] && grep -q '^redis-server' "/proc/$1/comm"; }
 
 # One attempt: 0 = up, 2 = the port was taken meanwhile (retry), else die.
+# PORT (optional) is the port to reuse on a restart; without it a free one is picked.
 start_once() {
-    local dir="$1" port deadline pid=""
-    port="$(free_port)"
+    local dir="$1" port="${2:-}" deadline pid=""
+    [[ -n "$port" ]] || port="$(free_port)"
     rm -f "$dir/redis.pid" "$dir/redis.log"
-    redis-server --bind "$HOST" --port "$port" --save '' --appendonly no --dir "$dir" \
+    redis-server --bind "$HOST" --port "$port" --save '' --dir "$dir" \
+        --appendonly yes --appendfsync always --appenddirname appendonly \
         --daemonize yes --pidfile "$dir/redis.pid" --logfile "$dir/redis.log" \
         --databases 64 --protected-mode yes </dev/null >"$dir/redis.out" 2>&1 ||
         { cat "$dir/redis.out" "$dir/redis.log" >&2 2>/dev/null; die "redis-server failed to start"; }
@@ -96,6 +106,7 @@ cmd_start() {
     if [[ -f "$dir/redis.pid" ]] && pid_alive "$(cat "$dir/redis.pid")" && is_redis "$(cat "$dir/redis.pid")"; then
         die "a redis-server is already running for $dir (pid $(cat "$dir/redis.pid")); run: redis.sh stop $dir"
     fi
+    rm -rf "$dir/appendonly"
     local attempt rc
     for attempt in 1 2 3; do
         rc=0
@@ -104,7 +115,11 @@ cmd_start() {
         log "port taken by another process while starting (attempt $attempt), retrying"
     done
     [[ $rc -eq 0 ]] || die "could not bind a free port after 3 attempts"
-    local version
+    report "$dir"
+}
+
+report() {
+    local dir="$1" version
     version="$(redis-cli -h "$HOST" -p "$(cat "$dir/port")" info server | tr -d '\r' |
         sed -n 's/^redis_version://p')"
     echo "$version" >"$dir/version"
@@ -135,12 +150,34 @@ cmd_stop() {
     log "redis-server pid $pid stopped"
 }
 
+cmd_restart() {
+    local dir="${1:-}" how="${2:-}" pid port rc=0
+    [[ -n "$dir" && -f "$dir/port" ]] || die "usage: redis.sh restart DATA_DIR [--kill] (DATA_DIR of a started server)"
+    dir="$(cd "$dir" && pwd)"
+    port="$(cat "$dir/port")"
+    if [[ "$how" == --kill ]]; then
+        pid="$(cat "$dir/redis.pid" 2>/dev/null || true)"
+        if [[ -n "$pid" ]] && pid_alive "$pid" && is_redis "$pid"; then
+            kill -KILL "$pid"
+            while pid_alive "$pid"; do sleep 0.05; done
+            log "redis-server pid $pid killed"
+        fi
+        rm -f "$dir/redis.pid"
+    else
+        cmd_stop "$dir"
+    fi
+    start_once "$dir" "$port" || rc=$?
+    [[ $rc -eq 0 ]] || die "could not start redis-server again on port $port (taken meanwhile?)"
+    report "$dir"
+}
+
 case "${1:-}" in
 install) cmd_install ;;
 start) cmd_start "${2:-}" ;;
 stop) cmd_stop "${2:-}" ;;
+restart) cmd_restart "${2:-}" "${3:-}" ;;
 *)
-    echo "usage: $0 {install|start DATA_DIR|stop DATA_DIR}" >&2
+    echo "usage: $0 {install|start DATA_DIR|stop DATA_DIR|restart DATA_DIR [--kill]}" >&2
     exit 2
     ;;
 esac

@@ -81,6 +81,13 @@ class Infra:
             raise
         return infra
 
+    def restart(self, name: str, kill: bool = True) -> None:
+        """Stop ``kafka`` or ``redis`` (``kill``: SIGKILL, a crash) and start it again with its data on the
+        same address; clients see an outage, not a new server. Used by the fault tests."""
+        if name not in ("kafka", "redis"):
+            raise ValueError(f"no infrastructure part named {name!r}")
+        _script(f"{name}.sh", "restart", str(self.data_dir / name), *(["--kill"] if kill else []))
+
     def stop(self) -> None:
         for name in ("kafka", "redis"):
             if (self.data_dir / name).exists():
