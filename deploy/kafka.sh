@@ -6,7 +6,8 @@
 #   deploy/kafka.sh stop DATA_DIR    stop the broker started in DATA_DIR (TERM, bounded wait, then KILL)
 #   deploy/kafka.sh restart DATA_DIR [--kill]
 #                                    stop it (--kill: SIGKILL, a crash) and start it again with its data
-#                                    on the same ports (the fault tests use this)
+#                                    on the same ports (the fault tests use this); RESTART_DOWN_S=N
+#                                    in the environment leaves it down N seconds in between
 #   deploy/kafka.sh version          print the Kafka version deploy/kafka/pom.xml pins
 #
 # The jars live outside the checkout, in ${REIN_CACHE:-$HOME/.cache/rein}/kafka-<version>/libs,
@@ -307,6 +308,7 @@ cmd_restart() {
     else
         cmd_stop "$dir"
     fi
+    sleep "${RESTART_DOWN_S:-0}"
     # A fresh server.log, so that readiness is this run's "Kafka Server started" line.
     [[ -f "$dir/logs/server.log" ]] && mv -f "$dir/logs/server.log" "$dir/logs/server.log.before-restart"
     port="$(cut -d: -f2 <"$dir/bootstrap")"

@@ -15,7 +15,8 @@
 # After `start`, DATA_DIR holds: redis.pid, url (redis://127.0.0.1:PORT/0), port, version, redis.log,
 # and the append-only files under appendonly/.
 # `start` and `restart` print two lines: `url=redis://127.0.0.1:PORT/0` and `version=X.Y.Z`.
-# Knobs (environment, optional): REDIS_START_TIMEOUT (seconds, default 20), REDIS_STOP_TIMEOUT (default 10).
+# Knobs (environment, optional): REDIS_START_TIMEOUT (seconds, default 20), REDIS_STOP_TIMEOUT (default 10),
+# RESTART_DOWN_S (seconds `restart` leaves the server down, default 0).
 set -euo pipefail
 
 HOST=127.0.0.1
@@ -166,6 +167,7 @@ cmd_restart() {
     else
         cmd_stop "$dir"
     fi
+    sleep "${RESTART_DOWN_S:-0}"
     start_once "$dir" "$port" || rc=$?
     [[ $rc -eq 0 ]] || die "could not start redis-server again on port $port (taken meanwhile?)"
     report "$dir"

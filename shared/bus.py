@@ -187,11 +187,22 @@ class Consumer:
                 out.append(Polled(tp.topic, tp.partition, msg.offset, key, record, msg.timestamp))
         return out
 
-    def commit(self, offsets: dict[tuple[str, int], int]) -> None:
-        """Commit ``(topic, partition) -> next offset to read`` (the last handled offset + 1)."""
+    def commit(self, offsets: dict[tuple[str, int], int]) -> bool:
+        """Commit ``(topic, partition) -> next offset to read`` (the last handled offset + 1).
+
+        Returns False when Kafka refused or missed it (the group rebalanced, e.g. after a broker
+        restart, or the broker is down). Not an error for rein's consumers: they are at least
+        once with idempotent handling, so the records are simply read again."""
         if not offsets:
-            return
-        self._consumer.commit({TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()})
+            return True
+        try:
+            self._consumer.commit(
+                {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()}
+            )
+        except KafkaError as exc:
+            _log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}"[:300], partitions=len(offsets))
+            return False
+        return True
 
     def close(self) -> None:
         self._consumer.close(autocommit=False)

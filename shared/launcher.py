@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from shared import log
-from shared.settings import child_env
+from shared.settings import child_env, with_env
 
 _log = log.get(__name__)
 REPO = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def _script(name: str, *args: str, timeout_s: float = 180) -> dict[str, str]:
+def _script(name: str, *args: str, timeout_s: float = 180, env: dict[str, str] | None = None) -> dict[str, str]:
     """Run a deploy/ script and parse its ``key=value`` stdout lines."""
     proc = subprocess.run(
         ["bash", str(REPO / "deploy" / name), *args],
@@ -44,6 +44,7 @@ def _script(name: str, *args: str, timeout_s: float = 180) -> dict[str, str]:
         text=True,
         timeout=timeout_s,
         check=False,
+        env=None if env is None else with_env(env),
     )
     if proc.returncode != 0:
         raise LaunchError(f"deploy/{name} {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
@@ -81,12 +82,13 @@ class Infra:
             raise
         return infra
 
-    def restart(self, name: str, kill: bool = True) -> None:
-        """Stop ``kafka`` or ``redis`` (``kill``: SIGKILL, a crash) and start it again with its data on the
-        same address; clients see an outage, not a new server. Used by the fault tests."""
+    def restart(self, name: str, kill: bool = True, down_s: float = 0.0) -> None:
+        """Stop ``kafka`` or ``redis`` (``kill``: SIGKILL, a crash), leave it down ``down_s`` seconds, and
+        start it again with its data on the same address: clients see an outage, not a new server."""
         if name not in ("kafka", "redis"):
             raise ValueError(f"no infrastructure part named {name!r}")
-        _script(f"{name}.sh", "restart", str(self.data_dir / name), *(["--kill"] if kill else []))
+        _script(f"{name}.sh", "restart", str(self.data_dir / name), *(["--kill"] if kill else []),
+                env={"RESTART_DOWN_S": str(down_s)})
 
     def stop(self) -> None:
         for name in ("kafka", "redis"):

@@ -119,6 +119,13 @@ def load(cls: type[S], **overrides: Any) -> S:
         raise SettingsError("\n".join(lines)) from None
 
 
+def with_env(extra: dict[str, str]) -> dict[str, str]:
+    """This process's whole environment plus ``extra`` (for deploy scripts, which read ``REIN_CACHE``)."""
+    import os
+
+    return {**os.environ, **extra}
+
+
 def child_env(overrides: dict[str, str]) -> dict[str, str]:
     """Environment for a service subprocess: this process's variables minus ``REIN_*``, plus ``overrides``.
 

@@ -549,11 +549,8 @@ class Collector:
         offsets = {tp: o for tp, o in self.assembler.commit_offsets().items() if self._committed.get(tp) != o}
         if not offsets:
             return
-        try:
-            self.consumer.commit(offsets)
-        except KafkaError as exc:  # the group rebalanced: the new owner re-reads from the last commit
+        if not self.consumer.commit(offsets):  # the group rebalanced: the new owner re-reads from the last commit
             self.metrics.commit_errors.inc()
-            _log.warning("commit_failed", error=str(exc))
             return
         self._committed.update(offsets)
 

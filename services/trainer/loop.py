@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.trainer.fetch import GroupFetcher
+from services.trainer.fetch import Fetched, FetchTimeout, GroupFetcher
 from services.trainer.metrics import TrainerMetrics, step_line
 from services.trainer.ordering import ManifestOrder, OffsetBook, Pos
 from services.trainer.samples import build_samples
@@ -39,7 +39,8 @@ from services.trainer.settings import TrainerSettings
 from services.trainer.step import Hyper, PolicyTrainer
 from services.trainer.store import MetricsLog, Sidecar, latest, reconcile_metrics, save_step
 from shared import log
-from shared.bus import Consumer, Producer
+from shared.bus import BusUnavailable, Consumer, Producer
+from shared.outage import Outage
 from shared.policy import PolicyConfig, init_policy, resolve_device
 from shared.schemas import BatchManifest, DecodeError, WeightPublished
 from shared.status_server import StatusServer
@@ -180,7 +181,7 @@ class TrainerLoop:
     def _train(self, manifest: BatchManifest, fetcher: GroupFetcher) -> None:
         s = self.settings
         started = time.monotonic()
-        fetched = fetcher.fetch(list(manifest.groups), s.fetch_timeout_s)
+        fetched = self._fetch(fetcher, manifest)
         fetch_time = time.monotonic() - started
         if fetched.bad:
             self.metrics.bad_refs.inc(len(fetched.bad))
@@ -195,6 +196,19 @@ class TrainerLoop:
         _log.info("trained", step=self.step, manifest_index=manifest.index, loss=round(stats.loss, 5),
                   reward_mean=line["reward_mean"], abs_diff=round(stats.train_rollout_logprob_abs_diff, 5),
                   masked_token_fraction=round(batch.masked_token_fraction, 4), version_gap=line["version_gap_mean"])
+
+    def _fetch(self, fetcher: GroupFetcher, manifest: BatchManifest) -> Fetched:
+        """The manifest's groups; a fetch that times out (the broker restarting) is tried again, bounded."""
+        s = self.settings
+        attempt = 1
+        while True:
+            try:
+                return fetcher.fetch(list(manifest.groups), s.fetch_timeout_s)
+            except FetchTimeout as exc:
+                if attempt >= s.fetch_attempts or self.stop.is_set():
+                    raise
+                _log.warning("fetch_retry", manifest_index=manifest.index, attempt=attempt, error=str(exc)[:300])
+                attempt += 1
 
     def _make_durable(self, producer: Producer, consumer: Consumer) -> WeightPublished:
         last_index = self.sidecar.last_index + len(self._pending_offsets)
@@ -211,15 +225,25 @@ class TrainerLoop:
     def _publish(self, producer: Producer, sidecar: Sidecar) -> WeightPublished:
         event = WeightPublished(version=sidecar.version, seq=sidecar.step, path=sidecar.path, digest=sidecar.digest,
                                 step=sidecar.step)
-        producer.send(self.settings.topics.weights, event)
+        outage: Outage | None = None
+        while True:  # the checkpoint is durable; its event must follow, so wait out a Kafka outage
+            try:
+                producer.send(self.settings.topics.weights, event)
+                break
+            except BusUnavailable as exc:
+                if self.stop.is_set():
+                    raise
+                outage = outage or Outage(_log)
+                self.stop.wait(outage.failed(exc))
+        if outage is not None:
+            outage.recovered()
         self.metrics.published.inc()
         _log.info("weights_published", version=event.version, seq=event.seq, digest=event.digest, path=event.path)
         return event
 
     def _commit(self, consumer: Consumer) -> None:
         positions = self.book.commit_positions()
-        if positions:
-            consumer.commit(positions)
+        if positions and consumer.commit(positions):
             self.book.committed(positions)
 
 

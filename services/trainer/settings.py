@@ -65,7 +65,10 @@ class TrainerSettings(ServiceSettings):
     poll_timeout_s: float = Field(default=0.5, gt=0)
     """Longest wait of one Kafka poll; bounds how fast a stop request is noticed."""
     fetch_timeout_s: float = Field(default=30.0, gt=0)
-    """Bound on fetching one manifest's groups from ``rollout.groups``; past it the trainer fails loudly."""
+    """Bound on one fetch of a manifest's groups from ``rollout.groups``."""
+    fetch_attempts: int = Field(default=5, ge=1)
+    """Fetches of one manifest's groups before the trainer stops with an error: enough to ride out a
+    broker restart, bounded so a reference that never resolves is loud."""
 
     metrics_host: str = "127.0.0.1"
     """Interface of the ``/metrics`` and ``/health`` HTTP server."""

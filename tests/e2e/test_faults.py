@@ -1,0 +1,255 @@
+"""Faults during a run: kill -9 of each service in turn, a Kafka and a Redis crash, a lost registry.
+
+One run of the local stack (the processes ``make demo`` starts). After the first
+training step, one fault at a time; after each, the run must make training progress
+again before the next. Then the topics and Redis are read back and checked
+independently of the services' own bookkeeping: every manifest trained once, no group
+in two manifests, every kept group accounted for, and every group that was open when
+the proxy died decided (its lost sessions rejected, never left open).
+
+The trainer's own kill -9 is in ``test_closed_loop.py``. Figures go to
+``faults.json`` in the run directory and are printed (``-s``) for docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from shared.bus import read_topic
+from shared.launcher import Service
+from shared.names import RedisKeys, Topics
+from shared.report import rows_so_far
+from shared.schemas import BatchManifest, DecisionRecord, GroupDispatched, SessionRejected, WeightPublished
+from shared.settings import KafkaSettings
+from shared.stack import LocalStack, StackConfig, start
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]
+
+EXTRA_STEPS = 2
+"""Training steps required after the last fault, before the run is stopped and read back."""
+FAULTS = ("collector-0", "broadcaster", "proxy", "engine", "kafka", "redis", "registry")
+"""In this order. After each, a batch made after the fault must be trained before the next."""
+DOWN_S = 5.0
+"""How long Kafka and Redis stay down when they are killed."""
+PROGRESS_TIMEOUT_S = 300
+
+
+def _wait(
+    what: str, cond: Callable[[], bool], timeout_s: float, local: LocalStack, allow_dead: tuple[str, ...] = ()
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        dead = [s.name for s in local.stack.dead() if s.name not in allow_dead]
+        assert not dead, f"{dead} died while waiting for {what}; logs in {local.config.run_dir / 'logs'}"
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; logs in {local.config.run_dir / 'logs'}")
+
+
+def _service(local: LocalStack, name: str) -> Service:
+    return next(s for s in local.stack.services if s.name == name)
+
+
+def _steps(local: LocalStack) -> int:
+    return len(rows_so_far(local.trainer_metrics))
+
+
+def _trained_index(local: LocalStack) -> int:
+    """Highest manifest index trained so far (-1: none)."""
+    return max((int(r["manifest_index"]) for r in rows_so_far(local.trainer_metrics)), default=-1)
+
+
+def _batches_made(local: LocalStack, keys: RedisKeys) -> int:
+    """Manifests the collectors have made so far (the shared window's counter)."""
+    client = redis.Redis.from_url(local.infra.redis_url, decode_responses=True)
+    try:
+        return int(client.hget(keys.window, "batches") or 0)
+    finally:
+        client.close()
+
+
+def _kill_and_restart(local: LocalStack, name: str) -> None:
+    svc = _service(local, name)
+    assert svc.proc is not None and svc.alive(), f"{name} was not running before its fault"
+    svc.proc.kill()
+    svc.proc.wait(timeout=30)
+    svc.start()
+    svc.wait_healthy(timeout_s=120)
+
+
+def _dispatched(kafka: KafkaSettings) -> set[str]:
+    return {r.group_id for r in read_topic(kafka, Topics().events, 60) if isinstance(r, GroupDispatched)}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    config = StackConfig(
+        run_dir=tmp_path_factory.mktemp("faults"),
+        steps=0,  # unbounded: the test stops the trainer once every fault is behind it
+        keep_versions=2,
+        max_preempts=2,
+        collectors=2,
+        group_size=4,
+        batch_groups=4,
+        max_concurrent_groups=8,
+        engine_step_delay_s=0.01,
+        extra_env={"rollout": {"REIN_MAX_TOKENS": "6"}, "broadcaster": {"REIN_RECONCILE_INTERVAL_S": "2"}},
+    )
+    local = start(config)
+    kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
+    keys = RedisKeys()
+    faults: list[dict[str, Any]] = []
+    open_at_proxy_kill: set[str] = set()
+    try:
+        _wait("trainer step 1", lambda: _steps(local) >= 1, PROGRESS_TIMEOUT_S, local)
+        for fault in FAULTS:
+            before = _steps(local)
+            made = _batches_made(local, keys)  # manifests 0..made-1 exist; index `made` comes after the fault
+            started = time.monotonic()
+            if fault == "proxy":
+                open_at_proxy_kill = _dispatched(kafka)
+            if fault in ("kafka", "redis"):
+                local.infra.restart(fault, kill=True, down_s=DOWN_S)
+            elif fault == "registry":
+                client = redis.Redis.from_url(local.infra.redis_url, decode_responses=True)
+                deleted = client.delete(keys.registry, keys.registry_order)
+                assert deleted == 2
+                _wait("registry rebuilt from the weights topic",
+                      lambda c=client: bool(c.zcard(keys.registry_order) > 0), 60, local)  # type: ignore[misc]
+                client.close()
+            else:
+                _kill_and_restart(local, fault)
+            injected_s = time.monotonic() - started
+            _wait(f"a batch made after the {fault} fault trained",
+                  lambda m=made: _trained_index(local) >= m, PROGRESS_TIMEOUT_S, local)  # type: ignore[misc]
+            faults.append({"fault": fault, "steps_before": before, "fault_s": round(injected_s, 1),
+                           "new_batch_trained_after_s": round(time.monotonic() - started, 1)})
+        last = _steps(local) + EXTRA_STEPS
+        _wait(f"trainer step {last}", lambda: _steps(local) >= last, PROGRESS_TIMEOUT_S, local)
+        metrics = {
+            name: httpx.get(f"{local.urls[name]}/metrics", timeout=5).text
+            for name in ("rollout", "collector-0", "collector-1", "broadcaster")
+        }
+        # A consistent read-back: no new groups, then decisions -> pending -> manifests, with the
+        # outbox empty before each read (a kept group is pending, or its manifest is published).
+        _service(local, "rollout").stop(timeout_s=90)
+        trainer = _service(local, "trainer")
+        trainer.stop(timeout_s=90)
+        assert trainer.proc is not None and trainer.proc.returncode == 0, "the trainer did not stop cleanly"
+        client = redis.Redis.from_url(local.infra.redis_url, decode_responses=True)
+        outbox_empty = lambda: client.llen(keys.outbox) == 0  # noqa: E731
+        _wait("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer"))
+        decisions = read_topic(kafka, Topics().decisions, 60)
+        pending = set(client.lrange(keys.pending_order, 0, -1))
+        _wait("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer"))
+        batches = read_topic(kafka, Topics().batches, 60)
+        registry = client.zrange(keys.registry_order, 0, -1, withscores=True)
+        client.close()
+        data: dict[str, Any] = {
+            "faults": faults,
+            "rows": rows_so_far(local.trainer_metrics),
+            "open_at_proxy_kill": open_at_proxy_kill,
+            "events": read_topic(kafka, Topics().events, 60),
+            "batches": batches,
+            "decisions": decisions,
+            "weights": read_topic(kafka, Topics().weights, 60),
+            "pending": pending,
+            "registry": registry,
+            "metrics": metrics,
+        }
+    finally:
+        local.stop()
+    return data
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_every_fault_was_followed_by_training_progress(run: dict[str, Any]) -> None:
+    assert [f["fault"] for f in run["faults"]] == list(FAULTS)
+    rows = run["rows"]
+    assert len(rows) >= len(FAULTS) + 1 + EXTRA_STEPS
+    assert [int(r["manifest_index"]) for r in rows] == list(range(len(rows))), "a manifest skipped or trained twice"
+
+
+def test_no_group_is_trained_twice_and_every_kept_group_is_accounted_for(run: dict[str, Any]) -> None:
+    manifests: dict[int, BatchManifest] = {}
+    for m in run["batches"]:
+        if isinstance(m, BatchManifest):
+            # A republished outbox entry is the same manifest again, never a different one under the index.
+            assert manifests.setdefault(m.index, m).groups == m.groups, f"two different manifests with index {m.index}"
+    in_manifests = Counter(ref.group_id for m in manifests.values() for ref in m.groups)
+    twice = [g for g, n in in_manifests.items() if n > 1]
+    assert not twice, f"groups in two manifests: {twice}"
+
+    decisions: dict[str, set[str]] = defaultdict(set)
+    for d in run["decisions"]:
+        if isinstance(d, DecisionRecord):
+            decisions[d.group_id].add(d.decision)
+    allowed = [{"kept"}, {"kept", "dropped_retroactive"}, {"dropped_stale"}, {"failed_retry"}, {"failed_dropped"}]
+    odd = {g: sorted(ds) for g, ds in decisions.items() if ds not in allowed}
+    assert not odd, f"groups with contradicting decisions: {odd}"
+
+    for gid in in_manifests:
+        assert "kept" in decisions[gid], f"{gid} was trained without a kept decision"
+    lost = [
+        gid for gid, ds in decisions.items()
+        if ds == {"kept"} and gid not in in_manifests and gid not in run["pending"]
+    ]
+    assert not lost, f"kept groups neither trained, nor dropped, nor pending: {lost}"
+
+
+def test_groups_open_when_the_proxy_died_were_all_decided(run: dict[str, Any]) -> None:
+    decided = {d.group_id for d in run["decisions"] if isinstance(d, DecisionRecord)}
+    open_groups = run["open_at_proxy_kill"]
+    assert open_groups, "no group had been dispatched before the proxy was killed"
+    undecided = sorted(open_groups - decided)
+    assert not undecided, f"{len(undecided)} groups open at the proxy crash were never decided: {undecided[:5]}"
+    lost = [r for r in run["events"] if isinstance(r, SessionRejected) and r.error == "session_lost"]
+    assert lost, "the proxy crash left no session_lost rejection: its open sessions were not ended"
+    assert _metric(run["metrics"]["rollout"], "rein_rollout_lost_sessions_total") == len(lost)
+
+
+def test_registry_was_rebuilt_in_order_after_redis_lost_it(run: dict[str, Any]) -> None:
+    published = {r.version: r.seq for r in run["weights"] if isinstance(r, WeightPublished)}
+    registry = {label: int(seq) for label, seq in run["registry"]}
+    assert registry == published, "the registry in Redis differs from the weights topic"
+    rebuilds = sum(_metric(run["metrics"][c], "rein_collector_registry_rebuilds_total")
+                   for c in ("collector-0", "collector-1"))
+    assert rebuilds >= 1
+
+
+def test_report_figures(run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Not a check: writes and prints the figures docs/reliability.md quotes."""
+    decisions = Counter(d.decision for d in run["decisions"] if isinstance(d, DecisionRecord))
+    lost = [r for r in run["events"] if isinstance(r, SessionRejected) and r.error == "session_lost"]
+    summary = {
+        "faults": run["faults"],
+        "steps": len(run["rows"]),
+        "decisions": dict(decisions),
+        "session_lost_rejections": len(lost),
+        "groups_open_at_proxy_kill": len(run["open_at_proxy_kill"]),
+        "dependency_errors": {
+            name: _metric(run["metrics"][name], f"rein_{name.split('-')[0]}_dependency_errors_total")
+            for name in ("collector-0", "collector-1", "broadcaster")
+        },
+        "reconciles": _metric(run["metrics"]["broadcaster"], "rein_broadcaster_reconciles_total"),
+    }
+    out = tmp_path_factory.mktemp("faults-report") / "faults.json"
+    out.write_text(json.dumps(summary, indent=2))
+    print("\nfault figures:", json.dumps(summary, indent=2))
+    assert summary["steps"] == len(run["rows"])
