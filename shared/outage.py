@@ -28,8 +28,12 @@ DEPENDENCY_ERRORS: tuple[type[BaseException], ...] = (
 
 
 def dependency_of(exc: BaseException) -> str:
-    """``redis`` or ``kafka``: which dependency an error in :data:`DEPENDENCY_ERRORS` came from."""
-    return "redis" if isinstance(exc, redis.RedisError | StateUnavailable) else "kafka"
+    """``redis``, ``kafka`` or ``timeout`` (a bounded wait of the service's own ran out)."""
+    if isinstance(exc, redis.RedisError | StateUnavailable):
+        return "redis"
+    if isinstance(exc, BusUnavailable | KafkaError):
+        return "kafka"
+    return "timeout"
 
 
 class Outage:

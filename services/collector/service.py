@@ -394,7 +394,7 @@ class Collector:
                 elif now >= next_drain:
                     self._publish_outbox()
                     next_drain = now + s.drain_interval_s
-            except DEPENDENCY_ERRORS as exc:
+            except (*DEPENDENCY_ERRORS, TimeoutError) as exc:  # TimeoutError: weights catch-up, outbox lease
                 outage = outage or Outage(_log, self.metrics.outages)
                 self.stop.wait(outage.failed(exc))
                 continue
