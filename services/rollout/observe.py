@@ -43,6 +43,10 @@ class RolloutMetrics:
             registry, "rollout/lost_sessions_unpublished", "Lost sessions whose rejection could not be published"
         )
         self.groups = metrics.counter(registry, "rollout/groups_dispatched", "Groups dispatched", ("kind",))
+        self.backend_down = metrics.gauge(
+            registry, "rollout/backend_down", "1 while groups fail only because the engine, proxy or Kafka is down"
+        )
+        self.probes = metrics.counter(registry, "rollout/backend_probes", "Groups sent alone to probe a down backend")
         self.in_flight = metrics.gauge(registry, "rollout/groups_in_flight", "Groups whose episodes are running")
         self.reward_mean = metrics.gauge(
             registry, "rollout/reward_mean", f"Mean reward of the last {recent} completed episodes"

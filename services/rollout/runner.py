@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from services.rollout.agent import Agent, EpisodeResult, SessionIds
 from services.rollout.observe import RolloutMetrics, StatusServer, create_app
-from services.rollout.scheduler import OffsetTracker, RetrySource, Scheduler, Work
+from services.rollout.scheduler import AVAILABILITY_ERRORS, BackendGate, OffsetTracker, RetrySource, Scheduler, Work
 from services.rollout.settings import RolloutSettings
 from services.rollout.task import TASKS, Task
 from shared import log
@@ -155,6 +155,7 @@ class Runner:
         self._ready = False
         self._fatal: BaseException | None = None
         self._proxy_suspect = False
+        self._gate = BackendGate()
         self._publish_failures = 0
         self._feeds: list[KafkaFeed] = []
         self._retry_feed: KafkaFeed | None = None
@@ -319,6 +320,16 @@ class Runner:
             if self._proxy_suspect:
                 self._proxy_suspect = False
                 await self._wait_proxy(http)
+            if not self._gate.may_dispatch(sched.in_flight):
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 1.0)
+                continue
+            probe = self._gate.closed
+            if probe:
+                await asyncio.sleep(self._gate.delay_s)
+                if self._stopping:
+                    continue
             work = sched.take()
             if work is None:
                 if sched.finished:
@@ -341,9 +352,11 @@ class Runner:
                 continue
             wait_started = None
             self.metrics.sync_wave.set(sched.wave)
-            await self._dispatch(work, agent, producer)
+            if probe:
+                self.metrics.probes.inc()
+            await self._dispatch(work, agent, producer, probe)
 
-    async def _dispatch(self, work: Work, agent: Agent, producer: Producer) -> None:
+    async def _dispatch(self, work: Work, agent: Agent, producer: Producer, probe: bool = False) -> None:
         s = self.settings
         group_id = new_id("g")
         session_ids = [new_id("s") for _ in range(s.group_size)]
@@ -369,12 +382,12 @@ class Runner:
         self.metrics.groups.labels(kind=work.kind).inc()
         self.metrics.in_flight.set(self.scheduler.in_flight)
         self.log.info("group_dispatched", group_id=group_id, prompt_id=work.prompt_id, attempt=work.attempt)
-        task = asyncio.create_task(self._run_group(work, group_id, session_ids, agent, producer))
+        task = asyncio.create_task(self._run_group(work, group_id, session_ids, agent, producer, probe))
         self._tasks.add(task)
         task.add_done_callback(self._group_done)
 
     async def _run_group(
-        self, work: Work, group_id: str, session_ids: list[str], agent: Agent, producer: Producer
+        self, work: Work, group_id: str, session_ids: list[str], agent: Agent, producer: Producer, probe: bool
     ) -> None:
         try:
             results: list[EpisodeResult] = await asyncio.gather(*(
@@ -389,6 +402,7 @@ class Runner:
                 await self._end_lost_sessions(group_id, lost, producer)
             if all(r.unreachable for r in results):
                 self._proxy_suspect = True
+            self._on_backend(all(r.outcome == "failed" and r.error in AVAILABILITY_ERRORS for r in results), probe)
             self.log.info("group_ended", group_id=group_id, prompt_id=work.prompt_id, attempt=work.attempt,
                           outcomes=[r.outcome for r in results], rewards=[r.reward for r in results])
         finally:
@@ -427,6 +441,15 @@ class Runner:
         self.metrics.lost_sessions_unpublished.inc(len(records))
         self.log.error("lost_sessions_unpublished", group_id=group_id, sessions=[r.session_id for r in lost],
                        note="the collector abandons the group after REIN_INCOMPLETE_TIMEOUT_S")
+
+    def _on_backend(self, down: bool, probe: bool) -> None:
+        was_closed = self._gate.closed
+        self._gate.on_group(down, probe)
+        self.metrics.backend_down.set(1 if self._gate.closed else 0)
+        if self._gate.closed and not was_closed:
+            self.log.warning("backend_down", note="dispatching one probe group at a time", delay_s=self._gate.delay_s)
+        elif was_closed and not self._gate.closed:
+            self.log.info("backend_back")
 
     def _group_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

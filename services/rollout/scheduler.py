@@ -213,3 +213,38 @@ class OffsetTracker:
             return None
         self._committed[tp] = new
         return new
+
+
+AVAILABILITY_ERRORS = frozenset({"unreachable", "timeout", "engine_unavailable", "kafka_unavailable"})
+"""Episode errors that say the backend is down, not that the prompt or the policy failed."""
+
+
+@dataclass
+class BackendGate:
+    """Slows dispatch to one probe group at a time while the backend is down.
+
+    Every failed group costs its prompt one of ``max_retries`` attempts. Without this, an
+    engine restart of a few seconds fails every group in flight and then their immediate
+    retries, and prompts are dropped for an outage that was not theirs. Once a group fails
+    only with :data:`AVAILABILITY_ERRORS` the gate closes: the runner waits for the groups
+    in flight to end, then sends one group after ``delay_s``, doubling the delay (up to
+    ``cap_s``) each time the probe fails too. The first group that gets through opens it.
+    """
+
+    first_s: float = 0.5
+    cap_s: float = 10.0
+    closed: bool = False
+    delay_s: float = 0.0
+
+    def on_group(self, backend_down: bool, probe: bool) -> None:
+        """A group ended; ``backend_down``: all its sessions failed with an availability error."""
+        if not backend_down:
+            self.closed, self.delay_s = False, 0.0
+        elif not self.closed:
+            self.closed, self.delay_s = True, self.first_s
+        elif probe:
+            self.delay_s = min(self.delay_s * 2, self.cap_s)
+
+    def may_dispatch(self, in_flight: int) -> bool:
+        """Open, or closed with nothing in flight (the next group is a probe)."""
+        return not self.closed or in_flight == 0

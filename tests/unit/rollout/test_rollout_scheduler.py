@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from services.rollout.scheduler import OffsetTracker, RetrySource, Scheduler, Work
+from services.rollout.scheduler import AVAILABILITY_ERRORS, BackendGate, OffsetTracker, RetrySource, Scheduler, Work
 from services.rollout.task import NumberGuessTask
 
 
@@ -163,3 +163,28 @@ def test_offset_tracker_partitions_are_independent_and_double_handling_is_a_bug(
     assert t.handled("r", 0, 0) == 2
     with pytest.raises(KeyError):
         t.handled("r", 0, 0)
+
+
+def test_backend_gate_closes_on_an_outage_probes_with_doubling_delays_and_opens_on_success() -> None:
+    gate = BackendGate(first_s=0.5, cap_s=2.0)
+    assert gate.may_dispatch(in_flight=8)
+    gate.on_group(backend_down=True, probe=False)  # first group of the outage
+    assert gate.closed and gate.delay_s == 0.5
+    assert not gate.may_dispatch(in_flight=7)  # the other in-flight groups end first
+    for _ in range(7):
+        gate.on_group(backend_down=True, probe=False)  # they fail too: no escalation for them
+    assert gate.delay_s == 0.5
+    assert gate.may_dispatch(in_flight=0)  # one probe
+    assert not gate.may_dispatch(in_flight=1)
+    delays = []
+    for _ in range(4):
+        gate.on_group(backend_down=True, probe=True)
+        delays.append(gate.delay_s)
+    assert delays == [1.0, 2.0, 2.0, 2.0]
+    gate.on_group(backend_down=False, probe=True)
+    assert not gate.closed and gate.delay_s == 0.0 and gate.may_dispatch(in_flight=8)
+
+
+def test_availability_errors_are_the_backends_not_the_prompts() -> None:
+    assert {"unreachable", "engine_unavailable", "kafka_unavailable", "timeout"} == AVAILABILITY_ERRORS
+    assert not {"partial_rollout_staleness_exceeded", "context_overflow", "session_busy"} & AVAILABILITY_ERRORS
