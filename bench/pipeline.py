@@ -51,6 +51,15 @@ def config_for(name: str, steps: int, root: Path, seed: int) -> StackConfig:
         return StackConfig(**base, **high, mode="async", keep_versions=1, max_preempts=1)
     if name == "none":
         return StackConfig(**base, **high, mode="async", keep_versions=0, max_preempts=None, mask_nonlast_version=False)
+    # The demo's learning regime (one-token replies) under the same asynchrony: a reply cannot
+    # span versions, so of the three controls only the window acts.
+    learn = dict(max_concurrent_groups=48, extra_env={"rollout": {"REIN_MAX_TOKENS": "1"}})
+    if name == "learn-controls":
+        return StackConfig(**base, **learn, mode="async", keep_versions=1, max_preempts=1)
+    if name == "learn-none":
+        return StackConfig(
+            **base, **learn, mode="async", keep_versions=0, max_preempts=None, mask_nonlast_version=False
+        )
     if name.startswith("cost-"):  # cost-k<keep>-p<preempts>
         keep, preempts = (int(part[1:]) for part in name.split("-")[1:])
         return StackConfig(**base, **high, mode="async", keep_versions=keep, max_preempts=preempts)
@@ -159,6 +168,8 @@ def run_mode(name: str, steps: int, root: Path, seed: int, timeout_s: float) -> 
         "trainer_idle_fraction": 1 - busy / wall if wall > 0 else None,
         "rollout_idle_fraction": sum(1 for v in samples if v == 0) / len(samples) if samples else None,
         "reward_last5": sum(float(r["reward_mean"]) for r in rows[-5:]) / min(5, len(rows)),
+        "reward_last20": sum(float(r["reward_mean"]) for r in rows[-20:]) / min(20, len(rows)),
+        "rewards": [float(r["reward_mean"]) for r in rows],
         "version_gap_mean": sum(float(r.get("version_gap_mean") or 0) for r in rows) / len(rows),
         "drops": rows[-1].get("drops_cumulative"),
     }
@@ -172,13 +183,13 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("bench/pipeline.json"))
     p.add_argument(
         "--compare",
-        choices=["sync-async", "controls", "cost"],
+        choices=["sync-async", "controls", "learning", "cost"],
         default="sync-async",
         help="sync vs async throughput, or async with staleness controls vs none under high asynchrony",
     )
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (controls comparison)")
     args = p.parse_args()
-    if args.compare == "controls":
+    if args.compare in ("controls", "learning"):
         return compare_controls(args)
     if args.compare == "cost":
         return compare_cost(args)
@@ -204,14 +215,17 @@ def compare_controls(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="rein-bench-") as tmp:
         for seed in seeds:
             for name in ("controls", "none"):
+                name = name if args.compare == "controls" else f"learn-{name}"
                 results.append(run_mode(name, args.steps, Path(tmp), seed, args.timeout_s))
     print(
-        f"{'set-up':<9} {'seed':>4} {'|logprob diff|':>14} {'gap':>5} {'reward last5':>12} {'drops':>5} {'masked':>6}"
+        f"{'set-up':<14} {'seed':>4} {'|logprob diff|':>14} {'gap':>5} {'reward last5':>12} {'last20':>6} "
+        f"{'drops':>5} {'masked':>6}"
     )
     for r in results:
         print(
-            f"{r['mode']:<9} {r['seed']:>4} {r['logprob_abs_diff_mean']:>14.4f} {r['version_gap_mean']:>5.2f} "
-            f"{r['reward_last5']:>12.3f} {r['drops'] or 0:>5} {r['masked_token_fraction']:>6.2f}"
+            f"{r['mode']:<14} {r['seed']:>4} {r['logprob_abs_diff_mean']:>14.4f} {r['version_gap_mean']:>5.2f} "
+            f"{r['reward_last5']:>12.3f} {r['reward_last20']:>6.3f} {r['drops'] or 0:>5} "
+            f"{r['masked_token_fraction']:>6.2f}"
         )
     args.out.write_text(json.dumps({"results": results}, indent=2))
     return 0
