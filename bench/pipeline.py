@@ -217,6 +217,7 @@ def compare_controls(args: argparse.Namespace) -> int:
             for name in ("controls", "none"):
                 name = name if args.compare == "controls" else f"learn-{name}"
                 results.append(run_mode(name, args.steps, Path(tmp), seed, args.timeout_s))
+                args.out.write_text(json.dumps({"results": results, "complete": False}, indent=2))  # so far
     print(
         f"{'set-up':<14} {'seed':>4} {'|logprob diff|':>14} {'gap':>5} {'reward last5':>12} {'last20':>6} "
         f"{'drops':>5} {'masked':>6}"
