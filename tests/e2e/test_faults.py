@@ -124,13 +124,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 deleted = client.delete(keys.registry, keys.registry_order)
                 assert deleted == 2
                 _wait("registry rebuilt from the weights topic",
-                      lambda c=client: bool(c.zcard(keys.registry_order) > 0), 60, local)  # type: ignore[misc]
+                      lambda c=client: bool(c.zcard(keys.registry_order) > 0), 60, local)
                 client.close()
             else:
                 _kill_and_restart(local, fault)
             injected_s = time.monotonic() - started
             _wait(f"a batch made after the {fault} fault trained",
-                  lambda m=made: _trained_index(local) >= m, PROGRESS_TIMEOUT_S, local)  # type: ignore[misc]
+                  lambda m=made: _trained_index(local) >= m, PROGRESS_TIMEOUT_S, local)
             faults.append({"fault": fault, "steps_before": before, "fault_s": round(injected_s, 1),
                            "new_batch_trained_after_s": round(time.monotonic() - started, 1)})
         last = _steps(local) + EXTRA_STEPS
