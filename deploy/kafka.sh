@@ -87,18 +87,8 @@ cmd_fetch() {
     log "Kafka $KAFKA_VERSION jars ready ($(ls "$LIBS" | wc -l) jars)"
 }
 
-# Prints N distinct free TCP ports on 127.0.0.1 (the sockets are held until all are chosen).
-free_ports() {
-    python3 - "$1" <<'PY'
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[1])):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    socks.append(s)
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-PY
-}
+# Prints N distinct free TCP ports on 127.0.0.1, below the ephemeral range (see shared/ports.py).
+free_ports() { python3 "$HERE/../shared/ports.py" "$1"; }
 
 # A Kafka Uuid: 16 random bytes, url-safe base64 without padding, never starting with '-'.
 random_cluster_id() {

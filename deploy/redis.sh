@@ -19,6 +19,7 @@
 # RESTART_DOWN_S (seconds `restart` leaves the server down, default 0).
 set -euo pipefail
 
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 HOST=127.0.0.1
 
 die() {
@@ -52,9 +53,8 @@ need_redis() {
         die "redis-server/redis-cli not found on PATH: run deploy/redis.sh install (or apt-get install -y redis-server)"
 }
 
-free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
+# A free TCP port on 127.0.0.1, below the ephemeral range (see shared/ports.py).
+free_port() { python3 "$HERE/../shared/ports.py" 1; }
 
 # Alive and not a zombie (an unreaped zombie still answers kill -0).
 pid_alive() {

@@ -18,6 +18,7 @@ from pathlib import Path
 from shared import bus
 from shared.launcher import Infra, LaunchError, Service, Stack
 from shared.names import Topics
+from shared.ports import free_port
 from shared.settings import KafkaSettings
 
 
@@ -46,15 +47,6 @@ class StackConfig:
     partitions: int = 4
     extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
     """Per-service extra ``REIN_*`` variables (service name -> variables)."""
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -240,7 +232,7 @@ def _port_allocator(base: int) -> Callable[[], int]:
     counter = iter(range(base, base + 100)) if base else None
 
     def next_port() -> int:
-        return next(counter) if counter is not None else _free_port()
+        return next(counter) if counter is not None else free_port()
 
     return next_port
 

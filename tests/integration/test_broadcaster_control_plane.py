@@ -26,11 +26,12 @@ from shared import checkpoint
 from shared.bus import Consumer, Producer
 from shared.names import RedisKeys, Topics
 from shared.policy import PolicyConfig, init_policy
+from shared.ports import free_port
 from shared.schemas import WeightApplied, WeightPublished
 from shared.settings import KafkaSettings, RedisSettings, load
 from shared.state import RedisRegistry, connect
 from shared.tokenizer import TOKENIZER
-from tests.procs import free_port, start_service
+from tests.procs import start_service
 
 pytestmark = [
     pytest.mark.integration,

@@ -15,6 +15,7 @@ from collections import Counter
 import pytest
 
 from services.collector.synthetic import group_records
+from shared.ports import free_port
 from shared.replay import GroupEvent, WeightEvent, group_event, replay
 from shared.schemas import CompletedGroup, DecisionRecord
 from shared.staleness import WindowConfig
@@ -27,7 +28,7 @@ from tests.integration.test_collector_support import (
     make_settings,
     manifests_by_index,
 )
-from tests.procs import free_port, start_service
+from tests.procs import start_service
 
 # kafka-python 3.0 drops sockets it never connected without closing them; under "warnings are errors" the
 # ResourceWarning can fire inside a client's IO thread and kill the task a poll is waiting on.

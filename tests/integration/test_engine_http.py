@@ -19,8 +19,9 @@ import pytest
 
 from shared import checkpoint
 from shared.policy import PolicyConfig, init_policy
+from shared.ports import free_port
 from shared.tokenizer import TOKENIZER
-from tests.procs import free_port, start_service
+from tests.procs import start_service
 
 pytestmark = pytest.mark.integration
 

@@ -51,6 +51,7 @@ from shared import checkpoint
 from shared.bus import Consumer, Producer, create_topics
 from shared.names import Topics
 from shared.policy import PolicyConfig, init_policy
+from shared.ports import free_port
 from shared.schemas import (
     SCHEMA_VERSION,
     BatchManifest,
@@ -67,7 +68,7 @@ from shared.schemas import (
 )
 from shared.settings import KafkaSettings
 from shared.tokenizer import TOKENIZER
-from tests.procs import Proc, free_port, start_service
+from tests.procs import Proc, start_service
 
 pytestmark = [
     pytest.mark.integration,

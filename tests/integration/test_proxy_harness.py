@@ -29,10 +29,11 @@ from services.proxy.settings import ProxySettings
 from shared import checkpoint
 from shared.names import Topics
 from shared.policy import PolicyConfig, init_policy
+from shared.ports import free_port
 from shared.schemas import Record, decode
 from shared.settings import KafkaSettings
 from shared.tokenizer import TOKENIZER
-from tests.procs import free_port, start_service
+from tests.procs import start_service
 
 ADMIN = "test-admin-token-0123"
 CFG = PolicyConfig(vocab_size=TOKENIZER.vocab_size)

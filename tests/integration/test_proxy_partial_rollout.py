@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from shared.ports import free_port
 from shared.schemas import Chunk, SessionRejected
 from shared.staleness import check_span
 from tests.integration.test_proxy_harness import (
@@ -35,7 +36,6 @@ from tests.integration.test_proxy_harness import (
     start_engine,
     wait_until,
 )
-from tests.procs import free_port
 
 pytestmark = [pytest.mark.integration]
 __all__ = ["proxy_factory"]

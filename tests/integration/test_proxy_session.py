@@ -193,7 +193,7 @@ def test_error_statuses(engine: Engine, proxy_factory: ProxyFactory) -> None:
 
 
 def test_engine_unreachable_is_503(proxy_factory: ProxyFactory) -> None:
-    from tests.procs import free_port
+    from shared.ports import free_port
 
     proxy = proxy_factory([f"http://127.0.0.1:{free_port()}"], engine_connect_timeout_s=1.0)
     with pytest.raises(openai.APIStatusError) as info:

@@ -27,6 +27,7 @@ from kafka.admin import KafkaAdminClient
 from services.rollout.task import NumberGuessTask
 from shared.bus import create_topics
 from shared.names import Topics
+from shared.ports import free_port
 from shared.schemas import (
     Chunk,
     GroupDispatched,
@@ -39,7 +40,7 @@ from shared.schemas import (
     encode,
 )
 from shared.tokenizer import TOKENIZER
-from tests.procs import REPO_ROOT, free_port, start_service
+from tests.procs import REPO_ROOT, start_service
 
 pytestmark = pytest.mark.integration
 

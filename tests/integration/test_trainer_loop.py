@@ -23,6 +23,7 @@ from services.trainer.settings import TrainerSettings
 from shared import checkpoint
 from shared.bus import Consumer, Delivered, Producer
 from shared.names import Topics
+from shared.ports import free_port
 from shared.schemas import (
     BatchManifest,
     CompletedGroup,
@@ -35,7 +36,7 @@ from shared.schemas import (
 )
 from shared.settings import KafkaSettings, load
 from shared.tokenizer import TOKENIZER
-from tests.procs import REPO_ROOT, free_port, start_service
+from tests.procs import REPO_ROOT, start_service
 
 pytestmark = [
     pytest.mark.integration,
