@@ -97,6 +97,12 @@ class SessionBusy(SessionConflict):
     code = "session_busy"
 
 
+class SessionIdle(SessionConflict):
+    """The proxy rejected the session after it had no call for its idle timeout (the agent is gone)."""
+
+    code = "session_idle"
+
+
 class PayloadTooLarge(ReinError):
     """The request body exceeds the configured size limit."""
 

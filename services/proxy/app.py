@@ -10,6 +10,7 @@ validation errors become 422 naming the field, anything else a logged 500.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import AsyncIterator
@@ -78,9 +79,11 @@ def create_app(settings: ProxySettings) -> FastAPI:
             service = ProxyService(settings, engines, publisher, PauseController(), proxy_metrics, TOKENIZER)
             _log.info("proxy ready", engines=[(e.url, e.version) for e in engines],
                       partial_rollout=settings.partial_rollout, max_preempts=settings.max_preempts)
+            sweeper = asyncio.create_task(_expire_idle_sessions(service))
             try:
                 yield {"service": service, "metrics": proxy_metrics}
             finally:
+                sweeper.cancel()
                 service.controller.resume()  # release held calls so shutdown does not hang on them
                 await publisher.close()
 
@@ -167,6 +170,20 @@ def create_app(settings: ProxySettings) -> FastAPI:
 
 
 # --------------------------------------------------------------------------- request parsing
+
+
+async def _expire_idle_sessions(service: ProxyService) -> None:
+    """Sweep for idle sessions a few times per idle timeout (at least every 30 s) until cancelled."""
+    timeout = service.settings.session_idle_timeout_s
+    if not timeout:
+        return
+    interval = min(timeout / 4, 30.0)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await service.expire_idle()
+        except Exception:  # a bug here must not end the sweeps, nor the proxy
+            _log.exception("idle_sweep_failed")
 
 
 def _call_ids(request: Request) -> CallIds:

@@ -48,6 +48,7 @@ from shared.errors import (
     ReinError,
     RolloutRejected,
     SessionBusy,
+    SessionIdle,
     TrajectoryVersionChanged,
 )
 from shared.schemas import Chunk, SessionFinished, SessionRejected, new_id
@@ -91,6 +92,7 @@ class ProxyService:
         metrics: ProxyMetrics,
         tokenizer: Tokenizer,
         new_rid: Callable[[], str] = lambda: new_id("rein"),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.engines = engines
@@ -98,7 +100,7 @@ class ProxyService:
         self.controller = controller
         self.metrics = metrics
         self.tokenizer = tokenizer
-        self.sessions = SessionStore(settings.finalized_memory)
+        self.sessions = SessionStore(settings.finalized_memory, clock)
         self._new_rid = new_rid
 
     # ------------------------------------------------------------------ chat
@@ -275,6 +277,46 @@ class ProxyService:
         self.metrics.sessions.set(len(self.sessions))
         return {"session_id": session_id, "status": status, "reward": reward,
                 "num_chunks": session.num_chunks, "published": published}
+
+    # ------------------------------------------------------------------ idle sessions
+
+    async def expire_idle(self) -> int:
+        """Reject every session idle past ``session_idle_timeout_s``; returns how many.
+
+        The rejection is on Kafka before the session is dropped: one that cannot be
+        published stays live and is tried again at the next sweep. While it is being
+        published the session is busy, so a late call or finish gets 409 instead of racing it.
+        """
+        timeout = self.settings.session_idle_timeout_s
+        if not timeout:
+            return 0
+        expired = 0
+        for session in self.sessions.idle(timeout):
+            error = SessionIdle(
+                f"session {session.session_id} had no call for {timeout:g}s", session_id=session.session_id,
+                idle_timeout_s=timeout,
+            )
+            session.busy = True
+            try:
+                if session.trainable:
+                    record = SessionRejected(
+                        session_id=session.session_id, group_id=session.group_id, error=error.code,
+                        detail=_jsonable(error.detail()), num_chunks=session.num_chunks,
+                    )
+                    await self.publisher.send(self.settings.topics.events, record)
+            except KafkaUnavailable as exc:
+                self.metrics.publish_failures.labels(record="session_rejected").inc()
+                _log.warning("idle_session_not_expired", session_id=session.session_id, error=str(exc))
+                session.busy = False  # still idle: the next sweep tries again
+                continue
+            self.sessions.finalize(session, f"rejected ({error.code})")
+            self.metrics.rejections.labels(error=error.code, soft="false").inc()
+            _log.warning("session_rejected", session_id=session.session_id, group_id=session.group_id,
+                         error=error.code, soft=False, num_chunks=session.num_chunks)
+            expired += 1
+        if expired:
+            self.metrics.sessions.set(len(self.sessions))
+        return expired
 
     # ------------------------------------------------------------------ control plane
 

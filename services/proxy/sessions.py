@@ -19,13 +19,17 @@ Lifecycle::
                        └─▶ rejected   (a staleness rule, or a failure after publishing)
 
 Finished and rejected sessions drop their data; their ids are remembered (bounded)
-so later calls get 409 instead of silently starting a new session.
+so later calls get 409 instead of silently starting a new session. A session with no
+call for the idle timeout is rejected too (``session_idle``): its agent is gone (a
+crashed rollout runner, an agent that never calls finish), and without an end record
+its group would hold the collector until its incomplete timeout and never be retried.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared.errors import BadRequest, SessionBusy, SessionFinalized, SessionNotFound
@@ -77,6 +81,8 @@ class Session:
     num_chunks: int = 0
     """Chunk records published for this session (the next chunk's ``seq``)."""
     busy: bool = False
+    last_active: float = 0.0
+    """Clock reading of the last time a call started or ended (the idle timeout counts from it)."""
 
     @property
     def trainable(self) -> bool:
@@ -167,10 +173,11 @@ def _extends(messages: Sequence[Rendered], recorded: Sequence[Rendered]) -> bool
 class SessionStore:
     """Live sessions by id, plus a bounded memory of finalized ids (for 409)."""
 
-    def __init__(self, finalized_memory: int = 100_000) -> None:
+    def __init__(self, finalized_memory: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
         self._live: dict[str, Session] = {}
         self._final: OrderedDict[str, str] = OrderedDict()
         self._memory = finalized_memory
+        self._clock = clock
 
     def __len__(self) -> int:
         return len(self._live)
@@ -194,10 +201,18 @@ class SessionStore:
         if session.busy:
             raise SessionBusy(f"session {session_id} already has a call in flight", session_id=session_id)
         session.busy = True
+        session.last_active = self._clock()
         return session
 
     def release(self, session: Session) -> None:
         session.busy = False
+        session.last_active = self._clock()
+
+    def idle(self, timeout_s: float) -> list[Session]:
+        """Live sessions with no call in flight and none started or ended for ``timeout_s``, oldest first."""
+        cutoff = self._clock() - timeout_s
+        stale = [s for s in self._live.values() if not s.busy and s.last_active <= cutoff]
+        return sorted(stale, key=lambda s: s.last_active)
 
     def get(self, session_id: str) -> Session:
         """A live session; 409 when finalized, 404 when never seen."""

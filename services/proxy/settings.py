@@ -58,6 +58,11 @@ class ProxySettings(ServiceSettings):
     above, so an engine that aborts everything cannot loop a call forever."""
     temperature: float = Field(default=1.0, ge=0.0)
     """Sampling temperature of calls that do not set one (RL samples at 1.0)."""
+    session_idle_timeout_s: float = Field(default=900.0, ge=0)
+    """A session with no call for this long is rejected (``session_idle``, published like any
+    rejection, so its group is decided and retried). Its agent is gone: a crashed rollout runner,
+    an agent that never calls finish. Keep it above the longest pause between an agent's calls
+    (tool runs) and below the collector's ``incomplete_timeout_s``. 0 = never."""
     finalized_memory: int = Field(default=100_000, ge=1)
     """How many finished/rejected session ids are remembered (for 409) after their data is dropped."""
 

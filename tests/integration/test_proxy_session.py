@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from shared.schemas import Chunk, SessionFinished
+from shared.schemas import Chunk, SessionFinished, SessionRejected
 from shared.tokenizer import TOKENIZER as TOK
 from tests.integration.test_proxy_harness import (
     ADMIN,
@@ -22,6 +22,7 @@ from tests.integration.test_proxy_harness import (
     proxy_factory,
     rein,
     start_engine,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.integration]
@@ -204,3 +205,32 @@ def test_engine_unreachable_is_503(proxy_factory: ProxyFactory) -> None:
     assert info.value.response.json()["detail"]["error"] == "engine_unavailable"
     # nothing was published, the session may retry
     assert count_records(proxy.bootstrap, proxy.settings.topics.chunks) == 0
+
+
+def test_idle_sessions_are_rejected_on_record(engine: Engine, proxy_factory: ProxyFactory) -> None:
+    """An agent that vanishes mid-session (a crashed runner) leaves no open group behind."""
+    proxy = proxy_factory([engine.url], session_idle_timeout_s=1.0)
+    gone, done, untracked = (f"s-{uuid.uuid4().hex}" for _ in range(3))
+    ask = [{"role": "user", "content": "guess"}]
+    proxy.client(gone, "g-gone").chat.completions.create(model="m", messages=ask, max_tokens=2)
+    proxy.client(done, "g-done").chat.completions.create(model="m", messages=ask, max_tokens=2)
+    assert proxy.finish(done).status_code == 200
+    proxy.client(untracked).chat.completions.create(model="m", messages=ask, max_tokens=2)
+
+    events = proxy.records("events", 2, timeout_s=30)
+    rejected = [r for r in events if isinstance(r, SessionRejected)]
+    assert [(r.session_id, r.group_id, r.error, r.num_chunks) for r in rejected] == [
+        (gone, "g-gone", "session_idle", 1)
+    ]
+    assert rejected[0].detail["idle_timeout_s"] == 1.0
+    assert [r.session_id for r in events if isinstance(r, SessionFinished)] == [done]
+
+    wait_until(lambda: proxy.state()["live_sessions"] == 0, timeout_s=30, what="the untracked session expired")
+    with pytest.raises(openai.ConflictError) as info:
+        proxy.client(gone, "g-gone").chat.completions.create(model="m", messages=ask, max_tokens=2)
+    assert info.value.response.json()["detail"]["outcome"] == "rejected (session_idle)"
+    late = proxy.finish(untracked)
+    assert late.status_code == 409 and late.json()["detail"]["outcome"] == "rejected (session_idle)"
+    assert count_records(proxy.bootstrap, proxy.settings.topics.events) == 2  # no record for the untracked one
+    scraped = httpx.get(f"{proxy.url}/metrics", timeout=10).text
+    assert 'rein_proxy_rejections_total{error="session_idle",soft="false"} 2.0' in scraped

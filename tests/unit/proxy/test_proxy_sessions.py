@@ -140,3 +140,46 @@ def test_store_lifecycle() -> None:
         store.finalize(store.acquire(name, "g"), "finished")
     assert store.outcome("a") is None  # bounded memory: the oldest id is forgotten
     assert len(store) == 0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_idle_counts_from_the_last_call_start_or_end_and_skips_busy_sessions() -> None:
+    clock = FakeClock()
+    store = SessionStore(clock=clock)
+    a = store.acquire("a", "g")  # a call starts at 1000 and is still running
+    b = store.acquire("b", "g")
+    store.release(b)  # b's call ended at 1000
+    clock.now = 1005.0
+    c = store.acquire("c", "g")
+    store.release(c)  # c's call ended at 1005
+    clock.now = 1009.9
+    assert store.idle(10.0) == []
+    clock.now = 1010.0
+    assert store.idle(10.0) == [b]  # a is busy however long its call takes
+    clock.now = 1100.0
+    assert store.idle(10.0) == [b, c]  # oldest first
+    store.release(a)
+    assert store.idle(10.0) == [b, c]
+    clock.now = 1110.0
+    assert store.idle(10.0) == [b, c, a]
+    store.finalize(b, "rejected (session_idle)")
+    assert store.idle(10.0) == [c, a]
+
+
+def test_a_new_call_resets_the_idle_time() -> None:
+    clock = FakeClock()
+    store = SessionStore(clock=clock)
+    store.release(store.acquire("a", "g"))
+    clock.now = 1009.0
+    store.release(store.acquire("a", "g"))
+    clock.now = 1015.0
+    assert store.idle(10.0) == []
+    clock.now = 1019.0
+    assert [s.session_id for s in store.idle(10.0)] == ["a"]
