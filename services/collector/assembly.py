@@ -10,7 +10,8 @@ Lifecycle of a group in the :class:`Assembler`:
    event (finished or rejected) and all ``num_chunks`` chunks (seq 0..n-1). The first
    end of a session wins; a rejection of unknown ``num_chunks`` (published by the
    rollout runner for a session its proxy lost) needs no chunks.
-   :meth:`Assembler.add` returns the :class:`CompletedGroup` once.
+   :meth:`Assembler.add` returns the :class:`CompletedGroup` once. A group silent
+   for the incomplete timeout is completed as failed by :meth:`Assembler.expire`.
 3. *released*: the shell made the group's outputs durable (audit record, window
    step, outbox published) and calls :meth:`Assembler.release`; its positions stop
    holding back the commit and its id is remembered as done, so late duplicates
@@ -43,6 +44,9 @@ from shared.schemas import (
 from shared.versions import real_version
 
 TopicPartition = tuple[str, int]
+
+INCOMPLETE = "incomplete"
+"""Error of the rejection given to a session whose group timed out before it ended whole."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,14 @@ class _Group:
         if self.dispatched is None:
             return False
         return all(sid in self.sessions and self.sessions[sid].complete() for sid in self.dispatched.session_ids)
+
+
+@dataclass
+class Expired:
+    """What :meth:`Assembler.expire` ended: groups completed as failed, and ids dropped unbuilt."""
+
+    failed: list[CompletedGroup] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -259,12 +271,32 @@ class Assembler:
                 self._part(pos.tp).free(pos.offset)
         self.mark_done(group_id)
 
-    def expire(self, now: float, timeout_s: float) -> list[str]:
-        """Abandon groups with no record for ``timeout_s`` (never completed); returns their ids."""
+    def expire(self, now: float, timeout_s: float) -> Expired:
+        """Groups with no record for ``timeout_s``: end them so they stop holding commits.
+
+        A dispatched group is completed as failed (each session without a whole end is
+        rejected as ``incomplete``, keeping its contiguous chunks), so the shell decides it
+        and its prompt is retried: its agent died before the proxy saw it, or stopped
+        calling. A group without its ``GroupDispatched`` cannot be built and is dropped.
+        """
         stale = [gid for gid, g in self._groups.items() if not g.emitted and now - g.last_seen > timeout_s]
+        expired = Expired()
         for gid in stale:
-            self.release(gid)
-        return stale
+            group = self._groups[gid]
+            if group.dispatched is None:
+                self.release(gid)
+                expired.dropped.append(gid)
+                continue
+            for sid in group.dispatched.session_ids:
+                session = group.session(sid)
+                if not session.complete():
+                    session.end = SessionRejected(
+                        session_id=sid, group_id=gid, error=INCOMPLETE, num_chunks=None,
+                        detail={"idle_s": round(now - group.last_seen, 1), "had_end": session.end is not None},
+                    )
+            group.emitted = True
+            expired.failed.append(build_group(group))
+        return expired
 
     def forget_partitions(self, tps: Iterable[TopicPartition]) -> list[str]:
         """Partitions were revoked: drop every unreleased group with a record there (the new owner rebuilds it)."""

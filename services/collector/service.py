@@ -70,7 +70,11 @@ class CollectorMetrics:
         self.batches = counter(r, "collector/batches", "Batch manifests emitted by this replica's steps")
         self.published = counter(r, "collector/outbox_published", "Outbox records published by this replica")
         self.conflicts = counter(r, "collector/window_conflicts", "Window steps retried after another replica's")
-        self.abandoned = counter(r, "collector/abandoned_groups", "Groups that never completed within the timeout")
+        self.abandoned = counter(
+            r, "collector/abandoned_groups",
+            "Groups with no record for the incomplete timeout: failed (decided, retried) or dropped (never dispatched)",
+            ("outcome",),
+        )
         self.weight_errors = counter(r, "collector/weight_errors", "Weight records the registry refused")
         self.rejoins = counter(r, "collector/rejoins", "Consumers rebuilt after the group coordinator stayed unknown")
         self.commit_errors = counter(r, "collector/commit_errors", "Offset commits refused (rebalance)")
@@ -401,9 +405,16 @@ class Collector:
             if outage is not None:
                 outage.recovered()
                 outage = None
-            for gid in self.assembler.expire(now, s.incomplete_timeout_s):
-                self.metrics.abandoned.inc()
-                _log.warning("group_abandoned", group_id=gid, timeout_s=s.incomplete_timeout_s)
+            expired = self.assembler.expire(now, s.incomplete_timeout_s)
+            for group in expired.failed:  # decided (and retried) with the next iteration's groups
+                self.metrics.abandoned.labels(outcome="failed").inc()
+                _log.warning("group_incomplete", group_id=group.group_id, prompt_id=group.prompt_id,
+                             timeout_s=s.incomplete_timeout_s)
+            self._backlog.extend(expired.failed)
+            for gid in expired.dropped:
+                self.metrics.abandoned.labels(outcome="dropped").inc()
+                _log.warning("group_abandoned", group_id=gid, timeout_s=s.incomplete_timeout_s,
+                             note="no GroupDispatched record: the group cannot be built")
             self._commit()
             self._check_coordinator(now)
             self.metrics.assembling.set(self.assembler.assembling)

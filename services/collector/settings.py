@@ -36,7 +36,9 @@ class CollectorSettings(ServiceSettings):
     drain_interval_s: float = Field(default=2.0, gt=0)
     """How often an idle replica publishes leftover outbox entries (e.g. those of a replica that crashed)."""
     incomplete_timeout_s: float = Field(default=1800.0, gt=0)
-    """A group with no new record for this long is abandoned (logged, counted) so it stops holding commits."""
+    """A group with no new record for this long is ended as failed, so it is decided and its prompt
+    retried (logged, counted); one whose ``GroupDispatched`` never came is dropped. Keep it above the
+    proxy's ``session_idle_timeout_s``."""
     lag_interval_s: float = Field(default=5.0, gt=0)
     """How often consumer lag is measured for ``/metrics``."""
     registry_check_s: float = Field(default=1.0, gt=0)

@@ -73,6 +73,7 @@ def env_of(settings: CollectorSettings) -> dict[str, str]:
         "outbox_lock_ms",
         "topic_partitions",
         "coordinator_stall_s",
+        "incomplete_timeout_s",
     ):
         env[f"REIN_{name.upper()}"] = str(getattr(settings, name))
     return env

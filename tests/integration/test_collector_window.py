@@ -13,7 +13,8 @@ from kafka import KafkaProducer
 
 from shared.bus import read_at
 from shared.names import RedisKeys
-from shared.schemas import CompletedGroup, DecisionRecord, RetryRequest, encode
+from services.collector.synthetic import group_records
+from shared.schemas import CompletedGroup, DecisionRecord, RetryRequest, SessionFinished, encode
 from tests.integration.test_collector_support import (
     Running,
     Source,
@@ -148,6 +149,34 @@ def test_failed_groups_are_retried_then_dropped_and_never_move_the_window(
     client = redis.Redis.from_url(settings.redis.url, decode_responses=True)
     assert client.hget(RedisKeys(settings.redis.key_prefix).prompt_drops, "pf") == "1"
     client.close()
+    source.close()
+    tail.close()
+    retries.close()
+
+
+def test_a_group_whose_session_never_ended_is_failed_after_the_incomplete_timeout_and_retried(
+    kafka_bootstrap: str, redis_db_url: str
+) -> None:
+    """Its agent died before the proxy saw the session's end: the prompt is retried, not lost."""
+    settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=2, incomplete_timeout_s=2.0)
+    source = Source(settings)
+    source.weights(["v0", "v1"])
+    with Running(settings):
+        tail = Tail(settings, settings.topics.decisions)
+        retries = Tail(settings, settings.topics.retries)
+        records = group_records("cut", [["v1"], ["v1"]], prompt_id="pc")
+        assert isinstance(records[-1], SessionFinished)
+        source.records(records[:-1])  # the second session's end never comes
+        source.group("ok", [["v1"]])
+        final = decided(tail, ["cut", "ok"])
+        got = retries.wait(lambda rs: len(rs) >= 1, "a retry request")
+        groups = Tail(settings, settings.topics.groups).wait(lambda rs: len(rs) >= 2, "both groups audited")
+    assert final == {"cut": "failed_retry", "ok": "kept"}
+    assert [(r.prompt_id, r.attempt, r.previous_group_id) for r in got if isinstance(r, RetryRequest)] == [
+        ("pc", 1, "cut")
+    ]
+    [cut] = [g for g in groups if isinstance(g, CompletedGroup) and g.group_id == "cut"]
+    assert [(t.status, t.error) for t in cut.trajectories] == [("completed", ""), ("rejected", "incomplete")]
     source.close()
     tail.close()
     retries.close()

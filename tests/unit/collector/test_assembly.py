@@ -217,12 +217,49 @@ def test_marked_done_groups_and_revoked_partitions() -> None:
     assert (CHUNKS, 0) not in feed.asm.commit_offsets()
 
 
-def test_expire_abandons_silent_groups() -> None:
+def test_expire_drops_silent_groups_that_were_never_dispatched() -> None:
     asm = Assembler()
     asm.add(Position(CHUNKS, 0, 0), chunk("s", 0, gid="G"), now=100.0)
-    assert asm.expire(now=150.0, timeout_s=60.0) == []
-    assert asm.expire(now=161.0, timeout_s=60.0) == ["G"]
+    assert asm.expire(now=150.0, timeout_s=60.0).dropped == []
+    expired = asm.expire(now=161.0, timeout_s=60.0)
+    assert expired.dropped == ["G"] and expired.failed == []
     assert asm.commit_offsets() == {(CHUNKS, 0): 1}
+    assert asm.add(Position(EVENTS, 0, 0), dispatched(["s"], gid="G"), now=170.0) is None  # done: a duplicate
+
+
+def test_expire_fails_a_silent_dispatched_group_so_its_prompt_is_retried() -> None:
+    """A session the proxy never saw (its agent died first), one with a hole in its chunks, and one
+    whose chunks stopped without an end are rejected as incomplete; a whole session stays as it ended."""
+    asm = Assembler()
+    records: list[tuple[str, Record]] = [
+        (EVENTS, dispatched(["whole", "holed", "silent", "unseen"])),
+        (CHUNKS, chunk("whole", 0)),
+        (EVENTS, finished("whole", 1, reward=1.0)),
+        (CHUNKS, chunk("holed", 0)),
+        (CHUNKS, chunk("holed", 2)),
+        (EVENTS, finished("holed", 3)),
+        (CHUNKS, chunk("silent", 0)),
+    ]
+    offsets = {CHUNKS: 0, EVENTS: 0}
+    for topic, record in records:
+        assert asm.add(Position(topic, 0, offsets[topic]), record, now=100.0) is None
+        offsets[topic] += 1
+    assert asm.expire(now=130.0, timeout_s=60.0).failed == []
+    expired = asm.expire(now=161.0, timeout_s=60.0)
+    assert expired.dropped == []
+    [group] = expired.failed
+    assert group.failed and group.prompt_id == "p1"
+    by_id = {t.session_id: t for t in group.trajectories}
+    assert [t.session_id for t in group.trajectories] == ["whole", "holed", "silent", "unseen"]
+    assert by_id["whole"].status == "completed" and by_id["whole"].reward == 1.0
+    for sid, segments in (("holed", 1), ("silent", 1), ("unseen", 0)):
+        assert (by_id[sid].status, by_id[sid].error) == ("rejected", "incomplete")
+        assert len(by_id[sid].segments) == segments  # the contiguous chunks from seq 0
+    assert asm.expire(now=500.0, timeout_s=60.0).failed == []  # emitted once
+    assert asm.commit_offsets() == {(CHUNKS, 0): 0, (EVENTS, 0): 0}  # held until the shell decided and released it
+    asm.release(group.group_id)
+    assert asm.commit_offsets() == {(CHUNKS, 0): 4, (EVENTS, 0): 3}
+    assert asm.add(Position(EVENTS, 0, 3), finished("silent", 1), now=600.0) is None  # a late end is a duplicate
 
 
 @pytest.mark.parametrize(
