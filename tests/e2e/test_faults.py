@@ -5,7 +5,7 @@ training step, one fault at a time; after each, the run must make training progr
 again before the next. Then the topics and Redis are read back and checked
 independently of the services' own bookkeeping: every manifest trained once, no group
 in two manifests, every kept group accounted for, and every group that was open when
-the proxy died decided (its lost sessions rejected, never left open).
+the proxy or the rollout runner died decided (its sessions rejected, never left open).
 
 The trainer's own kill -9 is in ``test_closed_loop.py``. Figures go to
 ``faults.json`` in the run directory and are printed (``-s``) for docs/reliability.md.
@@ -35,11 +35,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(150
 
 EXTRA_STEPS = 2
 """Training steps required after the last fault, before the run is stopped and read back."""
-FAULTS = ("collector-0", "broadcaster", "proxy", "engine", "kafka", "redis", "registry")
+FAULTS = ("rollout", "collector-0", "broadcaster", "proxy", "engine", "kafka", "redis", "registry")
 """In this order. After each, a batch made after the fault must be trained before the next."""
 DOWN_S = 5.0
 """How long Kafka and Redis stay down when they are killed."""
 PROGRESS_TIMEOUT_S = 300
+SESSION_IDLE_S = 3.0
+"""The proxy's idle timeout here: sessions of the killed runner are rejected this long after their last call."""
+INCOMPLETE_S = 60.0
+"""The collectors' incomplete timeout here: a group of the killed runner that never reached the proxy
+is failed (and retried) after it. Above the Kafka crash's recovery time, so no live group is cut."""
 
 
 def _wait(
@@ -90,6 +95,10 @@ def _dispatched(kafka: KafkaSettings) -> set[str]:
     return {r.group_id for r in read_topic(kafka, Topics().events, 60) if isinstance(r, GroupDispatched)}
 
 
+def _decided(kafka: KafkaSettings) -> set[str]:
+    return {d.group_id for d in read_topic(kafka, Topics().decisions, 60) if isinstance(d, DecisionRecord)}
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     config = StackConfig(
@@ -102,21 +111,26 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         batch_groups=4,
         max_concurrent_groups=8,
         engine_step_delay_s=0.01,
-        extra_env={"rollout": {"REIN_MAX_TOKENS": "6"}, "broadcaster": {"REIN_RECONCILE_INTERVAL_S": "2"}},
+        extra_env={
+            "rollout": {"REIN_MAX_TOKENS": "6"},
+            "broadcaster": {"REIN_RECONCILE_INTERVAL_S": "2"},
+            "proxy": {"REIN_SESSION_IDLE_TIMEOUT_S": str(SESSION_IDLE_S)},
+            **{f"collector-{i}": {"REIN_INCOMPLETE_TIMEOUT_S": str(INCOMPLETE_S)} for i in range(2)},
+        },
     )
     local = start(config)
     kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
     keys = RedisKeys()
     faults: list[dict[str, Any]] = []
-    open_at_proxy_kill: set[str] = set()
+    open_at: dict[str, set[str]] = {}
     try:
         _wait("trainer step 1", lambda: _steps(local) >= 1, PROGRESS_TIMEOUT_S, local)
         for fault in FAULTS:
             before = _steps(local)
             made = _batches_made(local, keys)  # manifests 0..made-1 exist; index `made` comes after the fault
             started = time.monotonic()
-            if fault == "proxy":
-                open_at_proxy_kill = _dispatched(kafka)
+            if fault in ("proxy", "rollout"):
+                open_at[fault] = _dispatched(kafka)
             if fault in ("kafka", "redis"):
                 local.infra.restart(fault, kill=True, down_s=DOWN_S)
             elif fault == "registry":
@@ -135,9 +149,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                            "new_batch_trained_after_s": round(time.monotonic() - started, 1)})
         last = _steps(local) + EXTRA_STEPS
         _wait(f"trainer step {last}", lambda: _steps(local) >= last, PROGRESS_TIMEOUT_S, local)
+        # Groups of the killed runner that never reached the proxy end only after the incomplete timeout.
+        _wait("the groups open at the runner's kill decided", lambda: open_at["rollout"] <= _decided(kafka),
+              INCOMPLETE_S + PROGRESS_TIMEOUT_S, local)
         metrics = {
             name: httpx.get(f"{local.urls[name]}/metrics", timeout=5).text
-            for name in ("rollout", "collector-0", "collector-1", "broadcaster")
+            for name in ("rollout", "proxy", "collector-0", "collector-1", "broadcaster")
         }
         # A consistent read-back: no new groups, then decisions -> pending -> manifests, with the
         # outbox empty before each read (a kept group is pending, or its manifest is published).
@@ -157,7 +174,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         data: dict[str, Any] = {
             "faults": faults,
             "rows": rows_so_far(local.trainer_metrics),
-            "open_at_proxy_kill": open_at_proxy_kill,
+            "open_at": open_at,
             "events": read_topic(kafka, Topics().events, 60),
             "batches": batches,
             "decisions": decisions,
@@ -215,13 +232,28 @@ def test_no_group_is_trained_twice_and_every_kept_group_is_accounted_for(run: di
 
 def test_groups_open_when_the_proxy_died_were_all_decided(run: dict[str, Any]) -> None:
     decided = {d.group_id for d in run["decisions"] if isinstance(d, DecisionRecord)}
-    open_groups = run["open_at_proxy_kill"]
+    open_groups = run["open_at"]["proxy"]
     assert open_groups, "no group had been dispatched before the proxy was killed"
     undecided = sorted(open_groups - decided)
     assert not undecided, f"{len(undecided)} groups open at the proxy crash were never decided: {undecided[:5]}"
     lost = [r for r in run["events"] if isinstance(r, SessionRejected) and r.error == "session_lost"]
     assert lost, "the proxy crash left no session_lost rejection: its open sessions were not ended"
     assert _metric(run["metrics"]["rollout"], "rein_rollout_lost_sessions_total") == len(lost)
+
+
+def test_groups_open_when_the_runner_died_were_all_decided_and_retried(run: dict[str, Any]) -> None:
+    """The killed runner's sessions were rejected by the proxy when idle; nothing waited forever."""
+    open_groups = run["open_at"]["rollout"]
+    assert open_groups, "no group had been dispatched before the runner was killed"
+    decisions = [d for d in run["decisions"] if isinstance(d, DecisionRecord)]
+    undecided = sorted(open_groups - {d.group_id for d in decisions})
+    assert not undecided, f"{len(undecided)} groups open at the runner's kill were never decided: {undecided[:5]}"
+    # (Sessions of a live runner can go idle too, when their finish failed while Kafka was down.)
+    idle = [r for r in run["events"] if isinstance(r, SessionRejected) and r.error == "session_idle"]
+    orphaned = {r.group_id for r in idle} & open_groups
+    assert orphaned, "the runner's kill left no session_idle rejection: its open sessions were not ended"
+    failed = {d.group_id for d in decisions if d.decision in ("failed_retry", "failed_dropped")}
+    assert orphaned <= failed, "a group with an idle-rejected session was not decided as failed"
 
 
 def test_registry_was_rebuilt_in_order_after_redis_lost_it(run: dict[str, Any]) -> None:
@@ -242,7 +274,15 @@ def test_report_figures(run: dict[str, Any], tmp_path_factory: pytest.TempPathFa
         "steps": len(run["rows"]),
         "decisions": dict(decisions),
         "session_lost_rejections": len(lost),
-        "groups_open_at_proxy_kill": len(run["open_at_proxy_kill"]),
+        "groups_open_at_proxy_kill": len(run["open_at"]["proxy"]),
+        "groups_open_at_runner_kill": len(run["open_at"]["rollout"]),
+        "session_idle_rejections": sum(
+            1 for r in run["events"] if isinstance(r, SessionRejected) and r.error == "session_idle"
+        ),
+        "groups_failed_incomplete": sum(
+            _metric(run["metrics"][c], 'rein_collector_abandoned_groups_total{outcome="failed"')
+            for c in ("collector-0", "collector-1")
+        ),
         "dependency_errors": {
             name: _metric(run["metrics"][name], f"rein_{name.split('-')[0]}_dependency_errors_total")
             for name in ("collector-0", "collector-1", "broadcaster")
