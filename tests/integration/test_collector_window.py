@@ -11,9 +11,9 @@ import pytest
 import redis
 from kafka import KafkaProducer
 
+from services.collector.synthetic import group_records
 from shared.bus import read_at
 from shared.names import RedisKeys
-from services.collector.synthetic import group_records
 from shared.schemas import CompletedGroup, DecisionRecord, RetryRequest, SessionFinished, encode
 from tests.integration.test_collector_support import (
     Running,
