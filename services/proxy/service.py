@@ -283,8 +283,8 @@ class ProxyService:
     async def expire_idle(self) -> int:
         """Reject every session idle past ``session_idle_timeout_s``; returns how many.
 
-        The rejection is on Kafka before the session is dropped: one that cannot be
-        published stays live and is tried again at the next sweep. While it is being
+        The rejection is on Kafka before the session is dropped: when Kafka refuses one,
+        it and the rest stay live and are tried again at the next sweep. While it is being
         published the session is busy, so a late call or finish gets 409 instead of racing it.
         """
         timeout = self.settings.session_idle_timeout_s
@@ -308,7 +308,7 @@ class ProxyService:
                 self.metrics.publish_failures.labels(record="session_rejected").inc()
                 _log.warning("idle_session_not_expired", session_id=session.session_id, error=str(exc))
                 session.busy = False  # still idle: the next sweep tries again
-                continue
+                break  # Kafka is down: do not spend a send timeout on every other idle session
             self.sessions.finalize(session, f"rejected ({error.code})")
             self.metrics.rejections.labels(error=error.code, soft="false").inc()
             _log.warning("session_rejected", session_id=session.session_id, group_id=session.group_id,

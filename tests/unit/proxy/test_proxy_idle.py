@@ -45,17 +45,19 @@ def service(publisher: FlakyPublisher, clock: Clock, timeout_s: float = 10.0) ->
     )
 
 
-def test_a_rejection_kafka_refused_is_tried_again_and_the_session_stays_live_meanwhile() -> None:
+def test_a_rejection_kafka_refused_is_tried_again_and_the_sessions_stay_live_meanwhile() -> None:
     clock, publisher = Clock(), FlakyPublisher(failures=1)
     svc = service(publisher, clock)
     svc.sessions.release(svc.sessions.acquire("s", "g"))
-    clock.now = 10.0
-    assert asyncio.run(svc.expire_idle()) == 0
-    assert publisher.sent == [] and len(svc.sessions) == 1
+    clock.now = 1.0
+    svc.sessions.release(svc.sessions.acquire("t", "g"))
+    clock.now = 11.0
+    assert asyncio.run(svc.expire_idle()) == 0  # the first send failed: the sweep stops there
+    assert publisher.sent == [] and len(svc.sessions) == 2
     assert not svc.sessions.get("s").busy  # a late finish can still be taken
-    assert asyncio.run(svc.expire_idle()) == 1
+    assert asyncio.run(svc.expire_idle()) == 2
     rejected = [(r.session_id, r.error) for r in publisher.sent if isinstance(r, SessionRejected)]
-    assert rejected == [("s", "session_idle")]
+    assert rejected == [("s", "session_idle"), ("t", "session_idle")]
     assert len(svc.sessions) == 0 and svc.sessions.outcome("s") == "rejected (session_idle)"
 
 
