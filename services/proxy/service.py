@@ -297,6 +297,7 @@ class ProxyService:
                 idle_timeout_s=timeout,
             )
             session.busy = True
+            published = False
             try:
                 if session.trainable:
                     record = SessionRejected(
@@ -304,10 +305,14 @@ class ProxyService:
                         detail=_jsonable(error.detail()), num_chunks=session.num_chunks,
                     )
                     await self.publisher.send(self.settings.topics.events, record)
+                published = True
             except KafkaUnavailable as exc:
                 self.metrics.publish_failures.labels(record="session_rejected").inc()
                 _log.warning("idle_session_not_expired", session_id=session.session_id, error=str(exc))
-                session.busy = False  # still idle: the next sweep tries again
+            finally:
+                if not published:
+                    session.busy = False  # still idle: the next sweep tries again
+            if not published:
                 break  # Kafka is down: do not spend a send timeout on every other idle session
             self.sessions.finalize(session, f"rejected ({error.code})")
             self.metrics.rejections.labels(error=error.code, soft="false").inc()
