@@ -15,7 +15,8 @@ def main() -> None:
     settings = load(ProxySettings)
     log.configure("proxy", settings.log_level, settings.log_json)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False, timeout_keep_alive=KEEP_ALIVE_S)
+                access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
+                timeout_graceful_shutdown=settings.shutdown_timeout_s)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,10 @@ class ProxySettings(ServiceSettings):
     rejection, so its group is decided and retried). Its agent is gone: a crashed rollout runner,
     an agent that never calls finish. Keep it above the longest pause between an agent's calls
     (tool runs) and below the collector's ``incomplete_timeout_s``. 0 = never."""
+    shutdown_timeout_s: int = Field(default=10, ge=1)
+    """How long a stopping proxy (SIGTERM) lets calls in flight finish before it cancels them
+    and exits. Without it, calls held by a pause whose resume never comes (the broadcaster
+    stopped mid-update) would keep the proxy up until it is killed."""
     finalized_memory: int = Field(default=100_000, ge=1)
     """How many finished/rejected session ids are remembered (for 409) after their data is dropped."""
 

@@ -5,13 +5,19 @@ Covers TITO multi-turn reconstruction, streaming, finish, and every error status
 
 from __future__ import annotations
 
+import json
+import signal
+import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from shared.ports import free_port
 from shared.schemas import Chunk, SessionFinished, SessionRejected
 from shared.tokenizer import TOKENIZER as TOK
 from tests.integration.test_proxy_harness import (
@@ -24,6 +30,7 @@ from tests.integration.test_proxy_harness import (
     start_engine,
     wait_until,
 )
+from tests.procs import start_service
 
 pytestmark = [pytest.mark.integration]
 __all__ = ["proxy_factory"]
@@ -194,8 +201,6 @@ def test_error_statuses(engine: Engine, proxy_factory: ProxyFactory) -> None:
 
 
 def test_engine_unreachable_is_503(proxy_factory: ProxyFactory) -> None:
-    from shared.ports import free_port
-
     proxy = proxy_factory([f"http://127.0.0.1:{free_port()}"], engine_connect_timeout_s=1.0)
     with pytest.raises(openai.APIStatusError) as info:
         proxy.client("s", "g").chat.completions.create(
@@ -234,3 +239,51 @@ def test_idle_sessions_are_rejected_on_record(engine: Engine, proxy_factory: Pro
     assert count_records(proxy.bootstrap, proxy.settings.topics.events) == 2  # no record for the untracked one
     scraped = httpx.get(f"{proxy.url}/metrics", timeout=10).text
     assert 'rein_proxy_rejections_total{error="session_idle",soft="false"} 2.0' in scraped
+
+
+def test_a_stopping_proxy_cancels_calls_held_by_a_pause_that_never_ends(
+    engine: Engine, kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """The broadcaster died between pause and resume: SIGTERM must still stop the proxy, and promptly."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_service(
+        "services.proxy",
+        {
+            "REIN_PORT": str(port), "REIN_ENGINE_URLS": json.dumps([engine.url]), "REIN_ADMIN_TOKEN": ADMIN,
+            "REIN_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap, "REIN_TOPICS__CHUNKS": unique_topic(),
+            "REIN_TOPICS__EVENTS": unique_topic(), "REIN_SHUTDOWN_TIMEOUT_S": "2", "REIN_LOG_LEVEL": "info",
+        },
+        f"{url}/health", timeout_s=90, log_dir=tmp_path,
+    )
+    admin = httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {ADMIN}"})
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60,
+                           default_headers={"X-Session-Id": f"s-{uuid.uuid4().hex}", "X-Group-Id": "g"})
+    outcome: dict[str, object] = {}
+
+    def call() -> None:
+        try:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "guess"}], max_tokens=60)
+            outcome["answered"] = True
+        except openai.APIError as exc:
+            outcome["error"] = exc
+
+    try:
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        wait_until(lambda: admin.get("/v1/rollout/state").json()["active"] == 1, timeout_s=30, what="a generation")
+        assert admin.post("/v1/rollout/pause", json={"reason": "test"}).json()["preempted"]  # and no resume
+        wait_until(lambda: admin.get("/v1/rollout/state").json()["held"] == 1, timeout_s=30, what="a held call")
+        started = time.monotonic()
+        proc.popen.terminate()
+        proc.popen.wait(timeout=30)
+        took = time.monotonic() - started
+        caller.join(timeout=30)
+    finally:
+        admin.close()
+        client.close()
+        proc.stop()
+    assert took < 2 + 5, f"the proxy took {took:.1f}s to stop"
+    assert proc.popen.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+    assert "error" in outcome, f"the held call was not failed: {outcome}"
+    assert "timeout graceful shutdown exceeded" in proc.log_path.read_text()
