@@ -298,6 +298,11 @@ class Assembler:
             expired.failed.append(build_group(group))
         return expired
 
+    def touch(self, now: float) -> None:
+        """Restart every group's incomplete timeout: time the shell could not read records does not count."""
+        for group in self._groups.values():
+            group.last_seen = max(group.last_seen, now)
+
     def forget_partitions(self, tps: Iterable[TopicPartition]) -> list[str]:
         """Partitions were revoked: drop every unreleased group with a record there (the new owner rebuilds it)."""
         lost = set(tps)

@@ -405,6 +405,7 @@ class Collector:
             if outage is not None:
                 outage.recovered()
                 outage = None
+                self.assembler.touch(now)  # records held up by the outage must not count as silence
             expired = self.assembler.expire(now, s.incomplete_timeout_s)
             for group in expired.failed:  # decided (and retried) with the next iteration's groups
                 self.metrics.abandoned.labels(outcome="failed").inc()

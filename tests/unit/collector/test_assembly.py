@@ -227,6 +227,14 @@ def test_expire_drops_silent_groups_that_were_never_dispatched() -> None:
     assert asm.add(Position(EVENTS, 0, 0), dispatched(["s"], gid="G"), now=170.0) is None  # done: a duplicate
 
 
+def test_touch_restarts_the_timeout_after_an_outage() -> None:
+    asm = Assembler()
+    asm.add(Position(EVENTS, 0, 0), dispatched(["s"], gid="G"), now=100.0)
+    asm.touch(150.0)  # the shell could not read between 100 and 150
+    assert asm.expire(now=200.0, timeout_s=60.0).failed == []
+    assert [g.group_id for g in asm.expire(now=211.0, timeout_s=60.0).failed] == ["G"]
+
+
 def test_expire_fails_a_silent_dispatched_group_so_its_prompt_is_retried() -> None:
     """A session the proxy never saw (its agent died first), one with a hole in its chunks, and one
     whose chunks stopped without an end are rejected as incomplete; a whole session stays as it ended."""
