@@ -57,10 +57,7 @@ def free_ports(count: int, *, rng: random.Random | None = None, ephemeral: tuple
             for _ in range(ATTEMPTS):
                 if len(held) == count:
                     break
-                port = rng.randrange(LOWEST_PORT, low)
-                if any(s.getsockname()[1] == port for s in held):
-                    continue
-                sock = _bound(port)
+                sock = _bound(rng.randrange(LOWEST_PORT, low))  # a port held already fails to bind
                 if sock is not None:
                     held.append(sock)
         while len(held) < count:  # crowded or unusual range: the kernel's own choice

@@ -237,10 +237,22 @@ class ProxyService:
 
     async def _reject(self, session: Session, error: ReinError, *, soft: bool) -> None:
         """Finalize the session as rejected and publish SessionRejected (best effort for Kafka failures)."""
+        self._finalize_rejected(session, error, soft=soft)
+        try:
+            await self._publish_rejection(session, error)
+        except KafkaUnavailable as exc:
+            if isinstance(error, RolloutRejected):
+                raise  # the agent must not get a soft 200 when the rejection is not on record
+            _log.error("session_rejected_not_published", session_id=session.session_id, error=str(exc))
+
+    def _finalize_rejected(self, session: Session, error: ReinError, *, soft: bool) -> None:
         self.sessions.finalize(session, f"rejected ({error.code})")
         self.metrics.rejections.labels(error=error.code, soft=str(soft).lower()).inc()
         _log.warning("session_rejected", session_id=session.session_id, group_id=session.group_id,
                      error=error.code, soft=soft, num_chunks=session.num_chunks)
+
+    async def _publish_rejection(self, session: Session, error: ReinError) -> None:
+        """SessionRejected on Kafka for a training session; KafkaUnavailable is counted and raised."""
         if not session.trainable:
             return
         record = SessionRejected(
@@ -249,11 +261,9 @@ class ProxyService:
         )
         try:
             await self.publisher.send(self.settings.topics.events, record)
-        except KafkaUnavailable as exc:
+        except KafkaUnavailable:
             self.metrics.publish_failures.labels(record="session_rejected").inc()
-            if isinstance(error, RolloutRejected):
-                raise  # the agent must not get a soft 200 when the rejection is not on record
-            _log.error("session_rejected_not_published", session_id=session.session_id, error=str(exc))
+            raise
 
     # ------------------------------------------------------------------ finish
 
@@ -296,28 +306,15 @@ class ProxyService:
                 f"session {session.session_id} had no call for {timeout:g}s", session_id=session.session_id,
                 idle_timeout_s=timeout,
             )
-            session.busy = True
-            published = False
+            session.busy = True  # a late call or finish gets 409 while the rejection is being published
             try:
-                if session.trainable:
-                    record = SessionRejected(
-                        session_id=session.session_id, group_id=session.group_id, error=error.code,
-                        detail=_jsonable(error.detail()), num_chunks=session.num_chunks,
-                    )
-                    await self.publisher.send(self.settings.topics.events, record)
-                published = True
+                await self._publish_rejection(session, error)
             except KafkaUnavailable as exc:
-                self.metrics.publish_failures.labels(record="session_rejected").inc()
                 _log.warning("idle_session_not_expired", session_id=session.session_id, error=str(exc))
+                break  # Kafka is down: the rest wait for the next sweep instead of a send timeout each
             finally:
-                if not published:
-                    session.busy = False  # still idle: the next sweep tries again
-            if not published:
-                break  # Kafka is down: do not spend a send timeout on every other idle session
-            self.sessions.finalize(session, f"rejected ({error.code})")
-            self.metrics.rejections.labels(error=error.code, soft="false").inc()
-            _log.warning("session_rejected", session_id=session.session_id, group_id=session.group_id,
-                         error=error.code, soft=False, num_chunks=session.num_chunks)
+                session.busy = False
+            self._finalize_rejected(session, error, soft=False)
             expired += 1
         if expired:
             self.metrics.sessions.set(len(self.sessions))

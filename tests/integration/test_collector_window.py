@@ -170,7 +170,8 @@ def test_a_group_whose_session_never_ended_is_failed_after_the_incomplete_timeou
         source.group("ok", [["v1"]])
         final = decided(tail, ["cut", "ok"])
         got = retries.wait(lambda rs: len(rs) >= 1, "a retry request")
-        groups = Tail(settings, settings.topics.groups).wait(lambda rs: len(rs) >= 2, "both groups audited")
+        audit = Tail(settings, settings.topics.groups)
+        groups = audit.wait(lambda rs: len(rs) >= 2, "both groups audited")
     assert final == {"cut": "failed_retry", "ok": "kept"}
     assert [(r.prompt_id, r.attempt, r.previous_group_id) for r in got if isinstance(r, RetryRequest)] == [
         ("pc", 1, "cut")
@@ -180,6 +181,7 @@ def test_a_group_whose_session_never_ended_is_failed_after_the_incomplete_timeou
     source.close()
     tail.close()
     retries.close()
+    audit.close()
 
 
 def test_manifests_reference_groups_and_report_window_drops_and_gaps(kafka_bootstrap: str, redis_db_url: str) -> None:
