@@ -2,8 +2,11 @@
 
 The thin adapter between services and kafka-python (STYLE 4): services hand in
 and get back typed records (``shared.schemas``); malformed records are counted,
-logged and skipped through one hook, never raised into a service loop; offsets
-are committed only when the caller says its output is durable.
+logged, marked done and skipped through one hook, never raised into a service loop.
+Every consumer keeps its offsets in one :class:`shared.offsets.Offsets`: re-deliveries
+are filtered out of :meth:`Consumer.poll`, a rebalance drops and rebuilds the state of
+the partitions it moves (and tells the service through its hooks), and
+:meth:`Consumer.commit` commits only past records the service marked done.
 """
 
 from __future__ import annotations
@@ -11,13 +14,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
+from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import KafkaError, NoBrokersAvailable, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
 from shared import log
+from shared.offsets import Offsets
+from shared.offsets import TopicPartition as TP
 from shared.schemas import DEFAULT_MAX_BYTES, DecodeError, Record, decode, encode
 from shared.settings import KafkaSettings
 
@@ -51,6 +58,7 @@ class Polled:
 
 
 DecodeHook = Callable[[str, int, int, DecodeError], None]
+RebalanceHook = Callable[[set[TP]], None]
 
 
 def _servers(settings: KafkaSettings) -> list[str]:
@@ -124,8 +132,28 @@ class Producer:
         self._producer.close(timeout=self._timeout_s)
 
 
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Forwards kafka-python's rebalance callbacks (run inside ``poll`` on the caller's thread)."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer = consumer
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        self.consumer._rebalanced("revoked", {(tp.topic, tp.partition) for tp in revoked})
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        self.consumer._rebalanced("assigned", {(tp.topic, tp.partition) for tp in assigned})
+
+
 class Consumer:
-    """Consumer-group member with manual commit; yields decoded records, skips poison ones."""
+    """Consumer-group member with manual commit; yields decoded new records, skips poison ones.
+
+    With a ``group_id`` the topics are subscribed with a rebalance listener and the Range
+    assignor pinned (co-partitioned topics, such as ``rollout.chunks`` and ``rollout.events``,
+    move together). ``on_revoked`` / ``on_assigned`` run inside :meth:`poll`, after the offset
+    state was dropped / rebuilt and before any record of the new assignment is returned; an
+    exception in one is raised from :meth:`poll` (kafka-python would only log it).
+    """
 
     def __init__(
         self,
@@ -134,6 +162,8 @@ class Consumer:
         group_id: str | None,
         *,
         on_decode_error: DecodeHook | None = None,
+        on_revoked: RebalanceHook | None = None,
+        on_assigned: RebalanceHook | None = None,
         from_beginning: bool = True,
         client_suffix: str = "consumer",
         max_poll_records: int = 500,
@@ -142,10 +172,15 @@ class Consumer:
     ) -> None:
         self._settings = settings
         self._on_decode_error = on_decode_error
+        self._hooks: dict[str, RebalanceHook | None] = {"revoked": on_revoked, "assigned": on_assigned}
+        self._hook_error: BaseException | None = None
+        self.offsets = Offsets()
         self.decode_errors = 0
+        self.rebalances = 0
+        subscribe_now = group_id is None  # without a group there is no rebalance to listen to
         self._consumer: KafkaConsumer = _connect(
             lambda: KafkaConsumer(
-                *topics,
+                *(topics if subscribe_now else ()),
                 bootstrap_servers=_servers(settings),
                 client_id=f"{settings.client_id}-{client_suffix}",
                 group_id=group_id,
@@ -157,26 +192,57 @@ class Consumer:
                 request_timeout_ms=max(settings.request_timeout_ms, session_timeout_ms + 5_000),
                 fetch_max_bytes=max(settings.max_record_bytes, 1024 * 1024) * 4,
                 max_partition_fetch_bytes=max(settings.max_record_bytes, 1024 * 1024),
+                partition_assignment_strategy=(RangePartitionAssignor,),
             ),
             "consumer",
             settings,
         )
+        if not subscribe_now and topics:
+            self.subscribe(topics)
+
+    def subscribe(self, topics: Sequence[str]) -> None:
+        """Join the group on ``topics`` with the rebalance listener installed."""
+        self._consumer.subscribe(topics=list(topics), listener=_Listener(self))
 
     @property
     def raw(self) -> KafkaConsumer:
         """The underlying client, for assignment / seek / lag queries."""
         return self._consumer
 
+    def _rebalanced(self, what: str, tps: set[TP]) -> None:
+        if what == "revoked":
+            self.offsets.revoke(tps)
+            self.rebalances += 1
+        else:
+            self.offsets.assign(tps)
+        _log.info("partitions_" + what, partitions=sorted(f"{t}/{p}" for t, p in tps))
+        hook = self._hooks[what]
+        if hook is not None and self._hook_error is None:
+            try:
+                hook(tps)
+            except BaseException as exc:  # kafka-python swallows listener errors; poll() re-raises it
+                self._hook_error = exc
+
     def poll(self, timeout_s: float = 1.0) -> list[Polled]:
-        """Decoded records from one poll, in partition order; malformed ones go to the hook."""
+        """Decoded new records from one poll, in partition order.
+
+        Re-deliveries of offsets already tracked in this assignment are dropped; malformed
+        records go to the decode hook and are marked done (poison never holds a partition)."""
         batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000))
+        if self._hook_error is not None:
+            exc, self._hook_error = self._hook_error, None
+            raise exc
         out: list[Polled] = []
         for tp, messages in batches.items():
+            pos = (tp.topic, tp.partition)
             for msg in messages:
+                if not self.offsets.deliver(pos, msg.offset):
+                    continue
                 try:
                     record = decode(msg.value, self._settings.max_record_bytes)
                 except DecodeError as exc:
                     self.decode_errors += 1
+                    self.offsets.done(pos, msg.offset)
                     _log.warning(
                         "record_skipped", topic=tp.topic, partition=tp.partition, offset=msg.offset, error=str(exc)
                     )
@@ -187,21 +253,27 @@ class Consumer:
                 out.append(Polled(tp.topic, tp.partition, msg.offset, key, record, msg.timestamp))
         return out
 
-    def commit(self, offsets: dict[tuple[str, int], int]) -> bool:
-        """Commit ``(topic, partition) -> next offset to read`` (the last handled offset + 1).
+    def done(self, topic: str, partition: int, offset: int) -> None:
+        """The work of the record at this position is durable (idempotent; stale positions are no-ops)."""
+        self.offsets.done((topic, partition), offset)
+
+    def commit(self) -> bool:
+        """Commit every partition's position past its done records (see :mod:`shared.offsets`).
 
         Returns False when Kafka refused or missed it (the group rebalanced, e.g. after a broker
         restart, or the broker is down). Not an error for rein's consumers: they are at least
         once with idempotent handling, so the records are simply read again."""
-        if not offsets:
+        positions = self.offsets.to_commit()
+        if not positions:
             return True
         try:
             self._consumer.commit(
-                {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()}
+                {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in positions.items()}
             )
         except KafkaError as exc:
-            _log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}"[:300], partitions=len(offsets))
+            _log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}"[:300], partitions=len(positions))
             return False
+        self.offsets.committed(positions)
         return True
 
     def close(self) -> None:

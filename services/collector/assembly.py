@@ -1,11 +1,12 @@
-"""Chunks and events -> completed GRPO groups, and which offsets may be committed. Pure: no I/O.
+"""Chunks and events -> completed GRPO groups, and which records' work is done. Pure: no I/O.
 
 Lifecycle of a group in the :class:`Assembler`:
 
 1. *assembling*: records arrive in any order (chunks and events are different
-   topics), possibly twice (a replay after a rebalance re-reads uncommitted
-   offsets), possibly before the group's ``GroupDispatched``. Every record's
-   position is remembered as *pending* on its partition.
+   topics), possibly before the group's ``GroupDispatched``, possibly published
+   twice (same session and seq at another offset: the first copy wins). A record
+   re-delivered at the same offset never gets here (:mod:`shared.offsets` drops it).
+   Every record's position is held by its group.
 2. *complete*: the dispatch record is in, every dispatched session has its end
    event (finished or rejected) and all ``num_chunks`` chunks (seq 0..n-1). The first
    end of a session wins; a rejection of unknown ``num_chunks`` (published by the
@@ -13,19 +14,18 @@ Lifecycle of a group in the :class:`Assembler`:
    :meth:`Assembler.add` returns the :class:`CompletedGroup` once. A group silent
    for the incomplete timeout is completed as failed by :meth:`Assembler.expire`.
 3. *released*: the shell made the group's outputs durable (audit record, window
-   step, outbox published) and calls :meth:`Assembler.release`; its positions stop
-   holding back the commit and its id is remembered as done, so late duplicates
-   are ignored.
+   step, outbox published) and calls :meth:`Assembler.release`; its positions are
+   done and its id is remembered as done, so late duplicates are ignored.
 
-Commit rule (per topic-partition, :func:`commit_offset`): the next offset to
-commit is the lowest offset still pending there, or the last handled offset + 1
-when nothing is pending. Re-reading from there rebuilds every group that was not
-released, and only re-reads records of released groups as duplicates.
+Positions whose work is done (a released group's, and records that need no output:
+other record types, records of a group already done) are handed to the shell by
+:meth:`Assembler.take_done`, which marks them done in the consumer's
+:class:`shared.offsets.Offsets`; commits never pass a record of a group not released,
+so a crash re-reads every group that was not.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -60,16 +60,6 @@ class Position:
     @property
     def tp(self) -> TopicPartition:
         return (self.topic, self.partition)
-
-
-def commit_offset(pending: Iterable[int], last_handled: int | None) -> int | None:
-    """Next offset to commit on one partition: min pending, else last handled + 1, else None."""
-    lowest = min(pending, default=None)
-    if lowest is not None:
-        return lowest
-    if last_handled is None:
-        return None
-    return last_handled + 1
 
 
 @dataclass
@@ -117,39 +107,6 @@ class Expired:
 
     failed: list[CompletedGroup] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _Partition:
-    last_handled: int | None = None
-    heap: list[int] = field(default_factory=list)
-    live: dict[int, int] = field(default_factory=dict)
-    """offset -> how many tracked records sit there (a duplicate delivery counts twice)."""
-
-    def handled(self, offset: int) -> None:
-        if self.last_handled is None or offset > self.last_handled:
-            self.last_handled = offset
-
-    def hold(self, offset: int) -> None:
-        if offset not in self.live:
-            heapq.heappush(self.heap, offset)
-        self.live[offset] = self.live.get(offset, 0) + 1
-
-    def free(self, offset: int) -> None:
-        count = self.live.get(offset, 0)
-        if count <= 1:
-            self.live.pop(offset, None)
-        else:
-            self.live[offset] = count - 1
-
-    def lowest_pending(self) -> int | None:
-        while self.heap and self.heap[0] not in self.live:
-            heapq.heappop(self.heap)
-        return self.heap[0] if self.heap else None
-
-    def commit(self) -> int | None:
-        lowest = self.lowest_pending()
-        return commit_offset(() if lowest is None else (lowest,), self.last_handled)
 
 
 def build_trajectory(session_id: str, session: _Session) -> Trajectory:
@@ -201,21 +158,15 @@ def build_group(group: _Group) -> CompletedGroup:
 
 
 class Assembler:
-    """Folds decoded chunk/event records into completed groups and tracks committable offsets."""
+    """Folds decoded chunk/event records into completed groups and says which records are done."""
 
     def __init__(self, max_done: int = 200_000) -> None:
         self._groups: dict[str, _Group] = {}
-        self._parts: dict[TopicPartition, _Partition] = {}
         self._done: OrderedDict[str, None] = OrderedDict()
         self._max_done = max_done
+        self._finished: list[Position] = []
 
     # ------------------------------------------------------------------ feeding
-
-    def _part(self, tp: TopicPartition) -> _Partition:
-        held = self._parts.get(tp)
-        if held is None:
-            held = self._parts[tp] = _Partition()
-        return held
 
     def knows(self, group_id: str) -> bool:
         """True when the group is being assembled or already done here."""
@@ -228,25 +179,20 @@ class Assembler:
         while len(self._done) > self._max_done:
             self._done.popitem(last=False)
 
-    def skip(self, pos: Position) -> None:
-        """A record that needs no output (malformed, or of no interest): handled as is."""
-        self._part(pos.tp).handled(pos.offset)
-
     def add(self, pos: Position, record: Record, now: float = 0.0) -> CompletedGroup | None:
         """Fold one record; returns the group the first time it becomes complete."""
-        part = self._part(pos.tp)
-        part.handled(pos.offset)
         group_id = getattr(record, "group_id", None)
         if not isinstance(record, Chunk | GroupDispatched | SessionFinished | SessionRejected) or group_id is None:
+            self._finished.append(pos)
             return None
         if group_id in self._done:
+            self._finished.append(pos)
             return None
         group = self._groups.get(group_id)
         if group is None:
             group = self._groups[group_id] = _Group()
         group.positions.append(pos)
         group.last_seen = now
-        part.hold(pos.offset)
         if isinstance(record, Chunk):
             group.session(record.session_id).chunks.setdefault(record.seq, record)
         elif isinstance(record, GroupDispatched):
@@ -264,11 +210,10 @@ class Assembler:
     # ------------------------------------------------------------------ lifecycle
 
     def release(self, group_id: str) -> None:
-        """The group's outputs are durable: stop holding its offsets, remember it as done."""
+        """The group's outputs are durable: its records are done, its id is remembered as done."""
         group = self._groups.pop(group_id, None)
         if group is not None:
-            for pos in group.positions:
-                self._part(pos.tp).free(pos.offset)
+            self._finished.extend(group.positions)
         self.mark_done(group_id)
 
     def expire(self, now: float, timeout_s: float) -> Expired:
@@ -304,31 +249,21 @@ class Assembler:
             group.last_seen = max(group.last_seen, now)
 
     def forget_partitions(self, tps: Iterable[TopicPartition]) -> list[str]:
-        """Partitions were revoked: drop every unreleased group with a record there (the new owner rebuilds it)."""
+        """Partitions were revoked: drop every unreleased group with a record there.
+
+        Its records are re-delivered from the committed offset to the partition's next
+        owner (this replica too, when the partition comes back), which rebuilds it."""
         lost = set(tps)
         gone = [gid for gid, g in self._groups.items() if any(p.tp in lost for p in g.positions)]
         for gid in gone:
-            group = self._groups.pop(gid)
-            for pos in group.positions:
-                self._part(pos.tp).free(pos.offset)
-        for tp in lost:
-            self._parts.pop(tp, None)
+            del self._groups[gid]
+        self._finished = [p for p in self._finished if p.tp not in lost]
         return gone
 
-    # ------------------------------------------------------------------ commits
-
-    def commit_offsets(self) -> dict[TopicPartition, int]:
-        """``(topic, partition) -> next offset`` for every partition with a handled record."""
-        out: dict[TopicPartition, int] = {}
-        for tp, part in self._parts.items():
-            offset = part.commit()
-            if offset is not None:
-                out[tp] = offset
-        return out
-
-    def partitions(self) -> list[TopicPartition]:
-        """Every partition with a handled record."""
-        return list(self._parts)
+    def take_done(self) -> list[Position]:
+        """Positions whose work is done since the last call (for the consumer's offsets)."""
+        done, self._finished = self._finished, []
+        return done
 
     @property
     def assembling(self) -> int:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from kafka import ConsumerRebalanceListener, TopicPartition
+from kafka import TopicPartition
 from kafka.errors import KafkaError
 from prometheus_client import CollectorRegistry
 
@@ -76,7 +76,6 @@ class CollectorMetrics:
             ("outcome",),
         )
         self.weight_errors = counter(r, "collector/weight_errors", "Weight records the registry refused")
-        self.rejoins = counter(r, "collector/rejoins", "Consumers rebuilt after the group coordinator stayed unknown")
         self.commit_errors = counter(r, "collector/commit_errors", "Offset commits refused (rebalance)")
         self.outages = counter(
             r, "collector/dependency_errors", "Loop iterations that failed on Redis or Kafka and were retried",
@@ -234,17 +233,6 @@ class WeightsFollower:
         self.consumer.close()
 
 
-class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, collector: Collector) -> None:
-        self.collector = collector
-
-    def on_partitions_revoked(self, revoked: Any) -> None:
-        self.collector.revoking({(tp.topic, tp.partition) for tp in revoked})
-
-    def on_partitions_assigned(self, assigned: Any) -> None:
-        self.collector.assigned({(tp.topic, tp.partition) for tp in assigned})
-
-
 def default_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -264,12 +252,7 @@ class Collector:
         self.last_loop = time.monotonic()
         self.ready = threading.Event()
         self.http: HealthServer | None = None
-        self._committed: dict[tuple[str, int], int] = {}
         self._caught_up_for: set[str] = set()
-        self._revoking: set[tuple[str, int]] = set()
-        self._stalled_since: float | None = None
-        self._poll_started: float | None = None
-        self._poll_broken = False
         self._unfolded: list[Polled] = []
         self._backlog: list[CompletedGroup] = []
 
@@ -314,7 +297,6 @@ class Collector:
                 group_id=s.group_id,
             )
             self.ready.set()
-            threading.Thread(target=self._watchdog, name="collector-watchdog", daemon=True).start()
             self._loop()
         finally:
             self.consumer.close()
@@ -328,7 +310,8 @@ class Collector:
         s = self.settings
         topics = s.topics
         consumer = Consumer(
-            s.kafka, (), s.group_id, on_decode_error=self._bad_record, client_suffix=f"collector-{self.replica}"
+            s.kafka, (), s.group_id, on_decode_error=self._bad_record, on_revoked=self._revoked,
+            on_assigned=self._assigned, client_suffix=f"collector-{self.replica}",
         )
         for topic in (topics.chunks, topics.events):  # a member that joins without metadata gets nothing
             deadline = time.monotonic() + s.kafka.request_timeout_ms / 1000
@@ -336,37 +319,8 @@ class Collector:
                 if time.monotonic() > deadline:
                     consumer.close()
                     raise RuntimeError(f"topic {topic!r} metadata did not arrive")
-        consumer.raw.subscribe(topics=[topics.chunks, topics.events], listener=_Rebalance(self))
-        self._stalled_since = None
+        consumer.subscribe([topics.chunks, topics.events])
         return consumer
-
-    def _check_coordinator(self, now: float) -> None:
-        """Rejoin with a fresh consumer when the group coordinator stays unknown (seen with kafka-python 3.0).
-
-        Safe by construction: partial groups are forgotten and re-read from the committed offsets.
-        """
-        coordinator = getattr(self.consumer.raw, "_coordinator", None)
-        if coordinator is None or not coordinator.coordinator_unknown():
-            self._stalled_since = None
-            return
-        if self._stalled_since is None:
-            self._stalled_since = now
-            return
-        if now - self._stalled_since < self.settings.coordinator_stall_s:
-            return
-        _log.warning("consumer_rejoin", reason="group coordinator unknown", stalled_s=round(now - self._stalled_since))
-        self._rejoin()
-
-    def _rejoin(self) -> None:
-        self.metrics.rejoins.inc()
-        try:
-            self.consumer.close()
-        except Exception as exc:  # a wedged client may fail to close; the new one replaces it anyway
-            _log.warning("consumer_close_failed", error=repr(exc))
-        self.assembler.forget_partitions(list(self.assembler.partitions()))
-        self._committed.clear()
-        self._revoking = set()
-        self.consumer = self._join()
 
     def _healthy(self) -> bool:
         return self.ready.is_set() and time.monotonic() - self.last_loop < max(30.0, 10 * self.settings.poll_timeout_s)
@@ -417,44 +371,16 @@ class Collector:
                 _log.warning("group_abandoned", group_id=gid, timeout_s=s.incomplete_timeout_s,
                              note="no GroupDispatched record: the group cannot be built")
             self._commit()
-            self._check_coordinator(now)
             self.metrics.assembling.set(self.assembler.assembling)
             if now >= next_lag:
                 self._measure_lag()
                 next_lag = now + s.lag_interval_s
 
     def _poll(self) -> list[Polled]:
-        """One consumer poll, watched: a poll wedged inside kafka-python is broken off and the member rejoins."""
-        self._poll_started = time.monotonic()
-        self._poll_broken = False
-        try:
-            return self.consumer.poll(self.settings.poll_timeout_s)
-        except Exception:  # whatever a client whose event loop was stopped under it raises
-            if not self._poll_broken:
-                raise
-            _log.warning("consumer_rejoin", reason="poll wedged", stall_s=self.settings.coordinator_stall_s)
-            self._rejoin()
-            return []
-        finally:
-            self._poll_started = None
-
-    def _watchdog(self) -> None:
-        """Breaks off a poll that has not returned within ``coordinator_stall_s`` (seen with kafka-python 3.0:
-        a fetch waiting forever on the client's IO thread). Stopping the client's event loop fails the
-        pending call, and :meth:`_poll` rebuilds the consumer; uncommitted records are simply re-read."""
-        limit = self.settings.coordinator_stall_s + self.settings.poll_timeout_s
-        while not self.stop.wait(1.0):
-            started = self._poll_started
-            if started is not None and time.monotonic() - started > limit and not self._poll_broken:
-                self._poll_broken = True
-                net = getattr(self.consumer.raw, "_net", None)
-                _log.warning("consumer_poll_wedged", waited_s=round(time.monotonic() - started, 1))
-                if net is not None:
-                    net.stop(timeout_ms=5_000)
+        return self.consumer.poll(self.settings.poll_timeout_s)
 
     def _bad_record(self, topic: str, partition: int, offset: int, exc: DecodeError) -> None:
         self.metrics.decode_errors.inc(topic, exc.reason)
-        self.assembler.skip(Position(topic, partition, offset))
 
     def _fold(self, polled: list[Polled], now: float) -> list[CompletedGroup]:
         fresh = sorted(
@@ -558,33 +484,26 @@ class Collector:
         return self.producer.send_many(items)
 
     def _commit(self) -> None:
-        offsets = {tp: o for tp, o in self.assembler.commit_offsets().items() if self._committed.get(tp) != o}
-        if not offsets:
-            return
-        if not self.consumer.commit(offsets):  # the group rebalanced: the new owner re-reads from the last commit
+        for pos in self.assembler.take_done():
+            self.consumer.done(pos.topic, pos.partition, pos.offset)
+        if not self.consumer.commit():  # the group rebalanced: the new owner re-reads from the last commit
             self.metrics.commit_errors.inc()
-            return
-        self._committed.update(offsets)
 
-    def revoking(self, tps: set[tuple[str, int]]) -> None:
-        """A rebalance started: remember what we held (kept if it comes back to us)."""
-        self._revoking = tps
+    def _revoked(self, tps: set[tuple[str, int]]) -> None:
+        """Partitions left this replica (every one, with the eager protocol): drop their unreleased groups."""
+        gone = self.assembler.forget_partitions(tps)
+        _log.info("partitions_revoked", revoked=sorted(f"{t}/{p}" for t, p in tps), groups_dropped=len(gone))
 
-    def assigned(self, tps: set[tuple[str, int]]) -> None:
-        """A rebalance ended: forget the groups of partitions now owned elsewhere (runs on kafka's IO thread)."""
-        lost = self._revoking - tps
-        gone = self.assembler.forget_partitions(lost)
-        for tp in lost:
-            self._committed.pop(tp, None)
-        # Partitions kept across the rebalance keep their fetch position (kafka-python does not rewind
-        # them), so their partial groups stay; new ones start at their committed offset.
-        self._revoking = set()
-        _log.info(
-            "partitions_assigned",
-            assigned=sorted(f"{t}/{p}" for t, p in tps),
-            lost=sorted(f"{t}/{p}" for t, p in lost),
-            groups_dropped=len(gone),
-        )
+    def _assigned(self, tps: set[tuple[str, int]]) -> None:
+        """Partitions came to this replica: they are read from their committed offsets, groups rebuilt."""
+        topics = self.settings.topics
+        chunk_parts = sorted(p for t, p in tps if t == topics.chunks)
+        event_parts = sorted(p for t, p in tps if t == topics.events)
+        if chunk_parts != event_parts:  # the Range assignor keeps them together; anything else splits groups
+            raise RuntimeError(
+                f"{topics.chunks!r} partitions {chunk_parts} and {topics.events!r} partitions {event_parts} were "
+                "assigned apart: every record of a group must reach the same replica (Range assignor, equal counts)"
+            )
 
     def _measure_lag(self) -> None:
         raw = self.consumer.raw
@@ -596,6 +515,4 @@ class Collector:
         except KafkaError:
             return
         for tp in assigned:
-            committed = self._committed.get((tp.topic, tp.partition))
-            if committed is not None:
-                self.metrics.lag.labels(topic=tp.topic, partition=str(tp.partition)).set(max(0, end[tp] - committed))
+            self.metrics.lag.labels(topic=tp.topic, partition=str(tp.partition)).set(max(0, end[tp] - raw.position(tp)))

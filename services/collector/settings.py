@@ -43,6 +43,3 @@ class CollectorSettings(ServiceSettings):
     """How often consumer lag is measured for ``/metrics``."""
     registry_check_s: float = Field(default=1.0, gt=0)
     """How often the replica checks that Redis still holds every version read from ``weights``."""
-    coordinator_stall_s: float = Field(default=20.0, gt=0)
-    """A consumer whose group coordinator stays unknown, or whose poll does not return, for this long is closed
-    and rebuilt (it rejoins the group; uncommitted records are re-read)."""

@@ -1,7 +1,8 @@
 """The rollout runner: dispatches groups of episodes through the proxy, forever or N times.
 
-Consumes ``rollout.retries`` (consumer group, offsets committed once the retry's group
-is dispatched) and, in sync mode, ``weights`` (``WeightApplied`` opens the next wave).
+Consumes ``rollout.retries`` (consumer group; a record is done, and its offset
+committable, once the retry's group is dispatched) and, in sync mode, ``weights``
+(``WeightApplied`` opens the next wave).
 Produces ``GroupDispatched`` on ``rollout.events`` — acked by Kafka *before* the
 group's sessions start, so the collector always knows a group before its chunks.
 Owns nothing durable: a restarted runner re-reads uncommitted retries and starts the
@@ -30,7 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from services.rollout.agent import Agent, EpisodeResult, SessionIds
 from services.rollout.observe import RolloutMetrics, StatusServer, create_app
-from services.rollout.scheduler import AVAILABILITY_ERRORS, BackendGate, OffsetTracker, RetrySource, Scheduler, Work
+from services.rollout.scheduler import AVAILABILITY_ERRORS, BackendGate, RetrySource, Scheduler, Work, retry_work
 from services.rollout.settings import RolloutSettings
 from services.rollout.task import TASKS, Task
 from shared import log
@@ -41,9 +42,9 @@ from shared.settings import KafkaSettings
 _log = log.get(__name__)
 
 MAX_PUBLISH_FAILURES = 5
+"""Consecutive GroupDispatched publish failures (each bounded by Kafka's request timeout) before giving up."""
 LOST_SESSION = "session_lost"
 """``SessionRejected.error`` of a session the runner ended because its proxy never confirmed an end."""
-"""Consecutive GroupDispatched publish failures (each bounded by Kafka's request timeout) before giving up."""
 
 
 class ProxyUnavailable(RuntimeError):
@@ -53,9 +54,11 @@ class ProxyUnavailable(RuntimeError):
 class KafkaFeed:
     """One Kafka consumer on its own thread (kafka-python clients are not thread-safe).
 
-    Records go to ``deliver`` on the event loop; commits requested from the loop are
-    done on the consumer's thread. ``ready`` is set once the consumer has read every
-    record that existed when it got its partitions (so history is known before dispatch).
+    Records go to ``deliver`` on the event loop, and rebalances to ``on_revoked`` through
+    the same FIFO, so a revoke is handled before any record of the next assignment.
+    Positions the loop marks done are applied, and committed, on the consumer's thread.
+    ``ready`` is set once the consumer has read every record that existed when it got its
+    partitions (so history is known before dispatch).
     """
 
     def __init__(
@@ -68,22 +71,25 @@ class KafkaFeed:
         deliver: Callable[[Polled], None],
         on_error: Callable[[BaseException], None],
         on_decode_error: Callable[[str, int, int, DecodeError], None],
+        on_revoked: Callable[[set[tuple[str, int]]], None] | None = None,
     ) -> None:
         self.name = name
         self.ready = threading.Event()
         self._kafka, self._topics, self._group_id = kafka, topics, group_id
         self._loop, self._deliver, self._on_error, self._on_decode_error = loop, deliver, on_error, on_decode_error
+        self._on_revoked = on_revoked
         self._stop = threading.Event()
-        self._commits: list[dict[tuple[str, int], int]] = []
+        self._done: list[RetrySource] = []
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"feed-{name}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def commit(self, offsets: dict[tuple[str, int], int]) -> None:
+    def done(self, sources: list[RetrySource]) -> None:
+        """These records' work is durable; applied and committed on the consumer's thread."""
         with self._lock:
-            self._commits.append(offsets)
+            self._done.extend(sources)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
@@ -95,9 +101,15 @@ class KafkaFeed:
 
     def _flush_commits(self, consumer: Consumer) -> None:
         with self._lock:
-            pending, self._commits = self._commits, []
-        for offsets in pending:
-            consumer.commit(offsets)
+            done, self._done = self._done, []
+        for source in done:
+            consumer.done(source.topic, source.partition, source.offset)
+        if self._group_id is not None:
+            consumer.commit()
+
+    def _revoked(self, tps: set[tuple[str, int]]) -> None:
+        if self._on_revoked is not None:
+            self._call_loop(self._on_revoked, tps)
 
     def _run(self) -> None:
         consumer: Consumer | None = None
@@ -105,6 +117,7 @@ class KafkaFeed:
             consumer = Consumer(
                 self._kafka, self._topics, self._group_id, client_suffix=f"rollout-{self.name}",
                 on_decode_error=lambda *a: self._call_loop(self._on_decode_error, *a),
+                on_revoked=self._revoked,
             )
             targets: dict[Any, int] = {}
             next_report = time.monotonic() + 5.0
@@ -148,7 +161,6 @@ class Runner:
             max_groups=settings.max_groups,
         )
         self.status_port: int | None = None
-        self._offsets = OffsetTracker()
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -256,7 +268,7 @@ class Runner:
             self.metrics.decode_errors.inc(topic, exc.reason)
 
         self._retry_feed = KafkaFeed("retries", s.kafka, [s.topics.retries], s.retry_consumer_group, loop,
-                                     self._on_retry, self._fail, decode_error)
+                                     self._on_retry, self._fail, decode_error, self._on_retries_revoked)
         self._feeds.append(self._retry_feed)
         if s.mode == "sync":
             self._feeds.append(KafkaFeed("weights", s.kafka, [s.topics.weights], None, loop,
@@ -276,20 +288,25 @@ class Runner:
     # ------------------------------------------------------------------ feeds (on the loop)
 
     def _on_retry(self, polled: Polled) -> None:
-        self._offsets.seen(polled.topic, polled.partition, polled.offset)
         record = polled.record
         source = RetrySource(polled.topic, polled.partition, polled.offset)
         if not isinstance(record, RetryRequest) or not self._playable(record.prompt):
             self.log.error("retry_skipped", type=record.type, offset=polled.offset)
             self.metrics.bad_retries.inc()
-            self._handled(source)
+            self._done([source])
             return
-        work = Work(prompt_id=record.prompt_id, attempt=record.attempt, payload=dict(record.prompt), source=source)
-        if not self.scheduler.add_retry(work):
-            self.log.info("retry_duplicate", prompt_id=record.prompt_id, attempt=record.attempt)
+        work = retry_work(record.prompt_id, record.attempt, dict(record.prompt), source)
+        outcome = self.scheduler.add_retry(work)
+        if outcome != "queued":
+            self.log.info("retry_duplicate", prompt_id=record.prompt_id, attempt=record.attempt, outcome=outcome)
             self.metrics.duplicate_retries.inc()
-            self._handled(source)
+        if outcome == "dispatched":
+            self._done([source])
         self._wake.set()
+
+    def _on_retries_revoked(self, tps: set[tuple[str, int]]) -> None:
+        dropped = self.scheduler.revoke(tps)
+        self.log.info("retries_revoked", partitions=sorted(f"{t}/{p}" for t, p in tps), queued_dropped=dropped)
 
     def _playable(self, payload: dict[str, Any]) -> bool:
         try:
@@ -298,10 +315,9 @@ class Runner:
             return False
         return True
 
-    def _handled(self, source: RetrySource) -> None:
-        new = self._offsets.handled(source.topic, source.partition, source.offset)
-        if new is not None and self._retry_feed is not None:
-            self._retry_feed.commit({(source.topic, source.partition): new})
+    def _done(self, sources: list[RetrySource]) -> None:
+        if sources and self._retry_feed is not None:
+            self._retry_feed.done(sources)
 
     def _on_weights(self, polled: Polled) -> None:
         if isinstance(polled.record, WeightApplied):
@@ -377,8 +393,7 @@ class Runner:
             await asyncio.sleep(min(2.0**self._publish_failures, 10.0))
             return
         self._publish_failures = 0
-        if work.source is not None:
-            self._handled(work.source)
+        self._done(self.scheduler.confirm(work))
         self.metrics.groups.labels(kind=work.kind).inc()
         self.metrics.in_flight.set(self.scheduler.in_flight)
         self.log.info("group_dispatched", group_id=group_id, prompt_id=work.prompt_id, attempt=work.attempt)

@@ -7,8 +7,13 @@ version arrived) and dispatches what it gets; ``None`` means "nothing may start 
 Rules:
 
 - Retries come before new prompts (the reference put a retried group at the back of
-  the buffer, W14) and keep their prompt id and attempt; a retry seen twice (the
-  collector re-published after a crash) is dispatched once.
+  the buffer, W14) and keep their prompt id and attempt. A retry published twice (the
+  collector re-published after a crash: same prompt and attempt, another offset) is
+  dispatched once: the second record is attached to the first one's work and is done
+  when that work is dispatched, or at once if it already was. A record delivered again
+  (a rebalance) never reaches the scheduler: :class:`shared.offsets.Offsets` drops it.
+- When retry partitions are revoked, queued retries read only from them are dropped:
+  the partition's next owner (maybe this runner again) reads and dispatches them.
 - At most ``max_in_flight`` groups run at once; with ``max_groups`` > 0 no more than
   that many groups (retries included) are ever dispatched.
 - Sync mode dispatches ``groups_per_step`` new groups per wave. The next wave opens
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.rollout.task import Prompt
@@ -29,26 +34,36 @@ from services.rollout.task import Prompt
 
 @dataclass(frozen=True)
 class RetrySource:
-    """Where a retry request was read, so its offset is committed once it is dispatched."""
+    """Where a retry request was read, so its offset is marked done once its group is dispatched."""
 
     topic: str
     partition: int
     offset: int
 
 
-@dataclass(frozen=True)
+@dataclass
 class Work:
     """One group to dispatch."""
 
     prompt_id: str
     attempt: int
     payload: dict[str, Any]
-    source: RetrySource | None = None
-    """Set for a retry read from Kafka."""
+    sources: list[RetrySource] = field(default_factory=list)
+    """For a retry: every record that asked for it (a duplicate publish adds one); done once it is dispatched."""
+    kind: Literal["new", "retry"] = "new"
 
     @property
-    def kind(self) -> Literal["new", "retry"]:
-        return "new" if self.attempt == 0 and self.source is None else "retry"
+    def key(self) -> tuple[str, int]:
+        return (self.prompt_id, self.attempt)
+
+
+def retry_work(prompt_id: str, attempt: int, payload: dict[str, Any], source: RetrySource) -> Work:
+    return Work(prompt_id, attempt, payload, [source], "retry")
+
+
+AddOutcome = Literal["queued", "attached", "dispatched"]
+"""What :meth:`Scheduler.add_retry` did: queued new work, attached the record to queued or
+running work (done with it), or found the work already dispatched (the record is done now)."""
 
 
 class Scheduler:
@@ -70,7 +85,9 @@ class Scheduler:
         self._prompts = prompts
         self._retries: deque[Work] = deque()
         self._requeued_new: deque[Work] = deque()
-        self._seen_retries: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._active: dict[tuple[str, int], Work] = {}
+        """Retries queued or taken and not yet confirmed dispatched, by (prompt id, attempt)."""
+        self._dispatched: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._dedup_memory = dedup_memory
         self.max_in_flight = max_in_flight
         self.mode = mode
@@ -89,16 +106,42 @@ class Scheduler:
 
     # ------------------------------------------------------------------ inputs
 
-    def add_retry(self, work: Work) -> bool:
-        """Queue a retry; False (and nothing queued) if this prompt/attempt was already seen."""
-        key = (work.prompt_id, work.attempt)
-        if key in self._seen_retries:
-            return False
-        self._seen_retries[key] = None
-        if len(self._seen_retries) > self._dedup_memory:
-            self._seen_retries.popitem(last=False)
+    def add_retry(self, work: Work) -> AddOutcome:
+        """Queue a retry, or attach its record to the same prompt/attempt's work; see :data:`AddOutcome`."""
+        if work.key in self._dispatched:
+            return "dispatched"
+        held = self._active.get(work.key)
+        if held is not None:
+            held.sources.extend(s for s in work.sources if s not in held.sources)
+            return "attached"
+        self._active[work.key] = work
         self._retries.append(work)
-        return True
+        return "queued"
+
+    def confirm(self, work: Work) -> list[RetrySource]:
+        """``work`` was dispatched (its record is in Kafka): the retry records now done."""
+        if work.kind != "retry":
+            return []
+        self._active.pop(work.key, None)
+        self._dispatched[work.key] = None
+        if len(self._dispatched) > self._dedup_memory:
+            self._dispatched.popitem(last=False)
+        return list(work.sources)
+
+    def revoke(self, partitions: set[tuple[str, int]]) -> int:
+        """Retry partitions were revoked: forget their records; drop queued retries left with none.
+
+        A retry already taken keeps running (its dispatch is real); if it is given back with no
+        record left, it is dropped then. Returns how many queued retries were dropped."""
+        for work in self._active.values():
+            work.sources[:] = [s for s in work.sources if (s.topic, s.partition) not in partitions]
+        kept = deque(w for w in self._retries if w.sources)
+        dropped = len(self._retries) - len(kept)
+        for work in self._retries:
+            if not work.sources:
+                self._active.pop(work.key, None)
+        self._retries = kept
+        return dropped
 
     def on_weights_applied(self, seq: int) -> None:
         self.weights_seq = max(self.weights_seq, seq)
@@ -157,7 +200,10 @@ class Scheduler:
         self.in_flight -= 1
         self.dispatched -= 1
         if work.kind == "retry":
-            self._retries.appendleft(work)
+            if work.sources:
+                self._retries.appendleft(work)
+            else:  # its records were revoked while it was being dispatched: their new owner has them
+                self._active.pop(work.key, None)
             return
         if self.mode == "sync":
             self.wave_new -= 1
@@ -179,40 +225,6 @@ class Scheduler:
             return self._requeued_new.popleft()
         prompt = next(self._prompts)
         return Work(prompt_id=prompt.prompt_id, attempt=0, payload=prompt.payload)
-
-
-class OffsetTracker:
-    """Commit offsets for records handled out of order: per partition, the next offset to
-    commit is one past the longest run of handled offsets from the first one seen."""
-
-    def __init__(self) -> None:
-        self._pending: dict[tuple[str, int], set[int]] = {}
-        self._handled: dict[tuple[str, int], set[int]] = {}
-        self._committed: dict[tuple[str, int], int] = {}
-
-    def seen(self, topic: str, partition: int, offset: int) -> None:
-        """A record was read and is not yet handled."""
-        self._pending.setdefault((topic, partition), set()).add(offset)
-
-    def handled(self, topic: str, partition: int, offset: int) -> int | None:
-        """The record is handled; the new commit offset for its partition, or None if unchanged."""
-        tp = (topic, partition)
-        pending = self._pending.get(tp, set())
-        if offset not in pending:
-            raise KeyError(f"offset {offset} of {topic}/{partition} was never seen or is already handled")
-        pending.discard(offset)
-        handled = self._handled.setdefault(tp, set())
-        handled.add(offset)
-        floor = min(pending) if pending else None
-        done = [o for o in handled if floor is None or o < floor]
-        if not done:
-            return None
-        new = max(done) + 1
-        handled.difference_update(done)
-        if new <= self._committed.get(tp, -1):
-            return None
-        self._committed[tp] = new
-        return new
 
 
 AVAILABILITY_ERRORS = frozenset({"unreachable", "timeout", "engine_unavailable", "kafka_unavailable"})

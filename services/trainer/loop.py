@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from services.trainer.fetch import Fetched, FetchTimeout, GroupFetcher
 from services.trainer.metrics import TrainerMetrics, step_line
-from services.trainer.ordering import ManifestOrder, OffsetBook, Pos
+from services.trainer.ordering import ManifestOrder
 from services.trainer.samples import build_samples
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import Hyper, PolicyTrainer
@@ -76,8 +76,9 @@ class TrainerLoop:
         self.metrics = TrainerMetrics(CollectorRegistry(auto_describe=True))
         self.device = resolve_device(settings.device)
         self.metrics_log = MetricsLog(settings.run_dir / "metrics.jsonl")
-        self.book = OffsetBook()
-        self._pending_offsets: list[tuple[Pos, int]] = []
+        self._held: dict[int, list[tuple[str, int, int]]] = {}
+        """Manifest index -> positions of every record carrying it (duplicates too), done once it is durable."""
+        self._last_trained = -1
         self._pending_lines: list[dict[str, Any]] = []
         self._last_poll = time.monotonic()
         self.port: int | None = None
@@ -144,29 +145,33 @@ class TrainerLoop:
 
     def _consume(self, consumer: Consumer, fetcher: GroupFetcher, producer: Producer, result: RunResult) -> None:
         s = self.settings
-        order: ManifestOrder[tuple[Pos, int, BatchManifest]] = ManifestOrder(next_index=self.sidecar.last_index + 1)
+        order: ManifestOrder[BatchManifest] = ManifestOrder(next_index=self.sidecar.last_index + 1)
+        self._last_trained = self.sidecar.last_index
         self.metrics.waiting_for.set(order.next_index)
         done = False
         while not done and not self.stop.is_set():
             polled = consumer.poll(s.poll_timeout_s)
             self._last_poll = time.monotonic()
             for rec in polled:
-                pos: Pos = (rec.topic, rec.partition)
                 if not isinstance(rec.record, BatchManifest):
                     _log.warning("unexpected_record", topic=rec.topic, type=rec.record.type)
-                    self.book.seen(pos, rec.offset, open_=False)
+                    consumer.done(rec.topic, rec.partition, rec.offset)
                     continue
-                offered = order.offer(rec.record.index, (pos, rec.offset, rec.record))
-                self.book.seen(pos, rec.offset, open_=not offered.duplicate)
+                index = rec.record.index
+                if index <= self.sidecar.last_index:  # already in a durable checkpoint
+                    consumer.done(rec.topic, rec.partition, rec.offset)
+                else:  # done with the index it carries, once that index is durable
+                    self._held.setdefault(index, []).append((rec.topic, rec.partition, rec.offset))
+                offered = order.offer(index, rec.record)
                 if offered.duplicate:
                     self.metrics.duplicates.inc()
-                    _log.info("manifest_duplicate", index=rec.record.index, next_index=order.next_index)
-                for _, (mpos, moff, manifest) in offered.ready:
+                    _log.info("manifest_duplicate", index=index, next_index=order.next_index)
+                for _, manifest in offered.ready:
                     if done:
-                        break  # stays open in the book: not committed, read again next run
+                        break  # not trained, so never durable: read again next run
                     self._train(manifest, fetcher)
+                    self._last_trained = manifest.index
                     result.trained_indices.append(manifest.index)
-                    self._pending_offsets.append((mpos, moff))
                     if self.step % s.publish_every == 0 or (s.max_steps and self.step >= s.max_steps):
                         result.published.append(self._make_durable(producer, consumer))
                     done = bool(s.max_steps and self.step >= s.max_steps)
@@ -174,8 +179,8 @@ class TrainerLoop:
                     break
             self.metrics.buffered.set(order.buffered)
             self.metrics.waiting_for.set(order.next_index)
-            self._commit(consumer)
-        if self._pending_offsets:  # stopped between publishes: keep what was trained
+            consumer.commit()
+        if self._last_trained > self.sidecar.last_index:  # stopped between publishes: keep what was trained
             result.published.append(self._make_durable(producer, consumer))
 
     def _train(self, manifest: BatchManifest, fetcher: GroupFetcher) -> None:
@@ -211,15 +216,16 @@ class TrainerLoop:
                 attempt += 1
 
     def _make_durable(self, producer: Producer, consumer: Consumer) -> WeightPublished:
-        last_index = self.sidecar.last_index + len(self._pending_offsets)
+        last_index = self._last_trained
         self.sidecar = save_step(self.settings.weights_dir, self.trainer.model, self.config, self.step, last_index,
                                  self.trainer.optimizer_state(), self._pending_lines)
         self.metrics_log.append(self._pending_lines)
         event = self._publish(producer, self.sidecar)
-        for pos, offset in self._pending_offsets:
-            self.book.close(pos, offset)
-        self._pending_offsets, self._pending_lines = [], []
-        self._commit(consumer)
+        for index in [i for i in self._held if i <= last_index]:
+            for topic, partition, offset in self._held.pop(index):
+                consumer.done(topic, partition, offset)
+        self._pending_lines = []
+        consumer.commit()
         return event
 
     def _publish(self, producer: Producer, sidecar: Sidecar) -> WeightPublished:
@@ -240,11 +246,6 @@ class TrainerLoop:
         self.metrics.published.inc()
         _log.info("weights_published", version=event.version, seq=event.seq, digest=event.digest, path=event.path)
         return event
-
-    def _commit(self, consumer: Consumer) -> None:
-        positions = self.book.commit_positions()
-        if positions and consumer.commit(positions):
-            self.book.committed(positions)
 
 
 def run(settings: TrainerSettings, stop: threading.Event | None = None) -> RunResult:

@@ -310,11 +310,10 @@ def run(settings: BroadcasterSettings, stop: threading.Event | None = None) -> N
                 events = [p.record for p in polled if isinstance(p.record, WeightPublished)]
                 if events:
                     broadcaster.handle(events)
-                positions: dict[tuple[str, int], int] = {}
                 for p in polled:
-                    positions[(p.topic, p.partition)] = max(p.offset + 1, positions.get((p.topic, p.partition), 0))
-                if positions and not stop.is_set():
-                    consumer.commit(positions)
+                    consumer.done(p.topic, p.partition, p.offset)
+                if not stop.is_set():
+                    consumer.commit()
                 polled = []
                 if now >= next_reconcile:
                     next_reconcile = now + settings.reconcile_interval_s

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,19 +20,21 @@ from typing import Any
 
 import httpx
 import pytest
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from services.weight_broadcaster.loop import run
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import checkpoint
-from shared.bus import Consumer, Producer
+from shared.bus import Consumer, Producer, read_topic
 from shared.names import RedisKeys, Topics
 from shared.policy import PolicyConfig, init_policy
 from shared.ports import free_port
-from shared.schemas import WeightApplied, WeightPublished
+from shared.schemas import WeightApplied, WeightPublished, encode
 from shared.settings import KafkaSettings, RedisSettings, load
 from shared.state import RedisRegistry, connect
 from shared.tokenizer import TOKENIZER
 from tests.procs import start_service
+from tests.support.rebalance import ForeignMember
 
 pytestmark = [
     pytest.mark.integration,
@@ -252,3 +255,46 @@ def test_unquiesced_pause_means_no_update(stack: Stack) -> None:
         stop.set()
         thread.join(30)
     assert not thread.is_alive()
+
+
+def test_member_joins_and_leaves_the_broadcasters_group(stack: Stack) -> None:
+    """A foreign member takes half of ``weights`` while a version waits there: it is applied once the
+    member leaves, the broadcaster stays alive, and no version is applied (announced) twice."""
+    bootstrap = stack.kafka.bootstrap_servers
+    thread, stop, _port = start_broadcaster(stack)
+    tps = [TopicPartition(stack.topics.weights, p) for p in range(4)]
+
+    def all_committed() -> bool:
+        reader = KafkaConsumer(bootstrap_servers=bootstrap, group_id=stack.group, enable_auto_commit=False)
+        try:
+            end = reader.end_offsets(tps)
+            return all((reader.committed(tp) or 0) == end[tp] for tp in tps)
+        finally:
+            reader.close()
+
+    try:
+        v1 = stack.checkpoint(1)
+        stack.publish(v1)
+        wait_until(lambda: stack.model_info()["digest"] == v1.digest, 60, "the engine to serve v1")
+        wait_until(all_committed, 30, "the broadcaster to commit v1 and its WeightApplied")
+        with ForeignMember(bootstrap, stack.group, [stack.topics.weights]) as member:
+            theirs = sorted(p for _, p in member.partitions)
+            v2 = stack.checkpoint(2)
+            producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+            try:
+                producer.send(stack.topics.weights, key=v2.key().encode(), value=encode(v2),
+                              partition=theirs[0]).get(timeout=30)
+            finally:
+                producer.close(timeout=10)
+            wait_until(lambda: member.records > 0, 30, "the foreign member to read v2")
+            assert stack.model_info()["weight_version"] == "v1", "v2 is on the member's partition"
+        wait_until(lambda: stack.model_info()["digest"] == v2.digest, 60, "v2 applied after the member left")
+        wait_until(all_committed, 30, "the broadcaster to commit v2")
+        assert thread.is_alive()
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not thread.is_alive()
+    records = read_topic(stack.kafka, stack.topics.weights, 30)
+    applied = Counter(r.version for r in records if isinstance(r, WeightApplied))
+    assert applied == {"v1": 1, "v2": 1}

@@ -45,7 +45,6 @@ def make_settings(kafka_bootstrap: str, redis_url: str, *, partitions: int = 1, 
         "topic_partitions": partitions,
         "batch_groups": 100,
         "keep_versions": 2,
-        "coordinator_stall_s": 5.0,
     }
     values.update(overrides)
     return CollectorSettings(**values)
@@ -72,7 +71,6 @@ def env_of(settings: CollectorSettings) -> dict[str, str]:
         "drain_interval_s",
         "outbox_lock_ms",
         "topic_partitions",
-        "coordinator_stall_s",
         "incomplete_timeout_s",
     ):
         env[f"REIN_{name.upper()}"] = str(getattr(settings, name))

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +41,7 @@ from shared.schemas import (
 )
 from shared.tokenizer import TOKENIZER
 from tests.procs import REPO_ROOT, start_service
+from tests.support.rebalance import ForeignMember
 
 pytestmark = pytest.mark.integration
 
@@ -352,3 +353,83 @@ def test_sigterm_drains_in_flight_groups_and_exits_zero(
     new = [g for g in _dispatched(stack) if g.group_id not in before]
     assert len(new) >= 3
     _check_groups(stack, new)  # every dispatched group ran to its end before the exit
+
+
+def _produce_at(bootstrap: str, topic: str, partition: int, record: Record) -> int:
+    """Publish one record to ``partition`` (acks=all); its offset."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    try:
+        meta = producer.send(topic, key=record.key().encode(), value=encode(record), partition=partition).get(30)
+    finally:
+        producer.close(timeout=10)
+    return int(meta.offset)
+
+
+N_RETRIES = 60
+
+
+def test_retry_group_rebalances_lose_and_repeat_no_retry(
+    stack: Stack, unique_group: str, unique_topic: Callable[..., str]
+) -> None:
+    """The make-test failure of issue 12: retries queued in the runner while its retry group rebalances.
+
+    Sixty retries, fifteen per partition, dispatched one group at a time (about 0.2 s each, so
+    the queue outlasts a rebalance); a foreign member joins the runner's group while retries are
+    queued (the runner's partitions are revoked and given back, so queued retries are delivered
+    again) and leaves (they move once more). The runner must stay alive, dispatch every retry
+    exactly once, and commit every retry record."""
+    retries = unique_topic(4)
+    before = {g.group_id for g in _dispatched(stack)}
+    payload = {"task": "guess_number", "secret": 9, "low": 0, "high": 15, "max_turns": 5}
+    tag = uuid.uuid4().hex[:6]
+    wanted = []
+    for i in range(N_RETRIES):
+        retry = RetryRequest(prompt_id=f"rb-{tag}-{i}", attempt=1, previous_group_id="g-old", prompt=payload)
+        _produce_at(stack.bootstrap, retries, i % 4, retry)
+        wanted.append(retry.prompt_id)
+    port = free_port()
+    env = _runner_env(stack, unique_group, retries, unique_topic(), REIN_SEED="9",
+                      REIN_MAX_CONCURRENT_GROUPS="1", REIN_METRICS_PORT=str(port))
+    proc, log_path = _start_runner(stack, env)
+
+    def health() -> dict[str, Any]:
+        try:
+            body: dict[str, Any] = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+        except httpx.HTTPError:
+            return {}
+        assert proc.poll() is None, f"runner died; log:\n{log_path.read_text()[-4000:]}"
+        return body
+
+    def retries_dispatched() -> Counter[str]:
+        assert proc.poll() is None, f"runner died; log:\n{log_path.read_text()[-4000:]}"
+        return Counter(g.prompt_id for g in _dispatched(stack) if g.group_id not in before and g.attempt == 1)
+
+    try:
+        _wait_for(lambda: health().get("dispatched", 0) >= 1 and health().get("pending_retries", 0) >= 4, 90,
+                  "a retry dispatched while others are queued")
+        with ForeignMember(stack.bootstrap, unique_group, [retries]) as member:
+            _wait_for(lambda: member.records > 0 or len(retries_dispatched()) == N_RETRIES, 30,
+                      "the foreign member to read retries of its partitions")
+        _wait_for(lambda: len(retries_dispatched()) == N_RETRIES, 180, "every retry dispatched")
+        assert proc.poll() is None, f"runner died; log:\n{log_path.read_text()[-4000:]}"
+
+        def all_committed() -> bool:
+            reader = KafkaConsumer(bootstrap_servers=stack.bootstrap, group_id=unique_group,
+                                   enable_auto_commit=False)
+            try:
+                tps = [TopicPartition(retries, p) for p in range(4)]
+                return all(reader.committed(tp) == N_RETRIES // 4 for tp in tps)
+            finally:
+                reader.close()
+
+        _wait_for(all_committed, 30, "every retry record committed")
+        proc.terminate()
+        _wait_exit(proc, log_path, timeout_s=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    dispatched = Counter(g.prompt_id for g in _dispatched(stack) if g.group_id not in before and g.attempt == 1)
+    assert dispatched == Counter(dict.fromkeys(wanted, 1)), "each retry dispatched exactly once"
+    log_text = log_path.read_text()
+    assert "retries_revoked" in log_text, "the runner's retry partitions were revoked at least once"

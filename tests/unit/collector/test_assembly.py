@@ -1,10 +1,9 @@
-"""Assembly of chunks and events into completed groups, and the commit offset rule."""
+"""Assembly of chunks and events into completed groups, and which records it says are done."""
 
 from __future__ import annotations
 
-import pytest
-
-from services.collector.assembly import Assembler, Position, commit_offset
+from services.collector.assembly import Assembler, Position
+from shared.offsets import Offsets
 from shared.replay import window_group
 from shared.schemas import Chunk, CompletedGroup, GroupDispatched, Record, SessionFinished, SessionRejected
 
@@ -45,20 +44,36 @@ def finished(sid: str, n: int, gid: str = "g1", reward: float = 1.0, status: str
     return SessionFinished(session_id=sid, group_id=gid, reward=reward, num_chunks=n, status=status)  # type: ignore[arg-type]
 
 
+def commits(asm: Assembler, offsets: Offsets) -> dict[tuple[str, int], int]:
+    """What the collector's shell does each iteration: mark the assembler's done positions, read the commit."""
+    for pos in asm.take_done():
+        offsets.done(pos.tp, pos.offset)
+    return offsets.to_commit()
+
+
 class Feed:
-    """Feeds records with increasing offsets per topic (partition 0)."""
+    """Feeds records with increasing offsets per topic (partition 0), through the consumer's offsets."""
 
     def __init__(self) -> None:
         self.asm = Assembler()
+        self.offsets = Offsets()
         self.next = {CHUNKS: 0, EVENTS: 0}
         self.completed: list[CompletedGroup] = []
+
+    def commits(self) -> dict[tuple[str, int], int]:
+        return commits(self.asm, self.offsets)
+
+    def deliver(self, pos: Position, record: Record, now: float = 0.0) -> CompletedGroup | None:
+        if not self.offsets.deliver(pos.tp, pos.offset):
+            return None
+        return self.asm.add(pos, record, now)
 
     def __call__(self, record: Record, offset: int | None = None) -> CompletedGroup | None:
         topic = CHUNKS if isinstance(record, Chunk) else EVENTS
         if offset is None:
             offset = self.next[topic]
             self.next[topic] += 1
-        out = self.asm.add(Position(topic, 0, offset), record)
+        out = self.deliver(Position(topic, 0, offset), record)
         if out is not None:
             self.completed.append(out)
         return out
@@ -191,18 +206,22 @@ def test_offsets_of_incomplete_groups_hold_the_commit_until_release() -> None:
     group = feed(finished("a1", 1, gid="A"))  # events@2
     assert group is not None
     # A complete but not yet released: everything still held
-    assert feed.asm.commit_offsets() == {(CHUNKS, 0): 0, (EVENTS, 0): 0}
+    assert feed.commits() == {(CHUNKS, 0): 0, (EVENTS, 0): 0}
     feed.asm.release("A")
-    assert feed.asm.commit_offsets() == {(CHUNKS, 0): 1, (EVENTS, 0): 1}
-    feed.asm.skip(Position(EVENTS, 0, 3))  # a malformed record after everything
+    assert feed.commits() == {(CHUNKS, 0): 1, (EVENTS, 0): 1}
+    feed.offsets.deliver((EVENTS, 0), 3)  # a malformed record after everything: the consumer marks it done
+    feed.offsets.done((EVENTS, 0), 3)
     feed.next[EVENTS] = 4
-    assert feed.asm.commit_offsets() == {(CHUNKS, 0): 1, (EVENTS, 0): 1}
+    assert feed.commits() == {(CHUNKS, 0): 1, (EVENTS, 0): 1}
     assert feed(finished("b1", 1, gid="B")) is not None  # events@4
     feed.asm.release("B")
-    assert feed.asm.commit_offsets() == {(CHUNKS, 0): 2, (EVENTS, 0): 5}
-    # records of a released group arriving again are handled without being held
+    assert feed.commits() == {(CHUNKS, 0): 2, (EVENTS, 0): 5}
+    # a record of a released group published again (a new offset) is done at once
     feed(chunk("a1", 0, gid="A"), offset=2)
-    assert feed.asm.commit_offsets() == {(CHUNKS, 0): 3, (EVENTS, 0): 5}
+    assert feed.commits() == {(CHUNKS, 0): 3, (EVENTS, 0): 5}
+    # one delivered again at an offset already read (a rebalance) is not folded at all
+    assert feed(dispatched(["b1"], gid="B"), offset=1) is None
+    assert feed.asm.assembling == 0
 
 
 def test_marked_done_groups_and_revoked_partitions() -> None:
@@ -213,17 +232,19 @@ def test_marked_done_groups_and_revoked_partitions() -> None:
     feed(chunk("y", 0, gid="new"))
     assert feed.asm.assembling == 1
     assert feed.asm.forget_partitions([(CHUNKS, 0)]) == ["new"]
+    feed.offsets.revoke([(CHUNKS, 0)])
     assert feed.asm.assembling == 0
-    assert (CHUNKS, 0) not in feed.asm.commit_offsets()
+    assert (CHUNKS, 0) not in feed.commits()
 
 
 def test_expire_drops_silent_groups_that_were_never_dispatched() -> None:
-    asm = Assembler()
+    asm, offsets = Assembler(), Offsets()
+    offsets.deliver((CHUNKS, 0), 0)
     asm.add(Position(CHUNKS, 0, 0), chunk("s", 0, gid="G"), now=100.0)
     assert asm.expire(now=150.0, timeout_s=60.0).dropped == []
     expired = asm.expire(now=161.0, timeout_s=60.0)
     assert expired.dropped == ["G"] and expired.failed == []
-    assert asm.commit_offsets() == {(CHUNKS, 0): 1}
+    assert commits(asm, offsets) == {(CHUNKS, 0): 1}
     assert asm.add(Position(EVENTS, 0, 0), dispatched(["s"], gid="G"), now=170.0) is None  # done: a duplicate
 
 
@@ -238,7 +259,7 @@ def test_touch_restarts_the_timeout_after_an_outage() -> None:
 def test_expire_fails_a_silent_dispatched_group_so_its_prompt_is_retried() -> None:
     """A session the proxy never saw (its agent died first), one with a hole in its chunks, and one
     whose chunks stopped without an end are rejected as incomplete; a whole session stays as it ended."""
-    asm = Assembler()
+    asm, offsets = Assembler(), Offsets()
     records: list[tuple[str, Record]] = [
         (EVENTS, dispatched(["whole", "holed", "silent", "unseen"])),
         (CHUNKS, chunk("whole", 0)),
@@ -248,10 +269,12 @@ def test_expire_fails_a_silent_dispatched_group_so_its_prompt_is_retried() -> No
         (EVENTS, finished("holed", 3)),
         (CHUNKS, chunk("silent", 0)),
     ]
-    offsets = {CHUNKS: 0, EVENTS: 0}
+    next_offset = {CHUNKS: 0, EVENTS: 0}
     for topic, record in records:
-        assert asm.add(Position(topic, 0, offsets[topic]), record, now=100.0) is None
-        offsets[topic] += 1
+        pos = Position(topic, 0, next_offset[topic])
+        assert offsets.deliver(pos.tp, pos.offset)
+        assert asm.add(pos, record, now=100.0) is None
+        next_offset[topic] += 1
     assert asm.expire(now=130.0, timeout_s=60.0).failed == []
     expired = asm.expire(now=161.0, timeout_s=60.0)
     assert expired.dropped == []
@@ -264,24 +287,7 @@ def test_expire_fails_a_silent_dispatched_group_so_its_prompt_is_retried() -> No
         assert (by_id[sid].status, by_id[sid].error) == ("rejected", "incomplete")
         assert len(by_id[sid].segments) == segments  # the contiguous chunks from seq 0
     assert asm.expire(now=500.0, timeout_s=60.0).failed == []  # emitted once
-    assert asm.commit_offsets() == {(CHUNKS, 0): 0, (EVENTS, 0): 0}  # held until the shell decided and released it
+    assert commits(asm, offsets) == {(CHUNKS, 0): 0, (EVENTS, 0): 0}  # held until the shell decided and released it
     asm.release(group.group_id)
-    assert asm.commit_offsets() == {(CHUNKS, 0): 4, (EVENTS, 0): 3}
+    assert commits(asm, offsets) == {(CHUNKS, 0): 4, (EVENTS, 0): 3}
     assert asm.add(Position(EVENTS, 0, 3), finished("silent", 1), now=600.0) is None  # a late end is a duplicate
-
-
-@pytest.mark.parametrize(
-    ("pending", "last_handled", "expected"),
-    [
-        ((), None, None),  # nothing read yet: no commit
-        ((), 0, 1),  # everything handled: last + 1
-        ((), 41, 42),
-        ((5,), 9, 5),  # a record still needed: its offset
-        ((7, 5, 9), 9, 5),  # the lowest pending offset wins
-        ((9,), 9, 9),  # the last record itself still needed
-        ((0,), 0, 0),  # the very first record pending
-        ((3, 3), 8, 3),  # the same offset held twice (a duplicate delivery)
-    ],
-)
-def test_commit_offset_rule(pending: tuple[int, ...], last_handled: int | None, expected: int | None) -> None:
-    assert commit_offset(pending, last_handled) == expected

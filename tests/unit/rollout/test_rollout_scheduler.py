@@ -1,12 +1,10 @@
-"""The runner's pure scheduling rules: retry priority, the in-flight bound, sync waves, offsets."""
+"""The runner's pure scheduling rules: retry priority, duplicates and revokes, the in-flight bound, sync waves."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
-from services.rollout.scheduler import AVAILABILITY_ERRORS, BackendGate, OffsetTracker, RetrySource, Scheduler, Work
+from services.rollout.scheduler import AVAILABILITY_ERRORS, BackendGate, RetrySource, Scheduler, Work, retry_work
 from services.rollout.task import NumberGuessTask
 
 
@@ -14,8 +12,12 @@ def _sched(**kw: object) -> Scheduler:
     return Scheduler(NumberGuessTask().prompts(0), **kw)  # type: ignore[arg-type]
 
 
-def _retry(prompt_id: str, attempt: int = 1, offset: int = 0) -> Work:
-    return Work(prompt_id, attempt, {"secret": 3}, RetrySource("rollout.retries", 0, offset))
+def _src(offset: int, partition: int = 0) -> RetrySource:
+    return RetrySource("rollout.retries", partition, offset)
+
+
+def _retry(prompt_id: str, attempt: int = 1, offset: int = 0, partition: int = 0) -> Work:
+    return retry_work(prompt_id, attempt, {"secret": 3}, _src(offset, partition))
 
 
 def test_retries_go_before_new_prompts_in_arrival_order() -> None:
@@ -29,12 +31,73 @@ def test_retries_go_before_new_prompts_in_arrival_order() -> None:
     assert taken[2] is not None and taken[2].kind == "new"
 
 
-def test_duplicate_retry_is_dispatched_once() -> None:
+def test_duplicate_retry_is_dispatched_once_and_done_with_its_original() -> None:
     s = _sched(max_in_flight=10)
-    assert s.add_retry(_retry("p", 1, offset=3))
-    assert not s.add_retry(_retry("p", 1, offset=9))
-    assert s.add_retry(_retry("p", 2, offset=10))
+    assert s.add_retry(_retry("p", 1, offset=3)) == "queued"
+    assert s.add_retry(_retry("p", 1, offset=9)) == "attached"  # republished: rides on the queued work
+    assert s.add_retry(_retry("p", 2, offset=10)) == "queued"
     assert s.pending_retries == 2
+    work = s.take()
+    assert work is not None and work.key == ("p", 1)
+    assert s.add_retry(_retry("p", 1, offset=11)) == "attached"  # while its dispatch is in progress
+    assert s.confirm(work) == [_src(3), _src(9), _src(11)]  # every record that asked for it is done now
+    assert s.add_retry(_retry("p", 1, offset=12)) == "dispatched"  # later copies: done at once by the caller
+    assert s.pending_retries == 1
+
+
+# Event tables for the retry records of one runner: (event, argument) -> outcome. A record is only
+# ever marked done by ``confirm`` (its group's GroupDispatched is in Kafka) or by an add_retry answer
+# of "dispatched"; never on behalf of work that has not happened (the make-test failure of issue 12).
+@pytest.mark.parametrize(
+    ("events", "expected_done", "expected_queue"),
+    [
+        # the runner's crash: offset 5 queued, the dispatch fails (gate closed), the partition is revoked
+        # and re-assigned, offset 5 is delivered again. Old state is dropped, the new delivery queues it
+        # once, and only its dispatch makes offset 5 done.
+        ([("add", 5), ("take", None), ("give_back", None), ("revoke", 0), ("add", 5), ("take", None),
+          ("confirm", None)], [5], []),
+        # revoked while queued, the partition goes to another runner: nothing is dispatched, nothing done here
+        ([("add", 5), ("add", 6), ("revoke", 0)], [], []),
+        # revoked while its dispatch is in progress: the dispatch is real and goes through
+        ([("add", 5), ("take", None), ("revoke", 0), ("confirm", None)], [], []),
+        # revoked while in progress and the dispatch fails: dropped (the new owner dispatches it)
+        ([("add", 5), ("take", None), ("revoke", 0), ("give_back", None)], [], []),
+        # a duplicate publish on another partition survives the revoke of the original's partition
+        ([("add", 5), ("add_p1", 7), ("revoke", 0), ("take", None), ("confirm", None)], [(1, 7)], []),
+        # a revoke of another partition leaves the queue alone
+        ([("add", 5), ("revoke", 1)], [], [5]),
+    ],
+)
+def test_retry_records_are_done_only_with_their_dispatch(
+    events: list[tuple[str, int | None]], expected_done: list[int | tuple[int, int]], expected_queue: list[int]
+) -> None:
+    s = _sched(max_in_flight=10)
+    done: list[RetrySource] = []
+    taken: Work | None = None
+    for event, arg in events:
+        if event == "add":
+            assert arg is not None
+            if s.add_retry(_retry("p", 1, offset=arg)) == "dispatched":
+                done.append(_src(arg))
+        elif event == "add_p1":
+            assert arg is not None
+            s.add_retry(_retry("p", 1, offset=arg, partition=1))
+        elif event == "take":
+            taken = s.take()
+            assert taken is not None and taken.kind == "retry"
+        elif event == "give_back":
+            assert taken is not None
+            s.give_back(taken)
+        elif event == "confirm":
+            assert taken is not None
+            done.extend(s.confirm(taken))
+        else:
+            s.revoke({("rollout.retries", arg if arg is not None else 0)})
+    assert [d.offset if d.partition == 0 else (d.partition, d.offset) for d in done] == expected_done
+    queued = []
+    while (w := s.take()) is not None and w.kind == "retry":
+        queued.extend(src.offset for src in w.sources)
+    assert queued == expected_queue
 
 
 @pytest.mark.parametrize("bound", [1, 3, 8])
@@ -136,33 +199,6 @@ def test_async_mode_ignores_weights() -> None:
     s = _sched(max_in_flight=3)
     assert [s.take() is not None for _ in range(4)] == [True, True, True, False]
     assert not s.waiting_for_weights
-
-
-@pytest.mark.parametrize(
-    ("seen", "handled", "commits"),
-    [
-        ([0, 1, 2], [0, 1, 2], [1, 2, 3]),
-        ([0, 1, 2], [2, 1, 0], [None, None, 3]),
-        ([0, 1, 2], [1, 0, 2], [None, 2, 3]),
-        ([5, 7, 9], [7, 5, 9], [None, 8, 10]),  # gaps (skipped poison records) are fine
-    ],
-)
-def test_offset_tracker(seen: list[int], handled: list[int], commits: list[int | None]) -> None:
-    t = OffsetTracker()
-    for o in seen:
-        t.seen("r", 0, o)
-    assert [t.handled("r", 0, o) for o in handled] == commits
-
-
-def test_offset_tracker_partitions_are_independent_and_double_handling_is_a_bug() -> None:
-    t = OffsetTracker()
-    for p, o in itertools.product([0, 1], [0, 1]):
-        t.seen("r", p, o)
-    assert t.handled("r", 1, 0) == 1
-    assert t.handled("r", 0, 1) is None
-    assert t.handled("r", 0, 0) == 2
-    with pytest.raises(KeyError):
-        t.handled("r", 0, 0)
 
 
 def test_backend_gate_closes_on_an_outage_probes_with_doubling_delays_and_opens_on_success() -> None:

@@ -1,10 +1,10 @@
-"""Manifest order/dedupe buffer and the offsets that are safe to commit."""
+"""Manifest order/dedupe buffer."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.trainer.ordering import ManifestOrder, OffsetBook, Pos
+from services.trainer.ordering import ManifestOrder
 
 
 def test_in_order_passes_straight_through() -> None:
@@ -47,36 +47,3 @@ def test_resume_skips_indices_already_in_the_checkpoint() -> None:
     order: ManifestOrder[str] = ManifestOrder(next_index=5)
     assert order.offer(3, "old").duplicate
     assert order.offer(5, "new").ready == [(5, "new")]
-
-
-P0, P1 = ("t", 0), ("t", 1)
-
-
-@pytest.mark.parametrize(
-    ("events", "expected"),
-    [
-        # (pos, offset, open) ... -> commit positions
-        ([(P0, 0, False), (P0, 1, False)], {P0: 2}),
-        ([(P0, 0, False), (P0, 1, True), (P0, 2, False)], {P0: 1}),  # an open record holds the partition back
-        ([(P0, 4, True), (P1, 7, False)], {P0: 4, P1: 8}),
-    ],
-)
-def test_commit_positions(events: list[tuple[Pos, int, bool]], expected: dict[Pos, int]) -> None:
-    book = OffsetBook()
-    for pos, offset, open_ in events:
-        book.seen(pos, offset, open_=open_)
-    assert book.commit_positions() == expected
-
-
-def test_closing_releases_and_only_advances_are_reported() -> None:
-    book = OffsetBook()
-    book.seen(P0, 0, open_=True)
-    book.seen(P0, 1, open_=True)
-    first = book.commit_positions()
-    assert first == {P0: 0}
-    book.committed(first)
-    assert book.commit_positions() == {}
-    book.close(P0, 0)
-    assert book.commit_positions() == {P0: 1}
-    book.close(P0, 1)
-    assert book.commit_positions() == {P0: 2}
