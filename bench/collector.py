@@ -33,7 +33,7 @@ import redis  # noqa: E402
 
 from services.collector.synthetic import group_records  # noqa: E402
 from services.collector.window_store import WindowStore  # noqa: E402
-from shared.bus import Producer, ensure_topics  # noqa: E402
+from shared.bus import Producer, ensure_topology  # noqa: E402
 from shared.names import RedisKeys, Topics  # noqa: E402
 from shared.schemas import Chunk, GroupRef, WeightPublished  # noqa: E402
 from shared.settings import KafkaSettings  # noqa: E402
@@ -85,7 +85,7 @@ def throughput(bootstrap: str, redis_url: str, replicas: int, groups: int) -> di
     tag = uuid.uuid4().hex[:8]
     topics = Topics(**{name: f"bench.{tag}.{name}" for name in Topics.model_fields})
     kafka = KafkaSettings(bootstrap_servers=bootstrap)
-    ensure_topics(kafka, topics.all(), partitions=4)
+    ensure_topology(kafka, topics, 4)
     prefix = f"bench-{tag}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("REIN_")}
     env.update(

@@ -31,7 +31,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared import checkpoint
-from shared.bus import ensure_topics
+from shared.bus import ensure_topology
+from shared.names import Topics
 from shared.policy import PolicyConfig, init_policy
 from shared.settings import KafkaSettings
 from shared.tokenizer import TOKENIZER
@@ -59,7 +60,9 @@ def start_proxy(engine: str, kafka: str, logs: Path) -> tuple[Proc, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     tag = uuid.uuid4().hex[:8]
-    ensure_topics(KafkaSettings(bootstrap_servers=kafka), [f"bench.chunks.{tag}", f"bench.events.{tag}"])
+    bench_topics = Topics(chunks=f"bench.chunks.{tag}", events=f"bench.events.{tag}")
+    ensure_topology(KafkaSettings(bootstrap_servers=kafka), bench_topics,
+                    only=[bench_topics.chunks, bench_topics.events])
     proc = start_service("services.proxy", {
         "REIN_PORT": str(port), "REIN_ENGINE_URLS": json.dumps([engine]), "REIN_ADMIN_TOKEN": ADMIN,
         "REIN_KAFKA__BOOTSTRAP_SERVERS": kafka, "REIN_TOPICS__CHUNKS": f"bench.chunks.{tag}",

@@ -17,16 +17,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import NewTopic
+from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.errors import KafkaError, NoBrokersAvailable, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
 from shared import log
+from shared.names import Topics
 from shared.offsets import Offsets
 from shared.offsets import TopicPartition as TP
 from shared.schemas import DEFAULT_MAX_BYTES, DecodeError, Record, decode, encode
 from shared.settings import KafkaSettings
+from shared.topology import topic_specs
 
 _log = log.get(__name__)
 
@@ -113,17 +115,20 @@ class Producer:
         text = key if key is not None else record.key()
         return self._producer.send(topic, value=encode(record), key=text.encode("utf-8"))
 
-    def wait(self, future: object) -> Delivered:
+    def wait(self, future: object, timeout_s: float | None = None) -> Delivered:
+        """The record's position once acked; BusUnavailable after ``timeout_s`` (default: request_timeout_ms)."""
         try:
-            meta = future.get(timeout=self._timeout_s)  # type: ignore[attr-defined]
+            meta = future.get(timeout=self._timeout_s if timeout_s is None else timeout_s)  # type: ignore[attr-defined]
         except KafkaError as exc:
             raise BusUnavailable(f"producing to Kafka failed: {exc}") from exc
         return Delivered(meta.topic, meta.partition, meta.offset)
 
-    def send_many(self, items: Iterable[tuple[str, Record]]) -> list[Delivered]:
-        """Produce several records and wait for all acks; order per partition is kept."""
+    def send_many(self, items: Iterable[tuple[str, Record]], timeout_s: float | None = None) -> list[Delivered]:
+        """Produce several records and wait for all acks, within one overall bound (default:
+        request_timeout_ms) however many there are; order per partition is kept."""
+        deadline = time.monotonic() + (self._timeout_s if timeout_s is None else timeout_s)
         futures = [self.send_async(topic, record) for topic, record in items]
-        return [self.wait(f) for f in futures]
+        return [self.wait(f, max(0.0, deadline - time.monotonic())) for f in futures]
 
     def flush(self) -> None:
         self._producer.flush(timeout=self._timeout_s)
@@ -283,22 +288,26 @@ class Consumer:
 def create_topics(
     admin: KafkaAdminClient,
     partitions: dict[str, int],
-    configs: dict[str, str] | None = None,
+    configs: dict[str, str] | dict[str, dict[str, str]] | None = None,
     timeout_s: float = 30.0,
 ) -> list[str]:
     """Create the missing topics (replication 1) and wait until every partition has a leader.
 
-    Returns the names this call created. Waiting matters: a producer or an assigned
-    consumer that races a fresh topic's leader election sees errors or stalls.
+    ``configs`` is one topic config for all, or a config per topic name. Returns the names
+    this call created. Waiting matters: a producer or an assigned consumer that races a fresh
+    topic's leader election sees errors or stalls.
     """
+    per_topic = bool(configs) and all(isinstance(v, dict) for v in (configs or {}).values())
     existing = set(admin.list_topics())
     created: list[str] = []
     for name, count in partitions.items():
         if name in existing:
             continue
+        config = (configs or {}).get(name, {}) if per_topic else configs
         try:
             admin.create_topics(
-                [NewTopic(name, count, 1, topic_configs=dict(configs or {}))], timeout_ms=int(timeout_s * 1000)
+                [NewTopic(name, count, 1, topic_configs=dict(config or {}))],  # type: ignore[arg-type]
+                timeout_ms=int(timeout_s * 1000),
             )
             created.append(name)
         except TopicAlreadyExistsError:
@@ -334,13 +343,43 @@ def admin_client(settings: KafkaSettings) -> KafkaAdminClient:
     return client
 
 
-def ensure_topics(settings: KafkaSettings, topics: Iterable[str], partitions: int = 4) -> list[str]:
-    """Create missing topics with ``partitions`` each and wait for their leaders; returns the ones created."""
+def ensure_topology(
+    settings: KafkaSettings, topics: Topics, partitions: int = 4, only: Iterable[str] | None = None
+) -> list[str]:
+    """Create the missing topics of ``topics`` as :func:`shared.topology.topic_specs` says (all, or
+    ``only`` those names) and wait for their leaders; returns the ones created."""
+    specs = topic_specs(topics, partitions)
+    names = list(specs) if only is None else list(only)
+    unknown = [n for n in names if n not in specs]
+    if unknown:
+        raise ValueError(f"not rein topics: {unknown}")
     admin = admin_client(settings)
     try:
-        return create_topics(admin, dict.fromkeys(topics, partitions))
+        return create_topics(
+            admin, {n: specs[n].partitions for n in names}, {n: dict(specs[n].configs) for n in names}
+        )
     finally:
         admin.close()
+
+
+def topic_configs(settings: KafkaSettings, names: Iterable[str]) -> dict[str, dict[str, str]]:
+    """Each topic's effective configuration on the broker (its own and the broker's defaults)."""
+    admin = admin_client(settings)
+    try:
+        wanted = list(names)
+        responses = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, n) for n in wanted])
+    finally:
+        admin.close()
+    out: dict[str, dict[str, str]] = {}
+    for response in responses:
+        for error_code, error_message, _type, name, entries in (r[:5] for r in response.resources):
+            if error_code:
+                raise BusUnavailable(f"describing topic {name!r} failed: error {error_code} {error_message}")
+            out[name] = {entry[0]: entry[1] for entry in entries if entry[1] is not None}
+    missing = [n for n in wanted if n not in out]
+    if missing:
+        raise BusUnavailable(f"the broker described no configuration for topics {missing}")
+    return out
 
 
 def read_at(settings: KafkaSettings, topic: str, partition: int, offset: int, timeout_s: float = 10.0) -> Record:

@@ -103,6 +103,14 @@ class SessionIdle(SessionConflict):
     code = "session_idle"
 
 
+class StalePause(ReinError):
+    """A renew or resume named a pause that is not the proxy's current one (its lease ran out, or a
+    newer pause took over): refused, so a late control call cannot end someone else's pause."""
+
+    status = 409
+    code = "stale_pause"
+
+
 class PayloadTooLarge(ReinError):
     """The request body exceeds the configured size limit."""
 

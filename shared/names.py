@@ -80,6 +80,11 @@ class RedisKeys:
         return f"{self.prefix}:window:decided"
 
     @property
+    def decided_at(self) -> str:
+        """Sorted set group id scored by the unix time of its decision: what ``decided`` may forget, oldest first."""
+        return f"{self.prefix}:window:decided_at"
+
+    @property
     def prompt_drops(self) -> str:
         """Hash prompt id -> number of groups of that prompt dropped after the last retry."""
         return f"{self.prefix}:prompt_drops"

@@ -13,7 +13,9 @@ import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from shared.versions import decode_runs
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
@@ -71,10 +73,30 @@ class Chunk(Record):
     output_ids: list[int] = Field(default_factory=list)
     logprobs: list[float] = Field(default_factory=list)
     version: str | None = None
-    """Normalised label of the weights that produced every output token of this chunk."""
+    """Normalised ``weight_version`` the engine reported for the call (its version when it answered)."""
+    token_versions: list[tuple[str | None, int]] = Field(default_factory=list)
+    """The version of each output token as the engine reported it, run-length encoded
+    (``[(label, count), ...]``, counts summing to ``len(output_ids)``): an engine may swap
+    weights mid-request. Empty: every output token carries ``version``."""
     finish_reason: Literal["stop", "length", "abort"]
     rid: str = ""
     engine: str = ""
+
+    @model_validator(mode="after")
+    def _runs_cover_the_output(self) -> Chunk:
+        if self.token_versions:
+            total = sum(count for _, count in self.token_versions)
+            if total != len(self.output_ids) or any(count < 1 for _, count in self.token_versions):
+                raise ValueError(
+                    f"token_versions cover {total} tokens in runs of at least 1, output_ids has {len(self.output_ids)}"
+                )
+        return self
+
+    def output_versions(self) -> list[str | None]:
+        """The version of every output token."""
+        if self.token_versions:
+            return decode_runs(self.token_versions)
+        return [self.version] * len(self.output_ids)
 
     def key(self) -> str:
         return self.group_id
@@ -269,7 +291,8 @@ class WeightApplied(Record):
     engines: list[str] = Field(default_factory=list)
 
     def key(self) -> str:
-        return self.version
+        """Not the bare version: ``weights`` is compacted, and the version's ``WeightPublished`` must stay."""
+        return f"{self.version}:applied"
 
 
 # --------------------------------------------------------------------------- rollout.retries

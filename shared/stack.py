@@ -90,7 +90,7 @@ def start(config: StackConfig) -> LocalStack:
         urls[f"collector-{i}"] = f"http://127.0.0.1:{p}"
     local = LocalStack(config, infra, stack, urls, token)
     try:
-        bus.ensure_topics(KafkaSettings(bootstrap_servers=infra.kafka_bootstrap), Topics().all(), config.partitions)
+        bus.ensure_topology(KafkaSettings(bootstrap_servers=infra.kafka_bootstrap), Topics(), config.partitions)
         common = {
             "REIN_KAFKA__BOOTSTRAP_SERVERS": infra.kafka_bootstrap,
             "REIN_REDIS__URL": infra.redis_url,

@@ -40,6 +40,26 @@ def distinct_real(values: Iterable[object]) -> list[str]:
     return list(seen)
 
 
+VersionRuns = list[tuple[str | None, int]]
+"""Run-length encoded per-token versions: ``[(label, count), ...]`` in token order."""
+
+
+def encode_runs(labels: Iterable[str | None]) -> VersionRuns:
+    """Consecutive equal labels as ``(label, count)`` runs (already normalised labels)."""
+    runs: VersionRuns = []
+    for label in labels:
+        if runs and runs[-1][0] == label:
+            runs[-1] = (label, runs[-1][1] + 1)
+        else:
+            runs.append((label, 1))
+    return runs
+
+
+def decode_runs(runs: Iterable[tuple[str | None, int]]) -> list[str | None]:
+    """The per-token labels of ``runs``."""
+    return [label for label, count in runs for _ in range(count)]
+
+
 class VersionRegistry:
     """Published labels ordered by sequence number, then unregistered ones by observation.
 

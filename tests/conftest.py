@@ -129,7 +129,9 @@ def kafka_admin(kafka_bootstrap: str) -> Iterator[KafkaAdminClient]:
         admin.close()
 
 
-def _create_topics(admin: KafkaAdminClient, partitions: dict[str, int], configs: dict[str, str]) -> None:
+def _create_topics(
+    admin: KafkaAdminClient, partitions: dict[str, int], configs: dict[str, str] | dict[str, dict[str, str]]
+) -> None:
     from shared.bus import create_topics
 
     create_topics(admin, partitions, configs)
@@ -137,11 +139,13 @@ def _create_topics(admin: KafkaAdminClient, partitions: dict[str, int], configs:
 
 @pytest.fixture(scope="session")
 def topics(kafka_admin: KafkaAdminClient) -> Topics:
-    """DESIGN's topics under their default names, 4 partitions each (shared by the session)."""
+    """DESIGN's topics under their default names, as ``shared.topology`` specifies (shared by the session)."""
     from shared.names import Topics
+    from shared.topology import topic_specs
 
     names = Topics()
-    _create_topics(kafka_admin, dict.fromkeys(names.all(), 4), {})
+    specs = topic_specs(names)
+    _create_topics(kafka_admin, {n: s.partitions for n, s in specs.items()}, {n: s.configs for n, s in specs.items()})
     return names
 
 

@@ -113,7 +113,8 @@ def build_trajectory(session_id: str, session: _Session) -> Trajectory:
     """Concatenate a finished session's chunks (seq order) into segments.
 
     Context tokens get mask 0, logprob 0.0, version None; output tokens mask 1,
-    their logprob and the chunk's version. A segment's finish reason is its last chunk's.
+    their logprob and the version the engine reported for each of them. A segment's
+    finish reason is its last chunk's.
     """
     end = session.end
     assert end is not None
@@ -134,7 +135,7 @@ def build_trajectory(session_id: str, session: _Session) -> Trajectory:
         seg["token_ids"].extend(chunk.output_ids)
         seg["loss_mask"].extend([1] * n_out)
         seg["logprobs"].extend(logprobs)
-        seg["versions"].extend([chunk.version] * n_out)
+        seg["versions"].extend(chunk.output_versions())
         finish[chunk.segment_index] = chunk.finish_reason
     built = [Segment(segment_index=index, finish_reason=finish[index], **segments[index]) for index in sorted(segments)]
     if isinstance(end, SessionRejected):

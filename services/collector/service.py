@@ -40,7 +40,7 @@ from services.collector.assembly import (
 from services.collector.settings import CollectorSettings
 from services.collector.window_store import StepOutcome, WindowStore
 from shared import log
-from shared.bus import Consumer, Delivered, Polled, Producer, ensure_topics
+from shared.bus import Consumer, Delivered, Polled, Producer, ensure_topology, topic_configs
 from shared.metrics import DecodeErrors, counter, gauge, render
 from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
@@ -48,6 +48,7 @@ from shared.replay import window_group
 from shared.schemas import CompletedGroup, DecodeError, GroupRef, Record, WeightApplied, WeightPublished
 from shared.staleness import Decision, WindowConfig
 from shared.state import RedisRegistry, connect
+from shared.topology import TopicSpec
 
 _log = log.get(__name__)
 
@@ -76,6 +77,9 @@ class CollectorMetrics:
             ("outcome",),
         )
         self.weight_errors = counter(r, "collector/weight_errors", "Weight records the registry refused")
+        self.decided_trimmed = counter(
+            r, "collector/decided_trimmed", "Decided marks forgotten after REIN_DECIDED_TTL_S"
+        )
         self.commit_errors = counter(r, "collector/commit_errors", "Offset commits refused (rebalance)")
         self.outages = counter(
             r, "collector/dependency_errors", "Loop iterations that failed on Redis or Kafka and were retried",
@@ -261,7 +265,8 @@ class Collector:
     def run(self) -> None:
         s = self.settings
         topics = s.topics
-        ensure_topics(s.kafka, topics.all(), partitions=s.topic_partitions)
+        ensure_topology(s.kafka, topics, s.topic_partitions)
+        self._check_decided_ttl()
         redis_client = connect(s.redis)
         self.store = WindowStore(
             redis_client,
@@ -305,6 +310,23 @@ class Collector:
             self.http.stop()
             redis_client.close()
 
+    def _check_decided_ttl(self) -> None:
+        """Refuse a ``decided`` TTL that Kafka's retention of the input topics could outlive (see
+        ``shared.topology``): a mark forgotten while its group's records can still be read again
+        would let that group be decided, and trained, twice."""
+        s = self.settings
+        if not s.decided_ttl_s:
+            return
+        configs = topic_configs(s.kafka, [s.topics.chunks, s.topics.events])
+        bounds = {name: TopicSpec(0, config).deleted_within_ms() for name, config in configs.items()}
+        too_long = {n: b for n, b in bounds.items() if b is None or b >= s.decided_ttl_s * 1000}
+        if too_long:
+            shown = {n: "forever" if b is None else f"{b / 3_600_000:g} h" for n, b in too_long.items()}
+            raise RuntimeError(
+                f"REIN_DECIDED_TTL_S ({s.decided_ttl_s:g} s) does not outlive the retention of {shown} "
+                "(retention.ms + segment.ms): raise it, shorten the topics' retention, or set it to 0 (never trim)"
+            )
+
     def _join(self) -> Consumer:
         """A consumer-group member on chunks + events, joined only once their metadata is visible."""
         s = self.settings
@@ -329,7 +351,7 @@ class Collector:
 
     def _loop(self) -> None:
         s = self.settings
-        next_drain = next_lag = next_registry_check = time.monotonic()
+        next_drain = next_lag = next_registry_check = next_trim = time.monotonic()
         outage: Outage | None = None
         while not self.stop.is_set():
             self.last_loop = now = time.monotonic()
@@ -338,6 +360,9 @@ class Collector:
                 if now >= next_registry_check:
                     self.weights.repair()
                     next_registry_check = now + s.registry_check_s
+                if s.decided_ttl_s and now >= next_trim:
+                    self.metrics.decided_trimmed.inc(self.store.trim_decided(s.decided_ttl_s))
+                    next_trim = now + 60.0
                 # Records polled but not folded yet (Redis failed under _fold) are folded again before
                 # polling on; groups completed but not handled yet are handled again (steps are
                 # idempotent per group id). Nothing read is dropped during an outage.
@@ -481,7 +506,9 @@ class Collector:
         self.metrics.conflicts.inc(self.store.conflicts - before)
 
     def _send(self, items: list[tuple[str, Record]]) -> list[Delivered]:
-        return self.producer.send_many(items)
+        # Bounded to half the outbox lease: a publish ends (acked, or failed and retried later)
+        # before the lease could pass to another replica, which would publish the same entries again.
+        return self.producer.send_many(items, timeout_s=self.settings.outbox_lock_ms / 2000)
 
     def _commit(self) -> None:
         for pos in self.assembler.take_done():

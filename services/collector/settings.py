@@ -31,8 +31,14 @@ class CollectorSettings(ServiceSettings):
     """Longest wait of one consumer poll; bounds how fast the loop notices a stop request."""
     topic_partitions: int = Field(default=4, ge=1)
     """Partitions of topics the collector creates when missing (chunks and events must have the same count)."""
+    decided_ttl_s: float = Field(default=15 * 24 * 3600.0, ge=0)
+    """How long a group's ``decided`` mark is kept (0 = forever). Marks refuse a group decided
+    again when its records are read twice; records can only be read again while Kafka keeps
+    them, so this must exceed the input topics' retention plus one segment (the collector
+    checks the broker's values at start). 15 days covers a broker's defaults (7 + 7)."""
     outbox_lock_ms: int = Field(default=10_000, ge=100)
-    """Lease of the outbox publisher lock; a replica killed while publishing blocks others at most this long."""
+    """Lease of the outbox publisher lock; a replica killed while publishing blocks others at most this long.
+    One publish of outbox entries is bounded to half of it (then it fails and is retried)."""
     drain_interval_s: float = Field(default=2.0, gt=0)
     """How often an idle replica publishes leftover outbox entries (e.g. those of a replica that crashed)."""
     incomplete_timeout_s: float = Field(default=1800.0, gt=0)

@@ -18,13 +18,19 @@ publishes again: duplicates are possible only as the same bytes under the same
 key (same group decision, same manifest ``index``/``batch_id``), and consumers
 dedupe by key.
 
-Idempotency: a group id already in the ``decided`` hash is never decided again.
+Idempotency: a group id already in the ``decided`` hash is never decided again. The
+hash is bounded by :meth:`WindowStore.trim_decided`, which forgets marks older than a TTL
+that outlives the input topics' retention (see :mod:`shared.topology`).
+
+Optimistic retries back off (jittered, doubling from 1 ms to 50 ms), so replicas that
+collide do not retry in lockstep.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -278,6 +284,7 @@ class WindowStore:
                     return StepOutcome(group.group_id, result, steps, tuple(records))
                 except redis.WatchError:
                     self.conflicts += 1
+                    time.sleep(random.uniform(0.5, 1.0) * min(0.001 * 2**_attempt, 0.05))
                     continue
         raise WindowConflict(f"window step for group {group.group_id} lost {self.max_attempts} optimistic races")
 
@@ -372,6 +379,7 @@ class WindowStore:
             pipe.rpush(k.pending_order, *[g.group_id for g in after.pending])
         decided = {d.group_id: d.decision.value for d in result.decisions}
         pipe.hset(k.decided, mapping=decided)
+        pipe.zadd(k.decided_at, dict.fromkeys(decided, time.time()))
         for d in result.decisions:
             if d.decision is not Decision.KEPT:
                 pipe.hincrby(k.window, f"drops:{d.decision.value}", 1)
@@ -385,6 +393,22 @@ class WindowStore:
         return json.dumps(
             {"id": uuid.uuid4().hex, "topic": topic, "record": base64.b64encode(encode(record)).decode("ascii")}
         )
+
+    def trim_decided(self, ttl_s: float, now: float | None = None, limit: int = 1000) -> int:
+        """Forget up to ``limit`` ``decided`` marks older than ``ttl_s``; returns how many went.
+
+        Safe for concurrent replicas (each removal is idempotent) and against a concurrent step
+        (a mark is only written with a fresh time)."""
+        k = self.keys
+        cutoff = (time.time() if now is None else now) - ttl_s
+        old: list[str] = self.client.zrangebyscore(k.decided_at, "-inf", cutoff, start=0, num=limit)  # type: ignore[assignment]
+        if not old:
+            return 0
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hdel(k.decided, *old)
+            pipe.zrem(k.decided_at, *old)
+            pipe.execute()
+        return len(old)
 
     # ------------------------------------------------------------------ outbox
 

@@ -32,6 +32,7 @@ from services.proxy.openai_api import (
     ChatRequest,
     FinishBody,
     PauseBody,
+    RenewBody,
     ResumeBody,
     completion,
     empty_completion,
@@ -80,10 +81,12 @@ def create_app(settings: ProxySettings) -> FastAPI:
             _log.info("proxy ready", engines=[(e.url, e.version) for e in engines],
                       partial_rollout=settings.partial_rollout, max_preempts=settings.max_preempts)
             sweeper = asyncio.create_task(_expire_idle_sessions(service))
+            lease_watch = asyncio.create_task(_expire_pause_leases(service))
             try:
                 yield {"service": service, "metrics": proxy_metrics}
             finally:
                 sweeper.cancel()
+                lease_watch.cancel()
                 service.controller.resume()  # release held calls so shutdown does not hang on them
                 await publisher.close()
 
@@ -134,14 +137,21 @@ def create_app(settings: ProxySettings) -> FastAPI:
         _require_admin(request, settings.admin_token)
         service: ProxyService = request.state.service
         body = _parse(PauseBody, await request.body(), empty_ok=True)
-        return await service.pause(body.reason, body.timeout_s)
+        return await service.pause(body.reason, body.timeout_s, body.pause_id, body.lease_s)
+
+    @app.post("/v1/rollout/renew")
+    async def renew(request: Request) -> dict[str, Any]:
+        _require_admin(request, settings.admin_token)
+        service: ProxyService = request.state.service
+        body = _parse(RenewBody, await request.body())
+        return service.renew(body.pause_id, body.lease_s)
 
     @app.post("/v1/rollout/resume")
     async def resume(request: Request) -> dict[str, Any]:
         _require_admin(request, settings.admin_token)
         service: ProxyService = request.state.service
         body = _parse(ResumeBody, await request.body(), empty_ok=True)
-        return await service.resume(body.version)
+        return await service.resume(body.version, body.pause_id)
 
     @app.get("/v1/rollout/state")
     async def rollout_state(request: Request) -> dict[str, Any]:
@@ -170,6 +180,17 @@ def create_app(settings: ProxySettings) -> FastAPI:
 
 
 # --------------------------------------------------------------------------- request parsing
+
+
+async def _expire_pause_leases(service: ProxyService) -> None:
+    """End a pause whose lease ran out (checked every 0.1 s while paused, every 0.5 s otherwise)."""
+    while True:
+        left = service.controller.lease_left_s()
+        await asyncio.sleep(0.5 if left is None else min(max(left, 0.0) + 0.01, 0.1))
+        try:
+            await service.expire_lease()
+        except Exception:  # a bug here must not end the watch, nor the proxy
+            _log.exception("lease_watch_failed")
 
 
 async def _expire_idle_sessions(service: ProxyService) -> None:
@@ -259,8 +280,8 @@ def _too_large(max_bytes: int) -> Response:
     return JSONResponse(http_body(error), status_code=error.status)
 
 
-_ROUTES = ("/v1/chat/completions", "/v1/models", "/v1/rollout/pause", "/v1/rollout/resume", "/v1/rollout/state",
-           "/health", "/metrics")
+_ROUTES = ("/v1/chat/completions", "/v1/models", "/v1/rollout/pause", "/v1/rollout/renew", "/v1/rollout/resume",
+           "/v1/rollout/state", "/health", "/metrics")
 
 
 def _route_label(path: str) -> str:

@@ -27,7 +27,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from services.proxy.engine_client import EngineOutput, FinishReason, Sampling
 from shared.errors import EngineError, EngineUnavailable, GenerationPreempted
@@ -56,16 +56,33 @@ class PauseResult:
     active: int
     """Engine requests still in flight (non-zero exactly when not quiesced)."""
     waited_s: float
+    pause_id: str = ""
+    """The pause this answer is about; a renew or resume naming another pause is refused."""
+    lease_s: float = 0.0
+    """The pause ends by itself this long after the answer unless it is renewed."""
+
+
+ResumeStatus = Literal["resumed", "already_running", "stale"]
+"""``stale``: the resume named a pause that is not the proxy's current one (refused, nothing changed)."""
 
 
 AbortFn = Callable[[ActiveRequest], Awaitable[bool]]
 
 
 class PauseController:
-    """The pause flag, the engine requests in flight and the generations held for resume."""
+    """The pause flag, the engine requests in flight and the generations held for resume.
+
+    A pause has an id and a lease: it ends by itself once the lease runs out without a
+    renewal (:meth:`expired`), so a broadcaster killed between pause and resume cannot hold
+    every agent forever. A newer pause takes the pause over (its id replaces the old one);
+    a renewal or resume naming any other id is refused. A resume without an id (an operator,
+    or a broadcaster's start-up recovery) always resumes."""
 
     def __init__(self) -> None:
         self._paused = False
+        self.pause_id = ""
+        """Id of the current (or, when running, the last) pause."""
+        self._lease_until: float | None = None
         self._running = asyncio.Event()
         self._running.set()
         self._active: dict[str, ActiveRequest] = {}
@@ -106,8 +123,13 @@ class PauseController:
         finally:
             self.held -= 1
 
-    async def pause(self, reason: str, timeout_s: float, abort: AbortFn, abort_retry_s: float = 0.05) -> PauseResult:
-        """Stop admitting, abort everything in flight, wait (bounded) until each request is released."""
+    async def pause(
+        self, reason: str, timeout_s: float, abort: AbortFn, abort_retry_s: float = 0.05, *,
+        pause_id: str = "", lease_s: float = 60.0,
+    ) -> PauseResult:
+        """Stop admitting, abort everything in flight, wait (bounded) until each request is released.
+
+        The lease starts when the wait ends (the wait has its own bound)."""
         start = time.monotonic()
         status = "already_paused" if self._paused else "paused"
         if not self._paused:
@@ -115,6 +137,8 @@ class PauseController:
         self._paused = True
         self._running.clear()
         self.reason = reason
+        self.pause_id = pause_id or self.pause_id
+        self._lease_until = None  # no expiry while this pause waits for quiescence
         targets = self.active()
         deadline = start + timeout_s
         if targets:
@@ -123,6 +147,8 @@ class PauseController:
             for task in pending:
                 task.cancel()
         still = self.active()
+        if self._paused and self.pause_id == (pause_id or self.pause_id):
+            self._lease_until = time.monotonic() + lease_s
         return PauseResult(
             status=status,
             quiesced=not still,
@@ -130,15 +156,37 @@ class PauseController:
             aborts_sent=[t.rid for t in targets],
             active=len(still),
             waited_s=time.monotonic() - start,
+            pause_id=self.pause_id,
+            lease_s=lease_s,
         )
 
-    def resume(self) -> bool:
-        """Release held generations and admissions; True when the proxy was paused."""
+    def renew(self, pause_id: str, lease_s: float) -> bool:
+        """Extend the current pause's lease; False (nothing changed) if ``pause_id`` is not the current pause."""
+        if not self._paused or pause_id != self.pause_id:
+            return False
+        self._lease_until = time.monotonic() + lease_s
+        return True
+
+    def lease_left_s(self) -> float | None:
+        """Seconds until the current pause expires; None when running or while a pause waits to quiesce."""
+        if not self._paused or self._lease_until is None:
+            return None
+        return self._lease_until - time.monotonic()
+
+    def expired(self) -> bool:
+        left = self.lease_left_s()
+        return left is not None and left <= 0
+
+    def resume(self, pause_id: str | None = None) -> ResumeStatus:
+        """Release held generations and admissions, unless ``pause_id`` names another pause."""
+        if pause_id is not None and pause_id != self.pause_id:
+            return "stale"
         was = self._paused
         self._paused = False
+        self._lease_until = None
         self.reason = ""
         self._running.set()
-        return was
+        return "resumed" if was else "already_running"
 
 
 async def _abort_until_released(request: ActiveRequest, abort: AbortFn, deadline: float, first_delay: float) -> None:

@@ -23,6 +23,9 @@ class ProxyMetrics:
             registry, "proxy/publish_failures", "Records that could not be written to Kafka", ("record",)
         )
         self.paused = metrics.gauge(registry, "proxy/paused", "1 while the proxy is paused")
+        self.lease_expiries = metrics.counter(
+            registry, "proxy/pause_lease_expired", "Pauses that ended by themselves (no renew or resume in the lease)"
+        )
         self.held = metrics.gauge(registry, "proxy/held_generations", "Preempted generations waiting for resume")
         self.active = metrics.gauge(registry, "proxy/active_engine_requests", "Engine requests in flight")
         self.sessions = metrics.gauge(registry, "proxy/live_sessions", "Sessions neither finished nor rejected")

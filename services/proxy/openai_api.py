@@ -72,12 +72,23 @@ class PauseBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reason: str = "weight_update"
     timeout_s: float | None = Field(default=None, gt=0, le=3600)
+    pause_id: str | None = Field(default=None, min_length=1, max_length=128)
+    """The caller's id for this pause (renew and resume name it); the proxy makes one when absent."""
+    lease_s: float | None = Field(default=None, gt=0, le=3600)
+
+
+class RenewBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pause_id: str = Field(min_length=1, max_length=128)
+    lease_s: float | None = Field(default=None, gt=0, le=3600)
 
 
 class ResumeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: str | None = None
     reason: str = "weight_update"
+    pause_id: str | None = Field(default=None, min_length=1, max_length=128)
+    """Resume only if this is the current pause (409 ``stale_pause`` otherwise); absent: resume whatever it is."""
 
 
 def completion(

@@ -49,12 +49,13 @@ from shared.errors import (
     RolloutRejected,
     SessionBusy,
     SessionIdle,
+    StalePause,
     TrajectoryVersionChanged,
 )
 from shared.schemas import Chunk, SessionFinished, SessionRejected, new_id
 from shared.staleness import check_span
 from shared.tokenizer import Tokenizer
-from shared.versions import distinct_real, real_version
+from shared.versions import distinct_real, encode_runs, real_version
 
 _log = log.get(__name__)
 
@@ -217,7 +218,8 @@ class ProxyService:
                 session_id=ids.session_id, group_id=ids.group_id, prompt_id=ids.prompt_id, attempt=ids.attempt,
                 turn_id=ids.turn_id, seq=seq, segment_index=plan.segment_index, chunk_index=outcome.chunk_index,
                 context_ids=list(outcome.context_ids), output_ids=list(out.output_ids), logprobs=list(out.logprobs),
-                version=out.version, finish_reason=out.finish_reason, rid=out.rid, engine=engine.url,
+                version=out.version, token_versions=encode_runs(out.token_versions), finish_reason=out.finish_reason,
+                rid=out.rid, engine=engine.url,
             )
             try:
                 await self.publisher.send(self.settings.topics.chunks, record)
@@ -231,7 +233,7 @@ class ProxyService:
             self._check_versions(session, candidates)
         except RolloutRejected as exc:
             check_error = exc
-        session.record_chunk(plan, outcome.context_ids, out.output_ids, out.version)
+        session.record_chunk(plan, outcome.context_ids, out.output_ids, out.token_versions)
         if check_error is not None:
             raise check_error
 
@@ -322,28 +324,47 @@ class ProxyService:
 
     # ------------------------------------------------------------------ control plane
 
-    async def pause(self, reason: str, timeout_s: float | None) -> dict[str, Any]:
+    async def pause(
+        self, reason: str, timeout_s: float | None, pause_id: str | None = None, lease_s: float | None = None
+    ) -> dict[str, Any]:
         engines = {e.url: e for e in self.engines}
 
         async def abort(request: ActiveRequest) -> bool:
             return await engines[request.engine].abort(request.rid, self.settings.engine_connect_timeout_s)
 
         result: PauseResult = await self.controller.pause(
-            reason, timeout_s or self.settings.pause_timeout_s, abort, self.settings.abort_retry_s
+            reason, timeout_s or self.settings.pause_timeout_s, abort, self.settings.abort_retry_s,
+            pause_id=pause_id or new_id("pause"), lease_s=lease_s or self.settings.pause_lease_s,
         )
         self.metrics.pause_seconds.observe(result.waited_s)
         _log.info("paused", reason=reason, quiesced=result.quiesced, preempted=len(result.preempted),
-                  active=result.active, waited_s=round(result.waited_s, 4))
+                  active=result.active, waited_s=round(result.waited_s, 4), pause_id=result.pause_id,
+                  lease_s=result.lease_s)
         return {
             "status": result.status, "quiesced": result.quiesced, "preempted": result.preempted,
             "aborts_sent": result.aborts_sent, "active": result.active, "held": self.controller.held,
-            "waited_s": result.waited_s, "reason": reason,
+            "waited_s": result.waited_s, "reason": reason, "pause_id": result.pause_id, "lease_s": result.lease_s,
         }
 
-    async def resume(self, version: str | None) -> dict[str, Any]:
+    def renew(self, pause_id: str, lease_s: float | None) -> dict[str, Any]:
+        lease = lease_s or self.settings.pause_lease_s
+        if not self.controller.renew(pause_id, lease):
+            raise StalePause(
+                f"pause {pause_id!r} is not this proxy's current pause", pause_id=pause_id,
+                current=self.controller.pause_id if self.controller.paused else None,
+            )
+        return {"status": "renewed", "pause_id": pause_id, "lease_s": lease}
+
+    async def resume(self, version: str | None, pause_id: str | None = None) -> dict[str, Any]:
         """Release held generations. ``version`` (the label every engine now serves) becomes each
         engine's known version; without it each engine's ``/model_info`` is read (best effort), so
-        the span pre-check of the held generations sees the new version before spending compute."""
+        the span pre-check of the held generations sees the new version before spending compute.
+        With ``pause_id``, only that pause is ended (:class:`StalePause` otherwise)."""
+        if pause_id is not None and pause_id != self.controller.pause_id:
+            raise StalePause(
+                f"pause {pause_id!r} is not this proxy's current pause", pause_id=pause_id,
+                current=self.controller.pause_id if self.controller.paused else None,
+            )
         label = real_version(version)
         if label is not None:
             for engine in self.engines:
@@ -354,16 +375,31 @@ class ProxyService:
                     await engine.refresh()
                 except (EngineUnavailable, EngineError) as exc:
                     _log.warning("engine_info_unavailable_at_resume", engine=engine.url, error=str(exc))
-        was_paused = self.controller.resume()
-        _log.info("resumed", version=label, was_paused=was_paused, held=self.controller.held)
-        return {"status": "resumed" if was_paused else "already_running", "version": label,
-                "held": self.controller.held}
+        status = self.controller.resume(pause_id)
+        if status == "stale":  # another pause began while the engines were read
+            raise StalePause(f"pause {pause_id!r} was replaced while resuming", pause_id=pause_id,
+                             current=self.controller.pause_id)
+        _log.info("resumed", version=label, status=status, held=self.controller.held, pause_id=pause_id)
+        return {"status": status, "version": label, "held": self.controller.held}
+
+    async def expire_lease(self) -> bool:
+        """End the current pause if its lease ran out: resume on what the engines report. True if it did."""
+        if not self.controller.expired():
+            return False
+        pause_id = self.controller.pause_id
+        _log.warning("pause_lease_expired", pause_id=pause_id, reason=self.controller.reason,
+                     held=self.controller.held, note="no renew or resume came: resuming on the engines' versions")
+        self.metrics.lease_expiries.inc()
+        await self.resume(None, pause_id)
+        return True
 
     def state(self) -> dict[str, Any]:
         active = self.controller.active()
         return {
             "paused": self.controller.paused,
             "reason": self.controller.reason,
+            "pause_id": self.controller.pause_id if self.controller.paused else None,
+            "lease_left_s": self.controller.lease_left_s(),
             "pauses": self.controller.pauses,
             "active": len(active),
             "active_rids": [a.rid for a in active],

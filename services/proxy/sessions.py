@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from shared.errors import BadRequest, SessionBusy, SessionFinalized, SessionNotFound
 from shared.tokenizer import Tokenizer
-from shared.versions import distinct_real, real_version
+from shared.versions import distinct_real
 
 Rendered = tuple[int, ...]
 """One chat message rendered to token ids (role token, content, end token)."""
@@ -130,9 +130,11 @@ class Session:
         )
 
     def record_chunk(
-        self, plan: TurnPlan, context_ids: Sequence[int], output_ids: Sequence[int], version: object
+        self, plan: TurnPlan, context_ids: Sequence[int], output_ids: Sequence[int],
+        versions: Sequence[str | None],
     ) -> int:
-        """Apply one published chunk to the segment and return its ``seq``.
+        """Apply one published chunk (``versions``: one normalised label per output token) to the
+        segment and return its ``seq``.
 
         The first chunk of a new-segment plan opens the segment, so a call that fails
         before its first chunk leaves the session untouched.
@@ -143,11 +145,12 @@ class Session:
             self.segments.append(seg)
         if seg is None or seg.index != plan.segment_index:
             raise RuntimeError(f"chunk for segment {plan.segment_index} but the session is at {seg}")
-        label = real_version(version)
+        if len(versions) != len(output_ids):
+            raise ValueError(f"{len(versions)} versions for {len(output_ids)} output tokens")
         seg.token_ids.extend(context_ids)
         seg.versions.extend([None] * len(context_ids))
         seg.token_ids.extend(output_ids)
-        seg.versions.extend([label] * len(output_ids))
+        seg.versions.extend(versions)
         seq = self.num_chunks
         self.num_chunks += 1
         return seq

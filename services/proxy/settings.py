@@ -50,6 +50,10 @@ class ProxySettings(ServiceSettings):
     pause_timeout_s: float = Field(default=60.0, gt=0)
     """How long ``/v1/rollout/pause`` waits for in-flight generations to quiesce when the
     request does not say; past it the answer is ``quiesced: false``."""
+    pause_lease_s: float = Field(default=60.0, gt=0)
+    """How long a pause lasts without a renew when the pause request does not say. Past it the
+    proxy resumes by itself on the versions its engines report (a broadcaster killed between
+    pause and resume must not hold every agent forever); logged and counted."""
     abort_retry_s: float = Field(default=0.05, gt=0)
     """First delay before re-sending an abort that matched nothing on the engine (the
     abort overtook its ``/generate``); doubles up to 1 s, bounded by the pause timeout."""

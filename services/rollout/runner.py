@@ -35,7 +35,7 @@ from services.rollout.scheduler import AVAILABILITY_ERRORS, BackendGate, RetrySo
 from services.rollout.settings import RolloutSettings
 from services.rollout.task import TASKS, Task
 from shared import log
-from shared.bus import BusUnavailable, Consumer, Polled, Producer, ensure_topics
+from shared.bus import BusUnavailable, Consumer, Polled, Producer, ensure_topology
 from shared.schemas import DecodeError, GroupDispatched, RetryRequest, SessionRejected, WeightApplied, new_id
 from shared.settings import KafkaSettings
 
@@ -258,7 +258,7 @@ class Runner:
 
     def _connect_kafka(self) -> Producer:
         topics = self.settings.topics
-        ensure_topics(self.settings.kafka, [topics.events, topics.retries, topics.weights])
+        ensure_topology(self.settings.kafka, topics, only=[topics.events, topics.retries, topics.weights])
         return Producer(self.settings.kafka, client_suffix="rollout")
 
     async def _start_feeds(self) -> None:

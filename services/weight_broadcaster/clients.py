@@ -44,19 +44,29 @@ class ControlClient:
         data: dict[str, Any] = resp.json()
         return data
 
-    def pause(self, proxy: str, reason: str, timeout_s: float) -> PauseAnswer:
+    def pause(self, proxy: str, reason: str, timeout_s: float, pause_id: str, lease_s: float) -> PauseAnswer:
+        body = {"reason": reason, "timeout_s": timeout_s, "pause_id": pause_id, "lease_s": lease_s}
         try:
-            data = self._post(f"{proxy}/v1/rollout/pause", {"reason": reason, "timeout_s": timeout_s},
-                              timeout_s + 10.0, admin=True)
+            data = self._post(f"{proxy}/v1/rollout/pause", body, timeout_s + 10.0, admin=True)
         except (httpx.HTTPError, _HTTPError, ValueError) as exc:
             return PauseAnswer(proxy=proxy, ok=False, quiesced=False, error=str(exc) or type(exc).__name__)
         preempted = data.get("preempted", [])
         return PauseAnswer(proxy=proxy, ok=True, quiesced=bool(data.get("quiesced", False)),
                            preempted=len(preempted) if isinstance(preempted, list) else int(preempted or 0))
 
-    def resume(self, proxy: str, version: str | None) -> str:
-        """Empty string on success, else the error."""
-        body = {"version": version} if version is not None else {}
+    def renew(self, proxy: str, pause_id: str, lease_s: float) -> str:
+        """Extend ``pause_id``'s lease on ``proxy``; empty string on success, else the error (409: not its pause)."""
+        try:
+            self._post(f"{proxy}/v1/rollout/renew", {"pause_id": pause_id, "lease_s": lease_s}, None, admin=True)
+        except (httpx.HTTPError, _HTTPError, ValueError) as exc:
+            return str(exc) or type(exc).__name__
+        return ""
+
+    def resume(self, proxy: str, version: str | None, pause_id: str | None = None) -> str:
+        """Empty string on success, else the error. With ``pause_id`` only that pause is ended."""
+        body: dict[str, Any] = {"version": version} if version is not None else {}
+        if pause_id is not None:
+            body["pause_id"] = pause_id
         try:
             self._post(f"{proxy}/v1/rollout/resume", body, None, admin=True)
         except (httpx.HTTPError, _HTTPError, ValueError) as exc:

@@ -8,11 +8,14 @@ same topic (key = version). Owns the order of the version registry in Redis
 Per poll: register every new version in sequence order; of the versions in the
 poll only the newest is loaded (older ones are superseded). For that version:
 skip it if the engines already serve something newer, re-announce it if they
-already serve it (a replay after a crash), else: pause every proxy → if any did
-not quiesce, resume all, back off and retry (bounded, then give the version up)
-→ load it on every engine and check each reported digest → resume every proxy
-(always, in ``finally``; with the version when it was applied) → publish
-``WeightApplied``. Offsets are committed once the poll's events are handled, so
+already serve it (a replay after a crash), else: pause every proxy (with a pause
+id and a lease) → if any did not quiesce, resume all, back off and retry (bounded,
+then give the version up) → renew the pause on every proxy (one that no longer
+holds it, its lease ran out, counts as unquiesced) → load it on every engine, renewing
+the lease meanwhile, and check each reported digest → resume every proxy (always, in
+``finally``, naming the pause; with the version when it was applied) → publish
+``WeightApplied``. Killed mid-update, the proxies resume by themselves when the lease
+runs out. Offsets are committed once the poll's events are handled, so
 a crash replays them and the replay is idempotent.
 
 Every ``reconcile_interval_s`` it also checks what each engine serves: an engine that
@@ -25,9 +28,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 from prometheus_client import CollectorRegistry
 
@@ -35,6 +39,7 @@ from services.weight_broadcaster.clients import ControlClient, EngineAnswer
 from services.weight_broadcaster.decide import (
     EventAction,
     PauseAction,
+    PauseAnswer,
     after_pause,
     backoff_s,
     classify,
@@ -47,7 +52,7 @@ from shared import log, metrics
 from shared.bus import Consumer, Polled, Producer, read_topic
 from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
-from shared.schemas import DecodeError, WeightApplied, WeightPublished
+from shared.schemas import DecodeError, WeightApplied, WeightPublished, new_id
 from shared.state import RedisRegistry, connect
 from shared.status_server import StatusServer
 
@@ -69,6 +74,11 @@ class BroadcasterMetrics:
         self.dependency_errors = metrics.counter(
             registry, "broadcaster/dependency_errors", "Loop iterations that failed on Redis or Kafka and were retried",
             ("what",),
+        )
+        self.leases_lost = metrics.counter(
+            registry, "broadcaster/pause_leases_lost",
+            "Renewals a proxy refused or missed (its pause had ended: no update followed, or it resumed mid-update)",
+            ("proxy",),
         )
         self.update_failures = metrics.counter(registry, "broadcaster/update_failures",
                                                "Engine update calls that failed or reported a wrong digest",
@@ -168,25 +178,27 @@ class Broadcaster:
             started = time.monotonic()
             updated: list[EngineAnswer] | None = None
             applied_ok = False
+            pause_id = new_id("pause")
             try:
                 self.metrics.pause_rounds.inc()
                 answers = list(self._pool.map(
-                    lambda p: self.client.pause(p, f"weights {event.version}", self.s.pause_timeout_s),
-                    self.s.proxy_urls,
+                    partial(self._pause_one, reason=f"weights {event.version}", pause_id=pause_id), self.s.proxy_urls
                 ))
                 decision = after_pause(answers, attempt, self.s.max_pause_attempts)
+                lost = self._renew_all(pause_id) if decision.action is PauseAction.UPDATE else []
                 for proxy in decision.unquiesced:
                     self.metrics.unquiesced.labels(proxy=proxy).inc()
-                unquiesced = decision.unquiesced
-                if decision.action is PauseAction.UPDATE:
-                    updated = self._update_all(event)
+                unquiesced = decision.unquiesced + lost
+                if decision.action is PauseAction.UPDATE and not lost:
+                    with _LeaseKeeper(partial(self._renew_all, pause_id), self.s.pause_lease_s / 3):
+                        updated = self._update_all(event)
                     applied_ok = all(a.ok for a in updated)
                 else:
                     _log.warning("pause_not_quiesced", version=event.version, attempt=attempt,
-                                 action=decision.action.value, proxies=decision.unquiesced,
+                                 action=decision.action.value, proxies=unquiesced, lease_lost=lost,
                                  errors=[a.error for a in answers if a.error])
             finally:
-                self._resume_all(event.version if applied_ok else None)
+                self._resume_all(event.version if applied_ok else None, pause_id)
             if updated is not None:
                 failed = [a.engine for a in updated if not a.ok]
                 if failed:
@@ -220,12 +232,26 @@ class Broadcaster:
 
         return list(self._pool.map(one, self.s.engine_urls))
 
-    def _resume_all(self, version: str | None) -> None:
-        errors = list(self._pool.map(lambda p: self.client.resume(p, version), self.s.proxy_urls))
+    def _pause_one(self, proxy: str, reason: str, pause_id: str) -> PauseAnswer:
+        return self.client.pause(proxy, reason, self.s.pause_timeout_s, pause_id, self.s.pause_lease_s)
+
+    def _renew_all(self, pause_id: str) -> list[str]:
+        """Renew ``pause_id`` on every proxy; the proxies that refused or missed it."""
+        errors = list(self._pool.map(lambda p: self.client.renew(p, pause_id, self.s.pause_lease_s),
+                                     self.s.proxy_urls))
+        lost = [proxy for proxy, error in zip(self.s.proxy_urls, errors, strict=True) if error]
+        for proxy, error in zip(self.s.proxy_urls, errors, strict=True):
+            if error:
+                self.metrics.leases_lost.labels(proxy=proxy).inc()
+                _log.warning("pause_lease_lost", proxy=proxy, pause_id=pause_id, error=error)
+        return lost
+
+    def _resume_all(self, version: str | None, pause_id: str | None = None) -> None:
+        errors = list(self._pool.map(lambda p: self.client.resume(p, version, pause_id), self.s.proxy_urls))
         for proxy, error in zip(self.s.proxy_urls, errors, strict=True):
             if error:
                 self.metrics.resume_failures.labels(proxy=proxy).inc()
-                _log.error("resume_failed", proxy=proxy, version=version, error=error)
+                _log.error("resume_failed", proxy=proxy, version=version, pause_id=pause_id, error=error)
 
     def _announce(self, event: WeightPublished) -> None:
         applied = WeightApplied(version=event.version, seq=event.seq, digest=event.digest,
@@ -270,6 +296,27 @@ class Broadcaster:
             latest = latest_applied(weights)
             if latest is not None:
                 self._applied(latest)
+
+
+class _LeaseKeeper:
+    """Calls ``renew`` every ``interval_s`` on its own thread while the ``with`` block runs (the update)."""
+
+    def __init__(self, renew: Callable[[], object], interval_s: float) -> None:
+        self._renew, self._interval_s = renew, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pause-lease", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._renew()
+
+    def __enter__(self) -> _LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def run(settings: BroadcasterSettings, stop: threading.Event | None = None) -> None:

@@ -31,6 +31,10 @@ class BroadcasterSettings(ServiceSettings):
     """Bearer token of the proxies' control plane; the same value as the proxies' REIN_ADMIN_TOKEN."""
     pause_timeout_s: float = Field(default=30.0, gt=0)
     """How long each proxy may wait for its in-flight generations to quiesce."""
+    pause_lease_s: float = Field(default=30.0, gt=0)
+    """Lease of each pause: a proxy that hears no renew for this long resumes by itself (so a
+    broadcaster killed mid-update cannot hold every agent). Renewed every third of it while the
+    engines update; every proxy must confirm the pause right before an update starts."""
     max_pause_attempts: int = Field(default=5, ge=1)
     """Pause rounds per version before giving it up (proxies are resumed between rounds)."""
     backoff_base_s: float = Field(default=0.5, ge=0)

@@ -9,12 +9,14 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -298,3 +300,122 @@ def test_member_joins_and_leaves_the_broadcasters_group(stack: Stack) -> None:
     records = read_topic(stack.kafka, stack.topics.weights, 30)
     applied = Counter(r.version for r in records if isinstance(r, WeightApplied))
     assert applied == {"v1": 1, "v2": 1}
+
+
+class StuckEngine:
+    """An engine whose ``/update_weights_from_disk`` never answers (until the test ends): a
+    broadcaster updating it is stuck between pause and resume, where the test kills it."""
+
+    def __init__(self) -> None:
+        self.update_started = threading.Event()
+        self._release = threading.Event()
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self._json({"weight_version": "v0", "digest": "stuck", "model_path": "stuck"})
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                if self.path == "/update_weights_from_disk":
+                    stub.update_started.set()
+                    stub._release.wait(120)
+                self._json({"success": False, "message": "stuck engine"})
+
+            def _json(self, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, name="stuck-engine", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _broadcaster_env(stack: Stack, engines: list[str], port: int, **extra: str) -> dict[str, str]:
+    return {
+        "REIN_KAFKA__BOOTSTRAP_SERVERS": stack.kafka.bootstrap_servers,
+        "REIN_REDIS__URL": stack.redis.url,
+        "REIN_REDIS__KEY_PREFIX": stack.redis.key_prefix,
+        "REIN_TOPICS__WEIGHTS": stack.topics.weights,
+        "REIN_CONSUMER_GROUP": stack.group,
+        "REIN_PROXY_URLS": json.dumps([stack.proxy]),
+        "REIN_ENGINE_URLS": json.dumps(engines),
+        "REIN_ADMIN_TOKEN": ADMIN,
+        "REIN_METRICS_PORT": str(port),
+        "REIN_LOG_LEVEL": "info",
+        **extra,
+    }
+
+
+def test_broadcaster_killed_between_pause_and_resume(stack: Stack, tmp_path: Path) -> None:
+    """kill -9 of the broadcaster while an engine update hangs: the proxy holds its agents only until
+    the pause's lease (3 s) runs out, then resumes by itself, counts it, and serves the held call;
+    a new broadcaster applies the next version."""
+    stuck = StuckEngine()
+    lease_s = 3.0
+    port = free_port()
+    first = start_service(
+        "services.weight_broadcaster",
+        _broadcaster_env(stack, [stack.engine, stuck.url], port, REIN_PAUSE_LEASE_S=str(lease_s),
+                         REIN_UPDATE_TIMEOUT_S="300", REIN_RECONCILE_INTERVAL_S="3600"),
+        f"http://127.0.0.1:{port}/health", timeout_s=60, log_dir=tmp_path / "logs",
+    )
+    result: dict[str, Any] = {}
+    agent: threading.Thread | None = None
+    try:
+        stack.publish(stack.checkpoint(1))
+        assert stuck.update_started.wait(60), first.tail()
+        state = stack.proxy_state()
+        assert state["paused"] and state["pause_id"], state
+
+        def chat() -> None:
+            result["response"] = httpx.post(
+                f"{stack.proxy}/v1/chat/completions", timeout=60, headers={"X-Session-Id": f"s-{uuid.uuid4().hex}"},
+                json={"model": "rein-tiny", "messages": [{"role": "user", "content": "guess"}], "max_tokens": 3},
+            )
+
+        agent = threading.Thread(target=chat, name="agent", daemon=True)
+        agent.start()
+        first.popen.kill()
+        first.popen.wait(10)
+        killed_at = time.monotonic()
+        assert stack.proxy_state()["paused"], "the pause outlives its broadcaster until the lease runs out"
+        wait_until(lambda: not stack.proxy_state()["paused"], lease_s + 5, "the proxy to resume by itself")
+        resumed_after = time.monotonic() - killed_at
+        agent.join(30)
+        assert not agent.is_alive()
+        assert result["response"].status_code == 200, result["response"].text
+        metrics_text = httpx.get(f"{stack.proxy}/metrics", timeout=5).text
+        assert "rein_proxy_pause_lease_expired_total 1.0" in metrics_text
+        assert resumed_after <= lease_s + 2  # the renewals stopped with the process; the lease ended it
+    finally:
+        stuck.close()
+        first.stop()
+        if agent is not None:
+            agent.join(30)
+    # A new broadcaster (without the stuck engine) applies the next version.
+    second = start_service(
+        "services.weight_broadcaster", _broadcaster_env(stack, [stack.engine], port, REIN_PAUSE_LEASE_S="3"),
+        f"http://127.0.0.1:{port}/health", timeout_s=60, log_dir=tmp_path / "logs",
+    )
+    try:
+        v2 = stack.checkpoint(2)
+        stack.publish(v2)
+        wait_until(lambda: stack.model_info()["digest"] == v2.digest, 60, "the engine to serve v2")
+        wait_until(lambda: not stack.proxy_state()["paused"], 30, "the proxy to be resumed")
+        assert second.alive(), second.tail()
+    finally:
+        second.stop()

@@ -19,7 +19,7 @@ from kafka import TopicPartition
 from services.collector.service import Collector
 from services.collector.settings import CollectorSettings
 from services.collector.synthetic import ChunkSpec, group_records
-from shared.bus import Consumer, Producer, ensure_topics
+from shared.bus import Consumer, Producer, ensure_topology
 from shared.names import Topics
 from shared.schemas import BatchManifest, Chunk, DecisionRecord, Record, WeightPublished
 from shared.settings import KafkaSettings, RedisSettings
@@ -32,7 +32,7 @@ def make_settings(kafka_bootstrap: str, redis_url: str, *, partitions: int = 1, 
     tag = uuid.uuid4().hex[:10]
     topics = Topics(**{name: f"t.{tag}.{name}" for name in Topics.model_fields})
     kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, client_id=f"test-{tag}")
-    ensure_topics(kafka, topics.all(), partitions=partitions)
+    ensure_topology(kafka, topics, partitions)
     values: dict[str, Any] = {
         "kafka": kafka,
         "redis": RedisSettings(url=redis_url, key_prefix=f"test-{tag}"),

@@ -44,10 +44,15 @@ class Engine:
     url: str
     weights_dir: Path
 
-    def load(self, version: str, seed: int = 1) -> None:
-        """Write a checkpoint labelled ``version`` and make the engine serve it (engine idle or not)."""
+    def save(self, version: str, seed: int = 1) -> Path:
+        """Write a checkpoint labelled ``version`` into the engine's weights dir."""
         path = self.weights_dir / f"{version}-{uuid.uuid4().hex[:6]}.pt"
         checkpoint.save(path, init_policy(CFG, seed), CFG, version=version, step=seed)
+        return path
+
+    def load(self, version: str, seed: int = 1, path: Path | None = None) -> None:
+        """Make the engine serve ``version`` (from ``path``, else a new checkpoint), engine idle or not."""
+        path = path or self.save(version, seed)
         r = httpx.post(
             f"{self.url}/update_weights_from_disk",
             json={"model_path": str(path), "weight_version": version},

@@ -339,3 +339,25 @@ def test_abort_after_natural_stop_does_not_extend(engine: Engine, proxy_factory:
         assert shim.generate_calls == 1
     finally:
         server.stop()
+
+
+def test_weights_swapped_mid_request_give_per_token_versions_on_the_chunk(
+    engine: Engine, proxy_factory: ProxyFactory
+) -> None:
+    """An engine updated without a pause (a manual update, a proxy missing from the broadcaster's
+    list) keeps decoding with the new weights: the chunk record carries each token's version as the
+    engine reported it, not one label for all."""
+    a, b = labels(2)
+    engine.load(a)
+    b_path = engine.save(b)
+    proxy = proxy_factory([engine.url])
+    client = proxy.client(f"s-{uuid.uuid4().hex}", "g")
+    join = in_background(lambda: ask(client, USER, max_tokens=60))
+    wait_until(generating(proxy, engine, 3), what="a generation in flight")
+    engine.load(b, path=b_path)  # no pause, no abort: the request goes on under b
+    join()
+    [chunk] = chunks_of(proxy, 1)
+    assert chunk.finish_reason == "length" and len(chunk.output_ids) == 60
+    assert [label for label, _ in chunk.token_versions] == [a, b], chunk.token_versions
+    assert chunk.output_versions()[0] == a and chunk.output_versions()[-1] == b
+    assert chunk.version == b  # the label the engine reported when it answered

@@ -25,18 +25,29 @@ class FakeClient:
     digest: dict[str, str] = field(default_factory=dict)
     calls: list[tuple[str, ...]] = field(default_factory=list)
     engine_version: dict[str, str] = field(default_factory=dict)
+    renew_errors: list[str] = field(default_factory=list)
+    """Answer of each renew call in order (then ""): a non-empty one says the proxy lost the pause."""
+    pause_ids: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _log(self, *call: str) -> None:
         with self._lock:
             self.calls.append(call)
 
-    def pause(self, proxy: str, reason: str, timeout_s: float) -> PauseAnswer:
+    def pause(self, proxy: str, reason: str, timeout_s: float, pause_id: str, lease_s: float) -> PauseAnswer:
         self._log("pause", proxy)
+        with self._lock:
+            self.pause_ids.append(pause_id)
         rounds = sum(1 for c in self.calls if c == ("pause", proxy))
         return PauseAnswer(proxy, ok=True, quiesced=self.quiesce[min(rounds, len(self.quiesce)) - 1])
 
-    def resume(self, proxy: str, version: str | None) -> str:
+    def renew(self, proxy: str, pause_id: str, lease_s: float) -> str:
+        self._log("renew", proxy)
+        with self._lock:
+            assert pause_id == self.pause_ids[-1], "renews name the current pause"
+            return self.renew_errors.pop(0) if self.renew_errors else ""
+
+    def resume(self, proxy: str, version: str | None, pause_id: str | None = None) -> str:
         self._log("resume", proxy, str(version))
         return ""
 
@@ -107,7 +118,7 @@ def test_pause_update_resume_announce() -> None:
     [outcome] = b.handle([ev(1)])
     assert outcome.outcome == "applied"
     kinds = [c[0] for c in client.calls]
-    assert kinds == ["pause", "pause", "update", "update", "resume", "resume"]
+    assert kinds == ["pause", "pause", "renew", "renew", "update", "update", "resume", "resume"]
     resumes = {c for c in client.calls if c[0] == "resume"}
     assert resumes == {("resume", "http://p1", "v1"), ("resume", "http://p2", "v1")}
     assert registry.published == [("v1", 1)]
@@ -194,7 +205,7 @@ def test_reconcile_reloads_the_newest_version_on_an_engine_that_restarted() -> N
     client.engine_version["http://e2"] = "v0"  # e2 crashed and came back on its start checkpoint
     outcome = b.reconcile()
     assert outcome is not None and outcome.outcome == "applied" and outcome.version == "v2"
-    assert [c[0] for c in client.calls] == ["pause", "pause", "update", "update", "resume", "resume"]
+    assert [c[0] for c in client.calls] == ["pause", "pause", "renew", "renew", "update", "update", "resume", "resume"]
     assert client.engine_version == {"http://e1": "v2", "http://e2": "v2"}
     assert isinstance(producer.sent[-1], WeightApplied) and producer.sent[-1].version == "v2"
     assert _value(b, "rein_broadcaster_reconciles_total") == 1.0
@@ -222,3 +233,18 @@ def test_recover_learns_the_newest_applied_version_from_the_topic() -> None:
     outcome = b.reconcile()
     assert outcome is not None and outcome.version == "v2"
     b.close()
+
+
+def test_a_pause_lost_before_the_update_means_no_update_and_another_round() -> None:
+    """A proxy whose lease ran out (it resumed by itself) refuses the renew: the engines are not
+    touched in that round, every proxy is resumed, and the next round (a new pause id) applies it."""
+    b, client, _, producer = make([True], max_pause_attempts=2)
+    client.renew_errors = ["HTTP 409: stale_pause"]
+    [outcome] = b.handle([ev(1)])
+    assert outcome.outcome == "applied"
+    kinds = [c[0] for c in client.calls]
+    assert kinds[:6] == ["pause", "pause", "renew", "renew", "resume", "resume"]
+    assert kinds.count("update") == 2 and kinds.index("update") > 6
+    assert len(set(client.pause_ids)) == 2  # one id per round
+    assert _value(b, "rein_broadcaster_pause_leases_lost_total", proxy="http://p1") == 1.0
+    assert [r.version for r in producer.sent if isinstance(r, WeightApplied)] == ["v1"]

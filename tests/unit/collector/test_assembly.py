@@ -291,3 +291,18 @@ def test_expire_fails_a_silent_dispatched_group_so_its_prompt_is_retried() -> No
     asm.release(group.group_id)
     assert commits(asm, offsets) == {(CHUNKS, 0): 4, (EVENTS, 0): 3}
     assert asm.add(Position(EVENTS, 0, 3), finished("silent", 1), now=600.0) is None  # a late end is a duplicate
+
+
+def test_per_token_versions_reach_the_segment_and_the_window_view() -> None:
+    """A chunk whose engine swapped weights mid-request: each token keeps its own version, and the
+    group's window version is the one of its last trainable token."""
+    feed = Feed()
+    feed(dispatched(["s1"]))
+    mixed = chunk("s1", 0, out=[7, 8, 9], version="v2")
+    mixed = mixed.model_copy(update={"token_versions": [("v1", 2), ("v2", 1)]})
+    feed(mixed)
+    group = feed(finished("s1", 1))
+    assert group is not None
+    [segment] = group.trajectories[0].segments
+    assert segment.versions == [None, None, "v1", "v1", "v2"]
+    assert window_group(group).versions == ("v2",)

@@ -272,15 +272,15 @@ def test_kafka_and_redis_addresses_match_the_infrastructure(compose: dict[str, A
         assert _service(compose, name).get("healthcheck"), f"{name} needs a healthcheck (services wait on it)"
 
 
-def test_topics_are_designs_with_the_collectors_partition_count(
+def test_topics_are_created_by_the_one_topology_with_the_collectors_partition_count(
     compose: dict[str, Any], loaded: dict[str, Any]
 ) -> None:
     topics = _service(compose, "topics")
     env = environment(topics)
-    assert env["TOPICS"].split() == Topics().all()
     assert int(env["PARTITIONS"]) == loaded["collector"].topic_partitions
+    assert topics["image"] == "rein:local" and topics["restart"] == "no"
     command = " ".join(topics["command"])
-    assert "--create --if-not-exists" in command and "$$TOPICS" in command and "$$PARTITIONS" in command
+    assert "python -m shared.topology --bootstrap kafka:9092 --partitions $$PARTITIONS" in command
     for name, settings in loaded.items():
         assert settings.topics == Topics(), f"{name} overrides topic names; the topics service creates the defaults"
 

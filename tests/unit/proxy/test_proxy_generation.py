@@ -163,7 +163,7 @@ def test_pause_preempts_holds_and_resumes_with_remaining_budget() -> None:
             await asyncio.sleep(0)
         assert len(h.engine.calls) == 1  # nothing admitted while paused
         h.engine.version = "v2"
-        assert h.controller.resume() is True
+        assert h.controller.resume() == "resumed"
         second = await h.engine.wait_calls(2)
         assert second.input_ids == [*PROMPT, 7, 8, 9] and second.max_new == 7
         h.engine.answer(second, [10, 11], "stop")
@@ -314,7 +314,7 @@ def test_admission_waits_while_paused() -> None:
         h.controller.resume()
         h.engine.answer(await h.engine.wait_calls(1), [1], "stop")
         await task
-        assert h.controller.resume() is False  # already running
+        assert h.controller.resume() == "already_running"
 
     run(body)
 
@@ -336,5 +336,56 @@ def test_engine_that_always_aborts_is_bounded() -> None:
             await h.generate(request())
         helper.cancel()
         assert len(h.engine.calls) == 8
+
+    run(body)
+
+
+# Pause ids and leases: (call, pause id) in order -> the controller's answers. "pause" starts or takes
+# over a pause (lease 10 s), "renew"/"resume" name a pause id ("-" = resume without an id).
+@pytest.mark.parametrize(
+    ("calls", "answers", "paused_after"),
+    [
+        ([("pause", "a"), ("renew", "a"), ("resume", "a")], ["paused", True, "resumed"], False),
+        ([("pause", "a"), ("resume", "b")], ["paused", "stale"], True),  # a stale resume changes nothing
+        ([("pause", "a"), ("renew", "b")], ["paused", False], True),
+        ([("pause", "a"), ("pause", "b"), ("resume", "a"), ("resume", "b")],
+         ["paused", "already_paused", "stale", "resumed"], False),  # a newer pause takes over
+        ([("pause", "a"), ("resume", "-")], ["paused", "resumed"], False),  # an operator's resume
+        ([("pause", "a"), ("resume", "a"), ("renew", "a"), ("resume", "a")],
+         ["paused", "resumed", False, "already_running"], False),  # late calls of an ended pause
+    ],
+)
+def test_pause_ids(calls: list[tuple[str, str]], answers: list[object], paused_after: bool) -> None:
+    async def body() -> None:
+        h = harness()
+        got: list[object] = []
+        for call, pause_id in calls:
+            if call == "pause":
+                got.append((await h.controller.pause("w", 1.0, h.engine.abort, pause_id=pause_id, lease_s=10)).status)
+            elif call == "renew":
+                got.append(h.controller.renew(pause_id, 10))
+            else:
+                got.append(h.controller.resume(None if pause_id == "-" else pause_id))
+        assert got == answers
+        assert h.controller.paused is paused_after
+
+    run(body)
+
+
+def test_pause_lease_runs_out_unless_renewed() -> None:
+    async def body() -> None:
+        h = harness()
+        result = await h.controller.pause("w", 1.0, h.engine.abort, pause_id="p", lease_s=1.0)
+        assert result.pause_id == "p" and result.lease_s == 1.0
+        left = h.controller.lease_left_s()
+        assert left is not None and 0 < left <= 1.0 and not h.controller.expired()
+        await asyncio.sleep(0.6)
+        assert h.controller.renew("p", 1.0)
+        await asyncio.sleep(0.6)
+        assert not h.controller.expired()  # renewed: 1.2 s after the pause, inside the new lease
+        await asyncio.sleep(0.5)
+        assert h.controller.expired() and h.controller.paused  # the proxy's watch resumes it
+        assert h.controller.resume("p") == "resumed"
+        assert h.controller.lease_left_s() is None and not h.controller.expired()
 
     run(body)

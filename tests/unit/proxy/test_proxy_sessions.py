@@ -16,7 +16,7 @@ USER2 = ("user", "higher")
 def run_turn(session: Session, messages: list[tuple[str, str]], output: list[int], version: str = "v1") -> list[int]:
     """Plan a call, record one chunk with ``output``, complete it; returns the chunk's context ids."""
     plan = session.plan(messages, TOK)
-    session.record_chunk(plan, plan.context_ids, output, version)
+    session.record_chunk(plan, plan.context_ids, output, [version] * len(output))
     session.complete_turn(plan, tuple(TOK.render_message("assistant", TOK.decode(output))))
     return list(plan.context_ids)
 
@@ -80,26 +80,28 @@ def test_new_segment_opens_only_with_first_chunk() -> None:
     run_turn(session, [USER1], [TOK.end_id])
     plan = session.plan([USER2], TOK)
     assert plan.new_segment and len(session.segments) == 1  # planning changes nothing
-    seq = session.record_chunk(plan, plan.context_ids, [TOK.end_id], "v2")
+    seq = session.record_chunk(plan, plan.context_ids, [TOK.end_id], ["v2"])
     assert seq == 1 and len(session.segments) == 2 and session.num_chunks == 2
 
 
 def test_continuation_chunks_and_versions() -> None:
     session = Session("s", "g")
     plan = session.plan([USER1], TOK)
-    session.record_chunk(plan, plan.context_ids, [10, 11], "v1")
-    session.record_chunk(plan, (), [12, TOK.end_id], " v2 ")
+    session.record_chunk(plan, plan.context_ids, [10, 11], ["v1", "v1"])
+    session.record_chunk(plan, (), [12, 13, TOK.end_id], ["v1", "v2", "v2"])  # the engine swapped mid-request
     seg = session.segments[0]
-    assert seg.token_ids == [*plan.context_ids, 10, 11, 12, TOK.end_id]
-    assert seg.versions == [None] * len(plan.context_ids) + ["v1", "v1", "v2", "v2"]
+    assert seg.token_ids == [*plan.context_ids, 10, 11, 12, 13, TOK.end_id]
+    assert seg.versions == [None] * len(plan.context_ids) + ["v1", "v1", "v1", "v2", "v2"]
     assert session.versions() == ["v1", "v2"]
+    with pytest.raises(ValueError, match="1 versions for 2 output tokens"):
+        session.record_chunk(plan, (), [14, 15], ["v2"])
 
 
 def test_unknown_versions_are_not_recorded_as_real() -> None:
     session = Session("s", "g")
     plan = session.plan([USER1], TOK)
-    session.record_chunk(plan, plan.context_ids, [10], "unknown")
-    session.record_chunk(plan, (), [11], None)
+    session.record_chunk(plan, plan.context_ids, [10], [None])  # labels arrive normalised: None is "not real"
+    session.record_chunk(plan, (), [11], [None])
     assert session.versions() == []
 
 
@@ -108,7 +110,7 @@ def test_closed_segment_is_never_extended() -> None:
     out = [TOK.token_id("5"), TOK.end_id]
     run_turn(session, [USER1], out)
     plan = session.plan([USER1, ("assistant", "5"), USER2], TOK)
-    session.record_chunk(plan, plan.context_ids, [10], "v1")
+    session.record_chunk(plan, plan.context_ids, [10], ["v1"])
     session.close_segment(plan)
     again = session.plan([USER1, ("assistant", "5"), USER2], TOK)
     assert again.new_segment and again.segment_index == 1

@@ -101,3 +101,17 @@ def test_garbage_never_raises_anything_but_decode_error(raw: bytes) -> None:
 def test_ids_are_never_prefixes_of_each_other() -> None:
     ids = [schemas.new_id("rid") for _ in range(200)]
     assert not any(a != b and b.startswith(a) for a in ids for b in ids)
+
+
+def test_chunk_carries_per_token_versions_across_the_wire() -> None:
+    chunk = _chunk(output_ids=[5, 6, 7], logprobs=[-1.0] * 3, version="v2", token_versions=[("v1", 1), ("v2", 2)])
+    back = decode(encode(chunk))
+    assert isinstance(back, Chunk) and back == chunk
+    assert back.output_versions() == ["v1", "v2", "v2"]
+    assert _chunk(output_ids=[5, 6], version="v3").output_versions() == ["v3", "v3"]  # no runs: one label
+
+
+@pytest.mark.parametrize("runs", [[("v1", 2)], [("v1", 1), ("v2", 1), ("v3", 1), ("v1", 1)], [("v1", 3), ("v2", 0)]])
+def test_chunk_version_runs_must_cover_the_output_exactly(runs: list[tuple[str, int]]) -> None:
+    with pytest.raises(ValueError, match="token_versions cover"):
+        _chunk(output_ids=[5, 6, 7], token_versions=runs)

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.versions import VersionRegistry, distinct_real, real_version
+from shared.versions import VersionRegistry, decode_runs, distinct_real, encode_runs, real_version
 
 
 @pytest.mark.parametrize("value", [None, "", "  ", "-1", " -1 ", -1, "unknown", "UNKNOWN", " UNKNOWN ", "none", "None"])
@@ -87,3 +89,24 @@ def test_index_is_rank_of_sequence(seqs: list[int]) -> None:
         reg.publish(f"v{s}", s)
     for rank, s in enumerate(sorted(seqs)):
         assert reg.index(f"v{s}") == rank
+
+
+@pytest.mark.parametrize(
+    ("labels", "runs"),
+    [
+        ([], []),
+        (["v1"], [("v1", 1)]),
+        (["v1", "v1", "v2", "v2", "v2"], [("v1", 2), ("v2", 3)]),
+        (["v1", None, None, "v1"], [("v1", 1), (None, 2), ("v1", 1)]),  # runs, not a histogram
+    ],
+)
+def test_version_runs(labels: list[str | None], runs: list[tuple[str | None, int]]) -> None:
+    assert encode_runs(labels) == runs
+    assert decode_runs(runs) == labels
+
+
+@given(st.lists(st.sampled_from(["v1", "v2", None]), max_size=50))
+def test_version_runs_round_trip_and_are_maximal(labels: list[str | None]) -> None:
+    runs = encode_runs(labels)
+    assert decode_runs(runs) == labels
+    assert all(a[0] != b[0] for a, b in itertools.pairwise(runs))
