@@ -27,7 +27,7 @@ test: venv infra
 
 lint: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy shared
+	$(VENV)/bin/mypy shared services
 	@# Only shared/settings.py reads the environment (tests and bench are exempt, as in ruff's TID251 config).
 	@if git ls-files -co --exclude-standard -- '*.py' \
 	    | grep -vE '^(shared/settings\.py|tests/|bench/)' \

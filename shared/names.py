@@ -84,6 +84,11 @@ class RedisKeys:
         """Sorted set group id scored by the unix time of its decision: what ``decided`` may forget, oldest first."""
         return f"{self.prefix}:window:decided_at"
 
+    def prompt_cursor(self, task: str, seed: int) -> str:
+        """Counter of prompts claimed from the ``(task, seed)`` stream: a restarted runner (or another
+        runner with the same seed) continues after the last claimed prompt, never repeats one."""
+        return f"{self.prefix}:rollout:cursor:{task}:seed{seed}"
+
     @property
     def prompt_drops(self) -> str:
         """Hash prompt id -> number of groups of that prompt dropped after the last retry."""

@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shared.schemas import CompletedGroup
 from shared.staleness import (
+    UNCHARGED_ERRORS,
     Decision,
     SegmentEnd,
     WindowConfig,
@@ -59,7 +60,10 @@ def window_group_from_samples(
 
 def window_group(group: CompletedGroup) -> WindowGroup:
     """The window's view of a completed group from ``rollout.groups``."""
-    return window_group_from_samples(group.group_id, group.prompt_id, group.attempt, group.failed, segment_ends(group))
+    view = window_group_from_samples(group.group_id, group.prompt_id, group.attempt, group.failed, segment_ends(group))
+    abnormal = [t.error for t in group.trajectories if t.status not in ("completed", "truncated")]
+    uncharged = group.failed and bool(abnormal) and all(e in UNCHARGED_ERRORS for e in abnormal)
+    return replace(view, free_retries=group.free_retries, uncharged=uncharged)
 
 
 # --------------------------------------------------------------------------- recorded events

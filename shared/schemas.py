@@ -113,6 +113,9 @@ class GroupDispatched(Record):
     group_id: str
     prompt_id: str
     attempt: int = Field(default=0, ge=0)
+    """Failed attempts of this prompt so far that counted toward ``max_retries``."""
+    free_retries: int = Field(default=0, ge=0)
+    """Retries of this prompt so far that did not count (a dependency's failure, not the prompt's)."""
     session_ids: list[str] = Field(min_length=1)
     prompt: dict[str, Any] = Field(default_factory=dict)
     """The task's prompt payload, so a retry can be dispatched from the record alone."""
@@ -132,6 +135,9 @@ class SessionFinished(Record):
     status: Literal["completed", "truncated", "failed"] = "completed"
     num_chunks: int = Field(ge=0)
     """How many chunk records the session produced: the collector waits for all of them."""
+    error: str = Field(default="", max_length=200)
+    """Why a ``failed`` session failed, as the agent saw it (``unreachable``, ``timeout``, an error
+    name): a failure of a dependency does not use up the prompt's retries."""
 
     def key(self) -> str:
         return self.group_id
@@ -191,6 +197,7 @@ class CompletedGroup(Record):
     failed: bool
     trajectories: list[Trajectory]
     prompt: dict[str, Any] = Field(default_factory=dict)
+    free_retries: int = Field(default=0, ge=0)
 
     def key(self) -> str:
         return self.group_id
@@ -299,12 +306,17 @@ class WeightApplied(Record):
 
 
 class RetryRequest(Record):
-    """Run this prompt's group again (attempt counts from 0; the prompt keeps its id)."""
+    """Run this prompt's group again (the prompt keeps its id).
+
+    Each failure adds one to ``attempt`` (it counts toward ``max_retries``) or, when only a
+    dependency failed, to ``free_retries``; so ``(prompt_id, attempt, free_retries)`` names one
+    retry, and two records with the same three are one retry published twice."""
 
     topic_attr: ClassVar[str] = "retries"
     type: Literal["retry"] = "retry"
     prompt_id: str
-    attempt: int = Field(ge=1)
+    attempt: int = Field(ge=0)
+    free_retries: int = Field(default=0, ge=0)
     previous_group_id: str
     prompt: dict[str, Any] = Field(default_factory=dict)
 

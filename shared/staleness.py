@@ -190,6 +190,14 @@ class Decision(enum.StrEnum):
     """Failed on its last attempt; dropped and counted per prompt."""
 
 
+UNCHARGED_ERRORS = frozenset({
+    "unreachable", "timeout", "engine_unavailable", "kafka_unavailable", "session_idle", "incomplete", "session_lost",
+})
+"""Session errors that say a dependency or the agent's process failed, not the prompt or the policy.
+A group failed only by these is retried without using up one of the prompt's ``max_retries``
+(up to ``max_free_retries`` times)."""
+
+
 @dataclass(frozen=True)
 class WindowGroup:
     """A completed group as the window judges it."""
@@ -197,9 +205,14 @@ class WindowGroup:
     group_id: str
     prompt_id: str
     attempt: int
+    """Failed attempts of the prompt before this one that counted toward ``max_retries``."""
     failed: bool
     versions: tuple[str, ...]
     """One end version per versioned trajectory (see :func:`trajectory_versions`)."""
+    free_retries: int = 0
+    """Retries of the prompt so far that did not count (failures in :data:`UNCHARGED_ERRORS`)."""
+    uncharged: bool = False
+    """Failed, and every session that did not end normally failed with an :data:`UNCHARGED_ERRORS` error."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +220,7 @@ class WindowConfig:
     keep_versions: int
     batch_groups: int
     max_retries: int = 2
+    max_free_retries: int = 10
 
     def __post_init__(self) -> None:
         validate_keep_versions(self.keep_versions)
@@ -214,6 +228,20 @@ class WindowConfig:
             raise ValueError(f"batch_groups must be >= 1, got {self.batch_groups}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.max_free_retries < 0:
+            raise ValueError(f"max_free_retries must be >= 0, got {self.max_free_retries}")
+
+
+def is_free_retry(group: WindowGroup, config: WindowConfig) -> bool:
+    """A failed group's retry costs the prompt nothing: its failure was a dependency's, under the cap."""
+    return group.failed and group.uncharged and group.free_retries < config.max_free_retries
+
+
+def next_attempt(group: WindowGroup, config: WindowConfig) -> tuple[int, int]:
+    """``(attempt, free_retries)`` of the retry of a failed group."""
+    if is_free_retry(group, config):
+        return group.attempt, group.free_retries + 1
+    return group.attempt + 1, group.free_retries
 
 
 @dataclass(frozen=True)
@@ -292,7 +320,7 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
     advanced = False
 
     if group.failed:
-        final = group.attempt >= config.max_retries
+        final = group.attempt >= config.max_retries and not is_free_retry(group, config)
         kind = Decision.FAILED_DROPPED if final else Decision.FAILED_RETRY
         snap = _snapshot(current, index_of, keep)
         decisions.append(GroupDecision(group.group_id, group.prompt_id, group.attempt, kind, snap, group.versions))

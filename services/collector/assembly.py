@@ -140,7 +140,8 @@ def build_trajectory(session_id: str, session: _Session) -> Trajectory:
     built = [Segment(segment_index=index, finish_reason=finish[index], **segments[index]) for index in sorted(segments)]
     if isinstance(end, SessionRejected):
         return Trajectory(session_id=session_id, status="rejected", reward=0.0, error=end.error, segments=built)
-    return Trajectory(session_id=session_id, status=end.status, reward=end.reward, segments=built)
+    error = end.error if end.status == "failed" else ""
+    return Trajectory(session_id=session_id, status=end.status, reward=end.reward, error=error, segments=built)
 
 
 def build_group(group: _Group) -> CompletedGroup:
@@ -155,6 +156,7 @@ def build_group(group: _Group) -> CompletedGroup:
         failed=failed,
         trajectories=trajectories,
         prompt=dispatched.prompt,
+        free_retries=dispatched.free_retries,
     )
 
 

@@ -52,6 +52,9 @@ from shared.topology import TopicSpec
 
 _log = log.get(__name__)
 
+_LOOP_ERRORS: tuple[type[BaseException], ...] = (*DEPENDENCY_ERRORS, TimeoutError)
+"""What one loop iteration waits out and redoes (TimeoutError: the weights catch-up, the outbox lease)."""
+
 
 _SPAN_DOC = (
     "Version span {} (distinct real versions per trajectory) over the last trajectories of completed, "
@@ -249,7 +252,9 @@ class Collector:
         self.stop = stop or threading.Event()
         self.replica = settings.replica_id or default_replica_id()
         self.metrics = CollectorMetrics()
-        self.config = WindowConfig(settings.keep_versions, settings.batch_groups, settings.max_retries)
+        self.config = WindowConfig(
+            settings.keep_versions, settings.batch_groups, settings.max_retries, settings.max_free_retries
+        )
         self.assembler = Assembler()
         self.spans = RecentSpans()
         self.rejected_prompts = SeenOnce()
@@ -377,7 +382,7 @@ class Collector:
                 elif now >= next_drain:
                     self._publish_outbox()
                     next_drain = now + s.drain_interval_s
-            except (*DEPENDENCY_ERRORS, TimeoutError) as exc:  # TimeoutError: weights catch-up, outbox lease
+            except _LOOP_ERRORS as exc:
                 outage = outage or Outage(_log, self.metrics.outages)
                 self.stop.wait(outage.failed(exc))
                 continue

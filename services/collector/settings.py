@@ -20,6 +20,10 @@ class CollectorSettings(ServiceSettings):
     """Groups per training batch: a manifest is emitted each time this many groups are pending."""
     max_retries: int = Field(default=2, ge=0)
     """Retries of a failed group (so max_retries + 1 attempts) before it is dropped and counted per prompt."""
+    max_free_retries: int = Field(default=10, ge=0)
+    """Retries that do not count toward ``max_retries``: of groups whose failed sessions all failed
+    because a dependency did (engine, proxy or Kafka down, idle or lost session, incomplete group),
+    not because of the prompt or the policy. Bounded so a broken setup cannot retry forever."""
     reconfigure: bool = False
     """Overwrite the window settings stored in Redis (keep/batch/retries). Without it a replica whose
     values differ from the shared window's refuses to start, so replicas never disagree about the window."""

@@ -24,13 +24,16 @@ def group_records(
     tokens_per_chunk: int = 4,
     context_per_chunk: int = 2,
     reward: float = 1.0,
+    rejected_error: str = "test_rejected",
+    free_retries: int = 0,
 ) -> list[Record]:
     """Dispatch, chunks and end events of one group; trajectory ``i`` in ``rejected`` ends rejected."""
     prompt_id = prompt_id or f"prompt-{group_id}"
     session_ids = [f"{group_id}-s{i}" for i in range(len(trajectories))]
     records: list[Record] = [
         GroupDispatched(
-            group_id=group_id, prompt_id=prompt_id, attempt=attempt, session_ids=session_ids, prompt={"id": prompt_id}
+            group_id=group_id, prompt_id=prompt_id, attempt=attempt, free_retries=free_retries,
+            session_ids=session_ids, prompt={"id": prompt_id},
         )
     ]
     ends: list[Record] = []
@@ -55,7 +58,7 @@ def group_records(
             )
         if i in rejected:
             ends.append(
-                SessionRejected(session_id=sid, group_id=group_id, error="test_rejected", num_chunks=len(chunks))
+                SessionRejected(session_id=sid, group_id=group_id, error=rejected_error, num_chunks=len(chunks))
             )
         else:
             ends.append(SessionFinished(session_id=sid, group_id=group_id, reward=reward, num_chunks=len(chunks)))

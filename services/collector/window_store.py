@@ -61,6 +61,7 @@ from shared.staleness import (
     WindowSnapshot,
     WindowState,
     cutoff_index,
+    next_attempt,
     window_step,
 )
 from shared.state import RedisRegistry
@@ -184,6 +185,7 @@ class WindowStore:
             "keep_versions": str(self.config.keep_versions),
             "batch_groups": str(self.config.batch_groups),
             "max_retries": str(self.config.max_retries),
+            "max_free_retries": str(self.config.max_free_retries),
         }
         key = self.keys.window_config
         if overwrite:
@@ -197,8 +199,8 @@ class WindowStore:
             detail = ", ".join(f"{k}: shared window has {h}, this replica {w}" for k, (h, w) in differ.items())
             raise ConfigMismatch(
                 f"window settings differ from the shared window at {key} ({detail}); every replica must use the "
-                "same REIN_KEEP_VERSIONS / REIN_BATCH_GROUPS / REIN_MAX_RETRIES. To change them, stop all "
-                "replicas and start one with REIN_RECONFIGURE=true."
+                "same REIN_KEEP_VERSIONS / REIN_BATCH_GROUPS / REIN_MAX_RETRIES / REIN_MAX_FREE_RETRIES. To change "
+                "them, stop all replicas and start one with REIN_RECONFIGURE=true."
             )
 
     # ------------------------------------------------------------------ reads
@@ -315,12 +317,14 @@ class WindowStore:
                 )
             )
             if d.group_id == group.group_id and d.decision is Decision.FAILED_RETRY:
+                attempt, free_retries = next_attempt(group, self.config)
                 out.append(
                     (
                         topics.retries,
                         RetryRequest(
                             prompt_id=group.prompt_id,
-                            attempt=group.attempt + 1,
+                            attempt=attempt,
+                            free_retries=free_retries,
                             previous_group_id=group.group_id,
                             prompt=prompt,
                         ),

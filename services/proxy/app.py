@@ -130,7 +130,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
     async def finish(session_id: str, request: Request) -> dict[str, Any]:
         service: ProxyService = request.state.service
         body = _parse(FinishBody, await request.body())
-        return await service.finish(session_id, body.reward, body.status)
+        return await service.finish(session_id, body.reward, body.status, body.error)
 
     @app.post("/v1/rollout/pause")
     async def pause(request: Request) -> dict[str, Any]:

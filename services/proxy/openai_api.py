@@ -66,6 +66,8 @@ class FinishBody(BaseModel):
     reward: float = Field(allow_inf_nan=False)
     """A NaN or infinite reward would poison every advantage of its group: refused with 422."""
     status: Literal["completed", "truncated", "failed"] = "completed"
+    error: str = Field(default="", max_length=200)
+    """Why a ``failed`` session failed (the agent's error name); recorded on ``SessionFinished``."""
 
 
 class PauseBody(BaseModel):

@@ -269,7 +269,7 @@ class ProxyService:
 
     # ------------------------------------------------------------------ finish
 
-    async def finish(self, session_id: str, reward: float, status: str) -> dict[str, Any]:
+    async def finish(self, session_id: str, reward: float, status: str, error: str = "") -> dict[str, Any]:
         session = self.sessions.get(session_id)
         if session.busy:
             raise SessionBusy(f"session {session_id} has a call in flight; finish it after", session_id=session_id)
@@ -277,7 +277,7 @@ class ProxyService:
         if session.trainable:
             record = SessionFinished(
                 session_id=session_id, group_id=session.group_id, reward=reward, status=status,  # type: ignore[arg-type]
-                num_chunks=session.num_chunks,
+                num_chunks=session.num_chunks, error=error if status == "failed" else "",
             )
             try:
                 await self.publisher.send(self.settings.topics.events, record)

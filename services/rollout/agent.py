@@ -188,7 +188,8 @@ class Agent:
 
     async def _report(self, result: EpisodeResult, logger: Any) -> EpisodeResult:
         status = "failed" if result.outcome == "failed" else result.outcome
-        delivered = await self.finish(result.session_id, result.reward, status)
+        error = (result.error or "")[:200] if status == "failed" else ""
+        delivered = await self.finish(result.session_id, result.reward, status, error)
         if delivered == "conflict_first":
             # The proxy had already closed the session (it rejected it, e.g. a soft reject).
             result.outcome, result.error = "rejected", result.error or "session_closed"
@@ -199,7 +200,7 @@ class Agent:
             result.error = result.error or f"finish_{delivered}"
         return result
 
-    async def finish(self, session_id: str, reward: float, status: str) -> str:
+    async def finish(self, session_id: str, reward: float, status: str, error: str = "") -> str:
         """POST the finish call; bounded retries while the proxy cannot take it yet.
 
         Retried: transport errors, 503 (the proxy could not write to Kafka; the session
@@ -217,7 +218,10 @@ class Agent:
                 await asyncio.sleep(delay)
                 delay *= 2
             try:
-                response = await self._http.post(url, json={"reward": reward, "status": status})
+                body: dict[str, Any] = {"reward": reward, "status": status}
+                if error:
+                    body["error"] = error
+                response = await self._http.post(url, json=body)
             except httpx.TransportError:
                 last, sent = "unreachable", True
                 continue

@@ -43,6 +43,9 @@ class RolloutMetrics:
             registry, "rollout/lost_sessions_unpublished", "Lost sessions whose rejection could not be published"
         )
         self.groups = metrics.counter(registry, "rollout/groups_dispatched", "Groups dispatched", ("kind",))
+        self.prompt_cursor = metrics.gauge(
+            registry, "rollout/prompt_cursor", "Prompts claimed from this task and seed's stream (by every runner)"
+        )
         self.backend_down = metrics.gauge(
             registry, "rollout/backend_down", "1 while groups fail only because the engine, proxy or Kafka is down"
         )

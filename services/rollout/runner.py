@@ -5,8 +5,10 @@ committable, once the retry's group is dispatched) and, in sync mode, ``weights`
 (``WeightApplied`` opens the next wave).
 Produces ``GroupDispatched`` on ``rollout.events`` — acked by Kafka *before* the
 group's sessions start, so the collector always knows a group before its chunks.
-Owns nothing durable: a restarted runner re-reads uncommitted retries and starts the
-prompt stream again from its seed.
+Owns the prompt cursor in Redis (``RedisKeys.prompt_cursor``): each new prompt is
+claimed from a shared counter before its group is dispatched, so a restarted runner
+continues the seed's stream after the last claimed prompt (a prompt claimed but never
+dispatched is skipped, never repeated), and uncommitted retries are re-read from Kafka.
 
 Lifecycle: wait for the proxy and Kafka (bounded) → dispatch loop (the
 :class:`~services.rollout.scheduler.Scheduler` decides) → on SIGTERM/SIGINT or when
@@ -26,18 +28,30 @@ from typing import Any
 
 import httpx
 import openai
+import redis
 from kafka.errors import KafkaError
 from prometheus_client import CollectorRegistry
 
 from services.rollout.agent import Agent, EpisodeResult, SessionIds
 from services.rollout.observe import RolloutMetrics, StatusServer, create_app
-from services.rollout.scheduler import AVAILABILITY_ERRORS, BackendGate, RetrySource, Scheduler, Work, retry_work
+from services.rollout.scheduler import (
+    AVAILABILITY_ERRORS,
+    BackendGate,
+    PromptStream,
+    RetrySource,
+    Scheduler,
+    Work,
+    retry_work,
+)
 from services.rollout.settings import RolloutSettings
 from services.rollout.task import TASKS, Task
 from shared import log
 from shared.bus import BusUnavailable, Consumer, Polled, Producer, ensure_topology
+from shared.names import RedisKeys
+from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.schemas import DecodeError, GroupDispatched, RetryRequest, SessionRejected, WeightApplied, new_id
 from shared.settings import KafkaSettings
+from shared.state import connect
 
 _log = log.get(__name__)
 
@@ -153,8 +167,9 @@ class Runner:
         self.task: Task = task or TASKS[settings.task]()
         self.log = log.get(__name__).bind(mode=settings.mode)
         self.metrics = RolloutMetrics(CollectorRegistry(auto_describe=True))
+        self.stream = PromptStream(self.task.prompts(settings.seed), claimed=True)
         self.scheduler = Scheduler(
-            self.task.prompts(settings.seed),
+            self.stream,
             max_in_flight=settings.max_concurrent_groups,
             mode=settings.mode,
             groups_per_step=settings.groups_per_step,
@@ -171,6 +186,10 @@ class Runner:
         self._publish_failures = 0
         self._feeds: list[KafkaFeed] = []
         self._retry_feed: KafkaFeed | None = None
+        self._redis: redis.Redis | None = None
+        self._cursor_key = RedisKeys(settings.redis.key_prefix).prompt_cursor(self.task.name, settings.seed)
+        self._cursor_outage: Outage | None = None
+        self._cursor_retry_at = 0.0
 
     # ------------------------------------------------------------------ control
 
@@ -216,6 +235,7 @@ class Runner:
                 agent = Agent(client, http, proxy_url=s.proxy_url, model=s.model, max_tokens=s.max_tokens,
                               temperature=s.temperature, finish_attempts=s.finish_attempts)
                 await self._wait_proxy(http)
+                self._redis = await asyncio.to_thread(connect, s.redis)
                 producer = await asyncio.to_thread(self._connect_kafka)
                 await self._start_feeds()
                 self._ready = True
@@ -230,6 +250,8 @@ class Runner:
                 await asyncio.to_thread(feed.stop)
             if producer is not None:
                 await asyncio.to_thread(producer.close)
+            if self._redis is not None:
+                self._redis.close()
             server.stop()
             await server_task
         if self._fatal is not None:
@@ -295,7 +317,7 @@ class Runner:
             self.metrics.bad_retries.inc()
             self._done([source])
             return
-        work = retry_work(record.prompt_id, record.attempt, dict(record.prompt), source)
+        work = retry_work(record.prompt_id, record.attempt, dict(record.prompt), source, record.free_retries)
         outcome = self.scheduler.add_retry(work)
         if outcome != "queued":
             self.log.info("retry_duplicate", prompt_id=record.prompt_id, attempt=record.attempt, outcome=outcome)
@@ -346,12 +368,16 @@ class Runner:
                 await asyncio.sleep(self._gate.delay_s)
                 if self._stopping:
                     continue
+            if not self.stream.available() and not sched.exhausted:
+                await self._claim_prompt()
             work = sched.take()
             if work is None:
                 if sched.finished:
                     self.log.info("max_groups_done", dispatched=sched.dispatched)
                     return
                 timeout: float | None = None
+                if not self.stream.available() and not sched.exhausted:  # the claim failed: Redis is down
+                    timeout = max(0.0, self._cursor_retry_at - time.monotonic())
                 if sched.waiting_for_weights:
                     wait_started = wait_started or time.monotonic()
                     timeout = s.sync_weight_timeout_s - (time.monotonic() - wait_started)
@@ -372,12 +398,29 @@ class Runner:
                 self.metrics.probes.inc()
             await self._dispatch(work, agent, producer, probe)
 
+    async def _claim_prompt(self) -> None:
+        """Claim the next prompt index from the Redis cursor; a Redis outage is waited out (backoff)."""
+        if time.monotonic() < self._cursor_retry_at or self._redis is None:
+            return
+        client = self._redis
+        try:
+            claimed = int(await asyncio.to_thread(client.incr, self._cursor_key))
+        except DEPENDENCY_ERRORS as exc:
+            self._cursor_outage = self._cursor_outage or Outage(self.log)
+            self._cursor_retry_at = time.monotonic() + self._cursor_outage.failed(exc)
+            return
+        if self._cursor_outage is not None:
+            self._cursor_outage.recovered()
+            self._cursor_outage = None
+        self.stream.claim(claimed - 1)
+        self.metrics.prompt_cursor.set(claimed)
+
     async def _dispatch(self, work: Work, agent: Agent, producer: Producer, probe: bool = False) -> None:
         s = self.settings
         group_id = new_id("g")
         session_ids = [new_id("s") for _ in range(s.group_size)]
         record = GroupDispatched(group_id=group_id, prompt_id=work.prompt_id, attempt=work.attempt,
-                                 session_ids=session_ids, prompt=work.payload)
+                                 free_retries=work.free_retries, session_ids=session_ids, prompt=work.payload)
         try:
             await asyncio.to_thread(producer.send, s.topics.events, record)
         except (BusUnavailable, KafkaError) as exc:

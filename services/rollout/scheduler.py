@@ -32,6 +32,42 @@ from typing import Any, Literal
 from services.rollout.task import Prompt
 
 
+class PromptStream:
+    """A task's seed-determined prompt stream, read forward only.
+
+    Unclaimed, every prompt is available in order. Claimed (the runner's durable cursor),
+    a prompt is available only once :meth:`claim` named its index in the stream (the
+    runner got it from a shared Redis counter), so a restarted runner, or a second one
+    with the same seed, never dispatches a prompt id twice; indices claimed by others
+    are skipped.
+    """
+
+    def __init__(self, prompts: Iterator[Prompt], *, claimed: bool = False) -> None:
+        self._prompts = prompts
+        self._claimed = claimed
+        self._next_index = 0
+        self._ready: deque[Prompt] = deque()
+
+    def available(self) -> bool:
+        return not self._claimed or bool(self._ready)
+
+    def claim(self, index: int) -> None:
+        """Make the prompt at ``index`` (0-based position in the stream) the next one; indices only grow."""
+        if index < self._next_index:
+            raise ValueError(f"prompt {index} is behind the stream (next is {self._next_index})")
+        while self._next_index < index:
+            next(self._prompts)
+            self._next_index += 1
+        self._ready.append(next(self._prompts))
+        self._next_index += 1
+
+    def take(self) -> Prompt:
+        if self._claimed:
+            return self._ready.popleft()
+        self._next_index += 1
+        return next(self._prompts)
+
+
 @dataclass(frozen=True)
 class RetrySource:
     """Where a retry request was read, so its offset is marked done once its group is dispatched."""
@@ -51,14 +87,18 @@ class Work:
     sources: list[RetrySource] = field(default_factory=list)
     """For a retry: every record that asked for it (a duplicate publish adds one); done once it is dispatched."""
     kind: Literal["new", "retry"] = "new"
+    free_retries: int = 0
 
     @property
-    def key(self) -> tuple[str, int]:
-        return (self.prompt_id, self.attempt)
+    def key(self) -> tuple[str, int, int]:
+        """One retry of one prompt (see :class:`shared.schemas.RetryRequest`)."""
+        return (self.prompt_id, self.attempt, self.free_retries)
 
 
-def retry_work(prompt_id: str, attempt: int, payload: dict[str, Any], source: RetrySource) -> Work:
-    return Work(prompt_id, attempt, payload, [source], "retry")
+def retry_work(
+    prompt_id: str, attempt: int, payload: dict[str, Any], source: RetrySource, free_retries: int = 0
+) -> Work:
+    return Work(prompt_id, attempt, payload, [source], "retry", free_retries)
 
 
 AddOutcome = Literal["queued", "attached", "dispatched"]
@@ -71,7 +111,7 @@ class Scheduler:
 
     def __init__(
         self,
-        prompts: Iterator[Prompt],
+        prompts: Iterator[Prompt] | PromptStream,
         *,
         max_in_flight: int,
         mode: Literal["async", "sync"] = "async",
@@ -82,12 +122,12 @@ class Scheduler:
     ) -> None:
         if max_in_flight < 1 or groups_per_step < 1 or max_groups < 0:
             raise ValueError("max_in_flight and groups_per_step must be >= 1, max_groups >= 0")
-        self._prompts = prompts
+        self._prompts = prompts if isinstance(prompts, PromptStream) else PromptStream(prompts)
         self._retries: deque[Work] = deque()
         self._requeued_new: deque[Work] = deque()
-        self._active: dict[tuple[str, int], Work] = {}
-        """Retries queued or taken and not yet confirmed dispatched, by (prompt id, attempt)."""
-        self._dispatched: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._active: dict[tuple[str, int, int], Work] = {}
+        """Retries queued or taken and not yet confirmed dispatched, by :attr:`Work.key`."""
+        self._dispatched: OrderedDict[tuple[str, int, int], None] = OrderedDict()
         self._dedup_memory = dedup_memory
         self.max_in_flight = max_in_flight
         self.mode = mode
@@ -213,6 +253,8 @@ class Scheduler:
         return self._retries.popleft() if self._retries else None
 
     def _next_new(self) -> Work | None:
+        if not self._requeued_new and not self._prompts.available():
+            return None  # the runner has not claimed the next prompt yet
         if self.mode == "sync":
             if self.wave_full:
                 if self.in_flight > 0 or self.weights_seq <= self.wave_baseline:
@@ -223,7 +265,7 @@ class Scheduler:
             self.wave_new += 1
         if self._requeued_new:
             return self._requeued_new.popleft()
-        prompt = next(self._prompts)
+        prompt = self._prompts.take()
         return Work(prompt_id=prompt.prompt_id, attempt=0, payload=prompt.payload)
 
 

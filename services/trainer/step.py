@@ -111,7 +111,7 @@ class PolicyTrainer:
                 logprobs, t["rollout"], t["adv"], t["mask"],
                 clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total),
             )
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             n = stats.trained_tokens
             loss_sum += float(loss.item())
             diff_sum += stats.train_rollout_logprob_abs_diff * n

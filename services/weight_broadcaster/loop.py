@@ -159,7 +159,7 @@ class Broadcaster:
         if not label:
             return None
         raw = self.registry.client.hget(self.registry.keys.registry, label)
-        return int(raw) if raw is not None else None  # type: ignore[arg-type]
+        return int(raw) if raw is not None else None
 
     def apply(self, event: WeightPublished) -> Outcome:
         infos = list(self._pool.map(self.client.model_info, self.s.engine_urls))

@@ -1,4 +1,4 @@
-"""Faults during a run: kill -9 of each service in turn, a Kafka and a Redis crash, a lost registry.
+"""Faults during a run: rebalances, kill -9 of each service in turn, a Kafka and a Redis crash, a lost registry.
 
 One run of the local stack (the processes ``make demo`` starts). After the first
 training step, one fault at a time; after each, the run must make training progress
@@ -13,6 +13,7 @@ The trainer's own kill -9 is in ``test_closed_loop.py``. Figures go to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import Counter, defaultdict
@@ -30,13 +31,22 @@ from shared.report import rows_so_far
 from shared.schemas import BatchManifest, DecisionRecord, GroupDispatched, SessionRejected, WeightPublished
 from shared.settings import KafkaSettings
 from shared.stack import LocalStack, StackConfig, start
+from tests.support.rebalance import ForeignMember
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]
 
 EXTRA_STEPS = 2
 """Training steps required after the last fault, before the run is stopped and read back."""
-FAULTS = ("rollout", "collector-0", "broadcaster", "proxy", "engine", "kafka", "redis", "registry")
+FAULTS = ("rebalance", "rollout", "collector-0", "broadcaster", "proxy", "engine", "kafka", "redis", "registry")
 """In this order. After each, a batch made after the fault must be trained before the next."""
+REBALANCE_HOLD_S = 5.0
+"""How long a foreign member stays in each consumer group (collectors, trainer, broadcaster, runner)."""
+GROUPS = {
+    "rein-collector": ("rollout.chunks", "rollout.events"),
+    "rein-trainer": ("train.batches",),
+    "rein-weight-broadcaster": ("weights",),
+    "rein-rollout": ("rollout.retries",),
+}
 DOWN_S = 5.0
 """How long Kafka and Redis stay down when they are killed."""
 PROGRESS_TIMEOUT_S = 300
@@ -131,7 +141,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             started = time.monotonic()
             if fault in ("proxy", "rollout"):
                 open_at[fault] = _dispatched(kafka)
-            if fault in ("kafka", "redis"):
+            if fault == "rebalance":
+                with contextlib.ExitStack() as members:
+                    for group, topics in GROUPS.items():
+                        members.enter_context(ForeignMember(local.infra.kafka_bootstrap, group, topics))
+                    time.sleep(REBALANCE_HOLD_S)  # the fault is the members' stay; nothing to await
+            elif fault in ("kafka", "redis"):
                 local.infra.restart(fault, kill=True, down_s=DOWN_S)
             elif fault == "registry":
                 client = redis.Redis.from_url(local.infra.redis_url, decode_responses=True)
@@ -293,3 +308,15 @@ def test_report_figures(run: dict[str, Any], tmp_path_factory: pytest.TempPathFa
     out.write_text(json.dumps(summary, indent=2))
     print("\nfault figures:", json.dumps(summary, indent=2))
     assert summary["steps"] == len(run["rows"])
+
+
+def test_restarts_resume_the_prompt_stream_and_never_repeat_a_prompt(run: dict[str, Any]) -> None:
+    """The runner was killed and restarted: it continued its seed's stream from the durable cursor, so
+    no prompt the killed runner had dispatched new (attempt 0, no retry) was dispatched new again."""
+    before_kill = run["open_at"]["rollout"]
+    new = [r for r in run["events"] if isinstance(r, GroupDispatched) and r.attempt == 0 and r.free_retries == 0]
+    old_prompts = {r.prompt_id for r in new if r.group_id in before_kill}
+    after = {r.prompt_id for r in new if r.group_id not in before_kill}
+    assert old_prompts and after, "the runner dispatched new prompts both before and after its kill"
+    repeated = sorted(old_prompts & after)
+    assert not repeated, f"prompts of the killed runner dispatched new again after its restart: {repeated[:5]}"

@@ -154,6 +154,31 @@ def test_failed_groups_are_retried_then_dropped_and_never_move_the_window(
     retries.close()
 
 
+def test_a_dependencys_failure_does_not_use_up_the_prompts_retries(kafka_bootstrap: str, redis_db_url: str) -> None:
+    """On its last attempt, a group whose session failed because its agent went idle (a dependency,
+    not the prompt) is retried with the same attempt and one more free retry; over the free cap, or
+    failed for the prompt's own reason, the last attempt drops it as before."""
+    settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=1, max_retries=2, max_free_retries=3)
+    source = Source(settings)
+    source.weights(["v0", "v1"])
+    with Running(settings):
+        tail = Tail(settings, settings.topics.decisions)
+        retries = Tail(settings, settings.topics.retries)
+        source.group("idle", [["v1"], ["v1"]], prompt_id="pa", attempt=2, rejected=[1], rejected_error="session_idle")
+        source.group("capped", [["v1"]], prompt_id="pb", attempt=2, free_retries=3, rejected=[0],
+                     rejected_error="incomplete")
+        source.group("stale", [["v1"], ["v1"]], prompt_id="pc", attempt=2, rejected=[0, 1],
+                     rejected_error="partial_rollout_staleness_exceeded")
+        final = decided(tail, ["idle", "capped", "stale"])
+        got = retries.wait(lambda rs: len(rs) >= 1, "a retry request")
+    assert final == {"idle": "failed_retry", "capped": "failed_dropped", "stale": "failed_dropped"}
+    [retry] = [r for r in got if isinstance(r, RetryRequest)]
+    assert (retry.prompt_id, retry.attempt, retry.free_retries, retry.previous_group_id) == ("pa", 2, 1, "idle")
+    source.close()
+    tail.close()
+    retries.close()
+
+
 def test_a_group_whose_session_never_ended_is_failed_after_the_incomplete_timeout_and_retried(
     kafka_bootstrap: str, redis_db_url: str
 ) -> None:

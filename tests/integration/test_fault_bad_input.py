@@ -622,9 +622,9 @@ def test_broadcaster_skips_and_counts_poison_weight_records(
 
 
 def test_rollout_runner_skips_and_counts_poison_retry_records(
-    stack: Stack, unique_topic: Callable[..., str], unique_group: str, tmp_path: Path
+    stack: Stack, unique_topic: Callable[..., str], unique_group: str, redis_db_url: str, tmp_path: Path
 ) -> None:
-    retries = unique_topic()  # 4 partitions: the runner's ensure_topics waits for 4 (see docs/reliability.md)
+    retries = unique_topic()
     bad = poison("retry")
     inject(stack.bootstrap, retries, [v for _, v in bad.values()])
     INJECTED["rollout.retries"] += len(bad)
@@ -649,6 +649,7 @@ def test_rollout_runner_skips_and_counts_poison_retry_records(
             "REIN_TOPICS__RETRIES": retries,
             "REIN_TOPICS__WEIGHTS": unique_topic(),
             "REIN_RETRY_CONSUMER_GROUP": unique_group,
+            "REIN_REDIS__URL": redis_db_url,
             "REIN_METRICS_PORT": str(port),
             "REIN_GROUP_SIZE": "1",
             "REIN_MAX_CONCURRENT_GROUPS": "1",

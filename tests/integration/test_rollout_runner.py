@@ -55,11 +55,12 @@ class Stack:
     topics: Topics
     proxy_url: str
     log_dir: Path
+    redis_url: str
 
 
 @pytest.fixture(scope="module")
 def stack(
-    kafka_bootstrap: str, kafka_admin: KafkaAdminClient, tmp_path_factory: pytest.TempPathFactory
+    kafka_bootstrap: str, kafka_admin: KafkaAdminClient, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     suffix = uuid.uuid4().hex[:8]
     topics = Topics(chunks=f"t.rollout.chunks.{suffix}", events=f"t.rollout.events.{suffix}")
@@ -97,7 +98,7 @@ def stack(
             log_dir=logs,
         )
         try:
-            yield Stack(kafka_bootstrap, topics, f"http://127.0.0.1:{proxy_port}", logs)
+            yield Stack(kafka_bootstrap, topics, f"http://127.0.0.1:{proxy_port}", logs, redis_url)
         finally:
             proxy.stop()
     finally:
@@ -118,6 +119,8 @@ def _runner_env(stack: Stack, group: str, retries: str, weights: str, **extra: s
             "REIN_TOPICS__RETRIES": retries,
             "REIN_TOPICS__WEIGHTS": weights,
             "REIN_RETRY_CONSUMER_GROUP": group,
+            "REIN_REDIS__URL": stack.redis_url,
+            "REIN_REDIS__KEY_PREFIX": f"t-{group}",  # a prompt cursor of the test's own
             "REIN_METRICS_PORT": "0",
             "REIN_GROUP_SIZE": "4",
             "REIN_REQUEST_TIMEOUT_S": "30",
@@ -248,6 +251,23 @@ def test_two_groups_of_four(stack: Stack, unique_group: str, unique_topic: Calla
     assert sorted((g.prompt_id, g.attempt) for g in new) == sorted((p.prompt_id, 0) for p in expected)
     assert {g.prompt_id: g.prompt for g in new} == {p.prompt_id: p.payload for p in expected}
     _check_groups(stack, new)
+
+
+def test_a_restarted_runner_continues_its_prompt_stream(
+    stack: Stack, unique_group: str, unique_topic: Callable[..., str]
+) -> None:
+    """The prompt cursor is durable: a second run with the same seed (a restart) dispatches the next
+    prompts of the stream, never one of the first run's."""
+    before = {g.group_id for g in _dispatched(stack)}
+    env = _runner_env(stack, unique_group, unique_topic(), unique_topic(), REIN_MAX_GROUPS="2", REIN_SEED="11")
+    for _ in range(2):
+        proc, log_path = _start_runner(stack, env)
+        _wait_exit(proc, log_path)
+    new = [g for g in _dispatched(stack) if g.group_id not in before]
+    prompts = NumberGuessTask().prompts(11)
+    expected = [next(prompts).prompt_id for _ in range(4)]
+    assert sorted(g.prompt_id for g in new) == sorted(expected)
+    assert all(g.attempt == 0 for g in new)
 
 
 def test_retry_request_is_dispatched_first_with_its_attempt(

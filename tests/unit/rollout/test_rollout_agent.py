@@ -129,7 +129,9 @@ def test_error_on_second_turn(status: int, body: dict[str, Any], outcome: str, e
     if finish_status is None:
         assert proxy.finishes == [] and not result.reported
     else:
-        assert proxy.finishes == [("s-1", {"reward": 0.0, "status": finish_status})] and result.reported
+        # a failed session's finish says why, so a dependency's failure does not use up the prompt's retries
+        sent = {"reward": 0.0, "status": finish_status, **({"error": error} if finish_status == "failed" else {})}
+        assert proxy.finishes == [("s-1", sent)] and result.reported
 
 
 FINALIZED = (409, {"detail": {"error": "session_finalized"}})

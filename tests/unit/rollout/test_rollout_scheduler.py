@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from services.rollout.scheduler import AVAILABILITY_ERRORS, BackendGate, RetrySource, Scheduler, Work, retry_work
+from services.rollout.scheduler import (
+    AVAILABILITY_ERRORS,
+    BackendGate,
+    PromptStream,
+    RetrySource,
+    Scheduler,
+    Work,
+    retry_work,
+)
 from services.rollout.task import NumberGuessTask
 
 
@@ -38,7 +48,7 @@ def test_duplicate_retry_is_dispatched_once_and_done_with_its_original() -> None
     assert s.add_retry(_retry("p", 2, offset=10)) == "queued"
     assert s.pending_retries == 2
     work = s.take()
-    assert work is not None and work.key == ("p", 1)
+    assert work is not None and work.key == ("p", 1, 0)
     assert s.add_retry(_retry("p", 1, offset=11)) == "attached"  # while its dispatch is in progress
     assert s.confirm(work) == [_src(3), _src(9), _src(11)]  # every record that asked for it is done now
     assert s.add_retry(_retry("p", 1, offset=12)) == "dispatched"  # later copies: done at once by the caller
@@ -224,3 +234,19 @@ def test_backend_gate_closes_on_an_outage_probes_with_doubling_delays_and_opens_
 def test_availability_errors_are_the_backends_not_the_prompts() -> None:
     assert {"unreachable", "engine_unavailable", "kafka_unavailable", "timeout"} == AVAILABILITY_ERRORS
     assert not {"partial_rollout_staleness_exceeded", "context_overflow", "session_busy"} & AVAILABILITY_ERRORS
+
+
+def test_a_claimed_stream_gives_only_claimed_prompts_in_stream_order() -> None:
+    ids = [p.prompt_id for p in itertools.islice(NumberGuessTask().prompts(0), 6)]
+    stream = PromptStream(NumberGuessTask().prompts(0), claimed=True)
+    s = Scheduler(stream, max_in_flight=10)
+    assert not stream.available() and s.take() is None  # nothing claimed: nothing new may start
+    stream.claim(0)
+    stream.claim(3)  # indices 1 and 2 were claimed by another runner
+    taken = [s.take(), s.take(), s.take()]
+    assert [w.prompt_id if w else None for w in taken] == [ids[0], ids[3], None]
+    with pytest.raises(ValueError, match="behind the stream"):
+        stream.claim(2)
+    s.add_retry(_retry("p-r"))
+    retry = s.take()
+    assert retry is not None and retry.kind == "retry"  # retries need no claim

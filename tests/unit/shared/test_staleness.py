@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.staleness import (
+    UNCHARGED_ERRORS,
     Decision,
     SegmentEnd,
     WindowConfig,
@@ -15,9 +16,11 @@ from shared.staleness import (
     cutoff_index,
     is_stale,
     mask_nonlast_version_tokens,
+    next_attempt,
     trajectory_versions,
     validate_keep_versions,
     version_gaps,
+    window_step,
 )
 from shared.versions import VersionRegistry
 
@@ -288,3 +291,41 @@ def test_every_group_gets_exactly_one_final_outcome(
 
 def test_state_default_is_empty() -> None:
     assert WindowState().current is None and WindowState().pending == ()
+
+
+@pytest.mark.parametrize(
+    ("attempt", "free", "uncharged", "decision", "retry"),
+    [
+        (0, 0, False, Decision.FAILED_RETRY, (1, 0)),  # the prompt's own failure: one retry used
+        (0, 0, True, Decision.FAILED_RETRY, (0, 1)),  # a dependency's: free
+        (2, 0, True, Decision.FAILED_RETRY, (2, 1)),  # even on the last attempt
+        (2, 0, False, Decision.FAILED_DROPPED, None),
+        (2, 3, True, Decision.FAILED_DROPPED, None),  # free retries used up: it counts again
+        (1, 3, True, Decision.FAILED_RETRY, (2, 3)),
+    ],
+)
+def test_free_retries(
+    attempt: int, free: int, uncharged: bool, decision: Decision, retry: tuple[int, int] | None
+) -> None:
+    config = WindowConfig(keep_versions=2, batch_groups=4, max_retries=2, max_free_retries=3)
+    group = WindowGroup("g", "p", attempt, True, ("v1",), free_retries=free, uncharged=uncharged)
+    result = window_step(WindowState(current="v1"), group, {"v1": 1}.__getitem__, config)
+    assert [d.decision for d in result.decisions] == [decision]
+    if retry is not None:
+        assert next_attempt(group, config) == retry
+
+
+def test_uncharged_is_computed_from_every_abnormal_session() -> None:
+    from shared.replay import window_group
+    from shared.schemas import CompletedGroup, Trajectory
+
+    def group(*ends: tuple[str, str]) -> CompletedGroup:
+        trajs = [Trajectory(session_id=f"s{i}", status=s, error=e, segments=[]) for i, (s, e) in enumerate(ends)]
+        return CompletedGroup(group_id="g", prompt_id="p", failed=True, trajectories=trajs)  # type: ignore[arg-type]
+
+    free = group(("completed", ""), ("rejected", "incomplete"), ("failed", "engine_unavailable"))
+    assert window_group(free).uncharged
+    charged = group(("rejected", "session_idle"), ("rejected", "partial_rollout_staleness_exceeded"))
+    assert not window_group(charged).uncharged
+    assert not window_group(group(("failed", ""))).uncharged  # no reason given: the prompt pays
+    assert {"session_idle", "incomplete", "session_lost", "engine_unavailable", "timeout"} <= UNCHARGED_ERRORS
