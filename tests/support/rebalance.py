@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 
-from kafka import KafkaConsumer
+from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 
 
@@ -14,8 +14,9 @@ class ForeignMember:
     """A plain kafka-python consumer in ``group_id`` on ``topics``, polling on its own thread.
 
     It never commits, so every record it reads is read again by whoever owns the partition
-    next. Entering waits until the group gave it partitions (the others were revoked and
-    re-assigned); leaving closes it (they are revoked and re-assigned once more).
+    next. Entering waits until it joined the group (the others' partitions were revoked and
+    re-assigned; it may get none, e.g. of a one-partition topic); leaving closes it (they
+    are revoked and re-assigned once more).
     """
 
     def __init__(self, bootstrap: str, group_id: str, topics: Sequence[str], timeout_s: float = 60.0) -> None:
@@ -29,29 +30,36 @@ class ForeignMember:
             partition_assignment_strategy=(RangePartitionAssignor,),
             client_id="test-foreign-member",
         )
-        self._consumer.subscribe(list(topics))
-        self._timeout_s = timeout_s
-        self._stop = threading.Event()
-        self._assigned = threading.Event()
+        self._joined = threading.Event()
+        member = self
+
+        class Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+            def on_partitions_revoked(self, revoked: object) -> None:
+                return
+
+            def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+                member.partitions = {(tp.topic, tp.partition) for tp in assigned}
+                member._joined.set()  # called after every join, also with no partition
+
         self.records = 0
         self.partitions: set[tuple[str, int]] = set()
+        """What the group gave it at its last join."""
+        self._consumer.subscribe(list(topics), listener=Listener())
+        self._timeout_s = timeout_s
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="foreign-member", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             for batch in self._consumer.poll(timeout_ms=100).values():
                 self.records += len(batch)
-            assignment = self._consumer.assignment()
-            if assignment:
-                self.partitions = {(tp.topic, tp.partition) for tp in assignment}
-                self._assigned.set()
         self._consumer.close(autocommit=False)
 
     def __enter__(self) -> ForeignMember:
         self._thread.start()
-        if not self._assigned.wait(self._timeout_s):
+        if not self._joined.wait(self._timeout_s):
             self.__exit__(None, None, None)
-            raise AssertionError(f"the foreign member got no partition within {self._timeout_s}s")
+            raise AssertionError(f"the foreign member did not join its group within {self._timeout_s}s")
         return self
 
     def __exit__(
