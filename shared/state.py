@@ -3,8 +3,10 @@
 The registry keeps DESIGN's order in Redis so it survives restarts and is the same
 for every replica: published labels by sequence number (a sorted set, so an index
 is O(log n)), then labels nobody published in observation order. Every change is
-one Lua script, hence atomic. Exactly one service (the weight broadcaster)
-publishes; collectors only observe; anyone can rebuild it from the ``weights`` topic.
+one Lua script, hence atomic. The ``weights`` topic owns the order (the trainer's
+sequence numbers); the broadcaster and every collector replica publish what they read
+from it, idempotently (a label keeps the sequence it was first published with, a
+conflicting one is refused), so the registry can always be rebuilt from the topic.
 """
 
 from __future__ import annotations

@@ -16,18 +16,12 @@ partition). A crash anywhere re-reads every record of every group not released.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
-from kafka import TopicPartition
 from kafka.errors import KafkaError
-from prometheus_client import CollectorRegistry
 
 from services.collector.assembly import (
     Assembler,
@@ -37,207 +31,25 @@ from services.collector.assembly import (
     partial_rollout_rejected_samples,
     version_spans,
 )
+from services.collector.metrics import CollectorMetrics
 from services.collector.settings import CollectorSettings
+from services.collector.weights_follower import WeightsFollower
 from services.collector.window_store import StepOutcome, WindowStore
 from shared import log
 from shared.bus import Consumer, Delivered, Polled, Producer, ensure_topology, topic_configs
-from shared.metrics import DecodeErrors, counter, gauge, render
 from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.replay import window_group
-from shared.schemas import CompletedGroup, DecodeError, GroupRef, Record, WeightApplied, WeightPublished
+from shared.schemas import CompletedGroup, DecodeError, GroupRef, Record
 from shared.staleness import Decision, WindowConfig
-from shared.state import RedisRegistry, connect
+from shared.state import connect
+from shared.status_server import StatusServer
 from shared.topology import TopicSpec
 
 _log = log.get(__name__)
 
 _LOOP_ERRORS: tuple[type[BaseException], ...] = (*DEPENDENCY_ERRORS, TimeoutError)
 """What one loop iteration waits out and redoes (TimeoutError: the weights catch-up, the outbox lease)."""
-
-
-_SPAN_DOC = (
-    "Version span {} (distinct real versions per trajectory) over the last trajectories of completed, "
-    "non-failed groups on this replica"
-)
-
-
-class CollectorMetrics:
-    """Everything ``/metrics`` shows; one registry per collector (no process globals)."""
-
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.decode_errors = DecodeErrors(r)
-        self.groups = counter(r, "collector/groups", "Completed groups handled (rate = groups/s)", ("status",))
-        self.decisions = counter(r, "staleness/decisions", "Window decisions made by this replica", ("decision",))
-        self.dropped = counter(r, "staleness/dropped_groups", "Groups dropped by this replica, by reason", ("reason",))
-        self.batches = counter(r, "collector/batches", "Batch manifests emitted by this replica's steps")
-        self.published = counter(r, "collector/outbox_published", "Outbox records published by this replica")
-        self.conflicts = counter(r, "collector/window_conflicts", "Window steps retried after another replica's")
-        self.abandoned = counter(
-            r, "collector/abandoned_groups",
-            "Groups with no record for the incomplete timeout: failed (decided, retried) or dropped (never dispatched)",
-            ("outcome",),
-        )
-        self.weight_errors = counter(r, "collector/weight_errors", "Weight records the registry refused")
-        self.decided_trimmed = counter(
-            r, "collector/decided_trimmed", "Decided marks forgotten after REIN_DECIDED_TTL_S"
-        )
-        self.commit_errors = counter(r, "collector/commit_errors", "Offset commits refused (rebalance)")
-        self.outages = counter(
-            r, "collector/dependency_errors", "Loop iterations that failed on Redis or Kafka and were retried",
-            ("what",),
-        )
-        self.registry_rebuilds = counter(
-            r, "collector/registry_rebuilds", "Times the Redis version registry was found short and rebuilt"
-        )
-        self.current_index = gauge(
-            r, "staleness/current_version_index", "Registry index of the window's newest version"
-        )
-        self.cutoff_index = gauge(r, "staleness/cutoff_version_index", "Lowest registry index still inside the window")
-        self.gap_min = gauge(r, "staleness/version_gap_min", "Version gap min of the last manifest")
-        self.gap_max = gauge(r, "staleness/version_gap_max", "Version gap max of the last manifest")
-        self.gap_mean = gauge(r, "staleness/version_gap_mean", "Version gap mean of the last manifest")
-        self.span_min = gauge(r, "staleness/version_span_min", _SPAN_DOC.format("min"))
-        self.span_max = gauge(r, "staleness/version_span_max", _SPAN_DOC.format("max"))
-        self.span_mean = gauge(r, "staleness/version_span_mean", _SPAN_DOC.format("mean"))
-        self.partial_rejected_groups = counter(
-            r,
-            "staleness/partial_rollout_rejected_groups",
-            "Failed group attempts with a session rejected for partial_rollout_staleness_exceeded",
-        )
-        self.partial_rejected_samples = counter(
-            r,
-            "staleness/partial_rollout_rejected_samples",
-            "Trajectories of the group attempts counted in partial_rollout_rejected_groups",
-        )
-        self.partial_rejected_prompts = counter(
-            r,
-            "staleness/partial_rollout_rejected_prompts",
-            "Distinct prompts (seen by this replica) with a group rejected for partial_rollout_staleness_exceeded",
-        )
-        self.assembling = gauge(r, "collector/assembling_groups", "Groups seen but not complete on this replica")
-        self.lag = gauge(r, "collector/consumer_lag", "Records behind the partition end", ("topic", "partition"))
-
-
-class HealthServer:
-    """``/metrics`` and ``/health`` on a small threaded HTTP server."""
-
-    def __init__(self, host: str, port: int, registry: CollectorRegistry, healthy: Callable[[], bool]) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    body, ctype = render(registry)
-                    self._reply(200, body, ctype)
-                elif path == "/health":
-                    ok = healthy()
-                    self._reply(200 if ok else 503, json.dumps({"ok": ok}).encode(), "application/json")
-                else:
-                    self._reply(404, b"not found\n", "text/plain")
-
-            def _reply(self, status: int, body: bytes, ctype: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, name="collector-http", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-class WeightsFollower:
-    """Reads ``weights`` from the beginning (no consumer group) into the Redis registry."""
-
-    def __init__(self, settings: CollectorSettings, registry: RedisRegistry, metrics: CollectorMetrics) -> None:
-        self.topic = settings.topics.weights
-        self.registry = registry
-        self.metrics = metrics
-        self.consumer = Consumer(settings.kafka, (), None, on_decode_error=self._bad, client_suffix="collector-weights")
-        self.known: dict[str, int] = {}
-        """label -> sequence of every weight record read (the first one of a label wins, as in Redis)."""
-        self._unpublished: dict[str, int] = {}
-        self._refused: set[str] = set()
-        self.timeout_s = settings.kafka.request_timeout_ms / 1000
-        raw = self.consumer.raw
-        self.tps = [TopicPartition(self.topic, p) for p in self.partitions(self.topic)]
-        raw.assign(self.tps)
-        raw.seek_to_beginning(*self.tps)
-
-    def partitions(self, topic: str) -> list[int]:
-        """Partition ids of ``topic`` once the broker's metadata lists them (bounded wait)."""
-        raw = self.consumer.raw
-        deadline = time.monotonic() + self.timeout_s
-        parts = raw.partitions_for_topic(topic)
-        while not parts:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"topic {topic!r} has no partitions (metadata did not arrive)")
-            raw.cluster.request_update()
-            raw.poll(timeout_ms=100)  # drives the metadata request
-            parts = raw.partitions_for_topic(topic)
-        return sorted(parts)
-
-    def _bad(self, topic: str, partition: int, offset: int, exc: DecodeError) -> None:
-        self.metrics.decode_errors.inc(topic, exc.reason)
-
-    def poll(self, timeout_s: float = 0.0) -> int:
-        """Fold new weight records into Redis. Each is remembered first, so a Redis error here loses
-        nothing: the unpublished ones are published on the next call, and :meth:`repair` restores
-        whatever Redis lost."""
-        n = 0
-        for polled in self.consumer.poll(timeout_s):
-            record = polled.record
-            if isinstance(record, WeightPublished | WeightApplied) and record.version not in self.known:
-                self.known[record.version] = record.seq
-                self._unpublished[record.version] = record.seq
-                n += 1
-        self._publish_unpublished()
-        return n
-
-    def repair(self) -> None:
-        """Rebuild the registry from the records read so far when Redis holds fewer than were read
-        (Redis restarted empty, or its keys were deleted): one ZCARD when nothing is missing."""
-        in_redis = self.registry.count()
-        if in_redis < len(self.known) - len(self._refused):
-            _log.warning("registry_rebuilt", known=len(self.known), in_redis=in_redis)
-            self.metrics.registry_rebuilds.inc()
-            self._unpublished = {k: v for k, v in self.known.items() if k not in self._refused}
-            self._publish_unpublished()
-
-    def _publish_unpublished(self) -> None:
-        for label, seq in sorted(self._unpublished.items(), key=lambda kv: kv[1]):
-            try:
-                self.registry.publish(label, seq)
-            except ValueError as exc:
-                self._refused.add(label)
-                self.metrics.weight_errors.inc()
-                _log.error("weight_refused", version=label, seq=seq, error=str(exc))
-            del self._unpublished[label]
-
-    def catch_up(self, timeout_s: float) -> None:
-        """Read until every partition's position reaches the end offset seen now (bounded)."""
-        raw = self.consumer.raw
-        end = raw.end_offsets(self.tps)
-        deadline = time.monotonic() + timeout_s
-        while any(raw.position(tp) < end[tp] for tp in self.tps):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"could not read {self.topic!r} to its end within {timeout_s}s")
-            self.poll(0.1)
-
-    def close(self) -> None:
-        self.consumer.close()
 
 
 def default_replica_id() -> str:
@@ -260,7 +72,7 @@ class Collector:
         self.rejected_prompts = SeenOnce()
         self.last_loop = time.monotonic()
         self.ready = threading.Event()
-        self.http: HealthServer | None = None
+        self.http: StatusServer | None = None
         self._caught_up_for: set[str] = set()
         self._unfolded: list[Polled] = []
         self._backlog: list[CompletedGroup] = []
@@ -293,8 +105,7 @@ class Collector:
                 "they must match, so that every record of a group reaches the same replica"
             )
         self.consumer = self._join()
-        self.http = HealthServer(s.metrics_host, s.metrics_port, self.metrics.registry, self._healthy)
-        self.http.start()
+        self.http = StatusServer(s.metrics_host, s.metrics_port, self.metrics.registry, self._healthy).start()
         try:
             self.weights.catch_up(s.kafka.request_timeout_ms / 1000)
             self._publish_outbox()  # leftovers of a replica that crashed
@@ -349,8 +160,10 @@ class Collector:
         consumer.subscribe([topics.chunks, topics.events])
         return consumer
 
-    def _healthy(self) -> bool:
-        return self.ready.is_set() and time.monotonic() - self.last_loop < max(30.0, 10 * self.settings.poll_timeout_s)
+    def _healthy(self) -> tuple[bool, dict[str, object]]:
+        stalled = time.monotonic() - self.last_loop >= max(30.0, 10 * self.settings.poll_timeout_s)
+        ok = self.ready.is_set() and not stalled
+        return ok, {"ok": ok, "status": "ok" if ok else ("stalled" if stalled else "starting"), "replica": self.replica}
 
     # ------------------------------------------------------------------ the loop
 

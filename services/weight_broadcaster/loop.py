@@ -1,9 +1,10 @@
-"""The weight broadcaster: the control plane's one writer.
+"""The weight broadcaster: the control plane's one driver (pause, update, resume).
 
 Consumes ``weights`` (consumer group ``consumer_group``, manual commit after the
 work is done) and reacts to ``WeightPublished``; produces ``WeightApplied`` on the
-same topic (key = version). Owns the order of the version registry in Redis
-(``RedisRegistry.publish``; nobody else publishes).
+same topic (key = ``<version>:applied``). Publishes each version into the Redis
+registry before loading it (as every collector replica does from the same topic:
+``shared.state``).
 
 Per poll: register every new version in sequence order; of the versions in the
 poll only the newest is loaded (older ones are superseded). For that version:
