@@ -316,8 +316,8 @@ def proxy_part(url: str, token: str, timeout_s: float) -> dict[str, Any]:
         out.update(
             {
                 k: state.get(k)
-                for k in ("paused", "reason", "pauses", "active", "held", "live_sessions", "partial_rollout",
-                          "max_preempts", "engines")
+                for k in ("paused", "reason", "pause_id", "lease_left_s", "pauses", "active", "held",
+                          "live_sessions", "partial_rollout", "max_preempts", "engines")
             }
         )
     except urllib.error.HTTPError as exc:

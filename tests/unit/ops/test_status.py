@@ -121,8 +121,9 @@ def fake_services() -> Iterator[str]:
                 if self.headers.get("Authorization") != f"Bearer {TOKEN}":
                     self._send(401, {"detail": "unauthorized"})
                 else:
-                    self._send(200, {"paused": True, "reason": "weight_update", "pauses": 4, "active": 0,
-                                     "held": 2, "live_sessions": 5, "engines": []})
+                    self._send(200, {"paused": True, "reason": "weight_update", "pause_id": "pause-1",
+                                     "lease_left_s": 12.5, "pauses": 4, "active": 0, "held": 2,
+                                     "live_sessions": 5, "engines": []})
             elif self.path == "/metrics":
                 self._send(200, METRICS, "text/plain")
             elif self.path == "/health":
@@ -156,6 +157,7 @@ def fake_services() -> Iterator[str]:
 def test_proxy_and_engine_parts(fake_services: str) -> None:
     row = proxy_part(fake_services, TOKEN, 5)
     assert row["paused"] is True and row["reason"] == "weight_update" and row["held"] == 2
+    assert (row["pause_id"], row["lease_left_s"]) == ("pause-1", 12.5)
     assert row["rejections"]["partial_rollout_staleness_exceeded"] == 4.0
     no_token = proxy_part(fake_services, "", 5)
     assert "HTTP 401" in no_token["error"] and "--admin-token" in no_token["error"]
