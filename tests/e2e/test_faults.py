@@ -92,11 +92,12 @@ def _batches_made(local: LocalStack, keys: RedisKeys) -> int:
         client.close()
 
 
-def _kill_and_restart(local: LocalStack, name: str) -> None:
+def _kill_and_restart(local: LocalStack, name: str, while_down: Callable[[], None] = lambda: None) -> None:
     svc = _service(local, name)
     assert svc.proc is not None and svc.alive(), f"{name} was not running before its fault"
     svc.proc.kill()
     svc.proc.wait(timeout=30)
+    while_down()
     svc.start()
     svc.wait_healthy(timeout_s=120)
 
@@ -139,7 +140,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             before = _steps(local)
             made = _batches_made(local, keys)  # manifests 0..made-1 exist; index `made` comes after the fault
             started = time.monotonic()
-            if fault in ("proxy", "rollout"):
+            if fault == "proxy":
                 open_at[fault] = _dispatched(kafka)
             if fault == "rebalance":
                 with contextlib.ExitStack() as members:
@@ -155,6 +156,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 _wait("registry rebuilt from the weights topic",
                       lambda c=client: bool(c.zcard(keys.registry_order) > 0), 60, local)
                 client.close()
+            elif fault == "rollout":
+                # Read once the runner is dead: a group it dispatched between a read before the kill and
+                # the kill itself would escape the check (its sessions may never reach the proxy, so only
+                # the collectors' incomplete timeout ends it).
+                def read_open() -> None:
+                    open_at["rollout"] = _dispatched(kafka)
+
+                _kill_and_restart(local, fault, read_open)
             else:
                 _kill_and_restart(local, fault)
             injected_s = time.monotonic() - started
