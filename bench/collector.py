@@ -204,6 +204,7 @@ def decision_cost(redis_url: str, versions: int, steps: int) -> dict[str, Any]:
         keys.pending,
         keys.pending_order,
         keys.decided,
+        keys.decided_at,
         keys.outbox,
     ):
         client.delete(key)

@@ -12,7 +12,7 @@ the partitions it moves (and tells the service through its hooks), and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,25 +288,24 @@ class Consumer:
 def create_topics(
     admin: KafkaAdminClient,
     partitions: dict[str, int],
-    configs: dict[str, str] | dict[str, dict[str, str]] | None = None,
+    configs: Mapping[str, Mapping[str, str]] | None = None,
     timeout_s: float = 30.0,
 ) -> list[str]:
     """Create the missing topics (replication 1) and wait until every partition has a leader.
 
-    ``configs`` is one topic config for all, or a config per topic name. Returns the names
-    this call created. Waiting matters: a producer or an assigned consumer that races a fresh
-    topic's leader election sees errors or stalls.
+    ``configs`` maps a topic name to its topic configuration. Returns the names this call
+    created. Waiting matters: a producer or an assigned consumer that races a fresh topic's
+    leader election sees errors or stalls.
     """
-    per_topic = bool(configs) and all(isinstance(v, dict) for v in (configs or {}).values())
     existing = set(admin.list_topics())
     created: list[str] = []
     for name, count in partitions.items():
         if name in existing:
             continue
-        config = (configs or {}).get(name, {}) if per_topic else configs
+        config = dict((configs or {}).get(name, {}))
         try:
             admin.create_topics(
-                [NewTopic(name, count, 1, topic_configs=dict(config or {}))],  # type: ignore[arg-type]
+                [NewTopic(name, count, 1, topic_configs=config)],
                 timeout_ms=int(timeout_s * 1000),
             )
             created.append(name)
@@ -356,7 +355,7 @@ def ensure_topology(
     admin = admin_client(settings)
     try:
         return create_topics(
-            admin, {n: specs[n].partitions for n in names}, {n: dict(specs[n].configs) for n in names}
+            admin, {n: specs[n].partitions for n in names}, {n: specs[n].configs for n in names}
         )
     finally:
         admin.close()

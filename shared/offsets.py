@@ -58,10 +58,6 @@ class Offsets:
 
     def __init__(self) -> None:
         self._parts: dict[TopicPartition, _Partition] = {}
-        self.redelivered = 0
-        """Deliveries ignored because the offset was already tracked in this assignment."""
-        self.stray_done = 0
-        """``done`` calls for an offset not open in the current assignment (idempotent no-ops)."""
 
     # ------------------------------------------------------------------ assignment
 
@@ -75,10 +71,6 @@ class Offsets:
         for tp in tps:
             self._parts.pop(tp, None)
 
-    def assigned(self) -> set[TopicPartition]:
-        """Partitions tracked now (assigned, or delivered from without a group)."""
-        return set(self._parts)
-
     # ------------------------------------------------------------------ records
 
     def deliver(self, tp: TopicPartition, offset: int) -> bool:
@@ -89,8 +81,7 @@ class Offsets:
         part = self._parts.get(tp)
         if part is None:
             part = self._parts[tp] = _Partition()
-        if offset in part.delivered or offset <= part.committed - 1:
-            self.redelivered += 1
+        if offset in part.delivered or offset < part.committed:
             return False
         part.delivered.add(offset)
         part.highest = max(part.highest, offset)
@@ -102,7 +93,6 @@ class Offsets:
         """The record's work is durable. True if that closed an open offset; False (a no-op) otherwise."""
         part = self._parts.get(tp)
         if part is None or offset not in part.open:
-            self.stray_done += 1
             return False
         part.open.discard(offset)
         return True
@@ -110,9 +100,6 @@ class Offsets:
     def is_open(self, tp: TopicPartition, offset: int) -> bool:
         part = self._parts.get(tp)
         return part is not None and offset in part.open
-
-    def open_count(self) -> int:
-        return sum(len(p.open) for p in self._parts.values())
 
     # ------------------------------------------------------------------ commits
 

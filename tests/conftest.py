@@ -129,9 +129,7 @@ def kafka_admin(kafka_bootstrap: str) -> Iterator[KafkaAdminClient]:
         admin.close()
 
 
-def _create_topics(
-    admin: KafkaAdminClient, partitions: dict[str, int], configs: dict[str, str] | dict[str, dict[str, str]]
-) -> None:
+def _create_topics(admin: KafkaAdminClient, partitions: dict[str, int], configs: dict[str, dict[str, str]]) -> None:
     from shared.bus import create_topics
 
     create_topics(admin, partitions, configs)
@@ -159,7 +157,7 @@ def unique_topic(request: pytest.FixtureRequest, kafka_admin: KafkaAdminClient) 
 
     def make(partitions: int = 4, *, configs: dict[str, str] | None = None) -> str:
         name = f"t.{_slug(request)}.{uuid.uuid4().hex[:8]}"
-        _create_topics(kafka_admin, {name: partitions}, configs or {})
+        _create_topics(kafka_admin, {name: partitions}, {name: configs or {}})
         return name
 
     return make

@@ -337,7 +337,8 @@ class Collector:
     def _revoked(self, tps: set[tuple[str, int]]) -> None:
         """Partitions left this replica (every one, with the eager protocol): drop their unreleased groups."""
         gone = self.assembler.forget_partitions(tps)
-        _log.info("partitions_revoked", revoked=sorted(f"{t}/{p}" for t, p in tps), groups_dropped=len(gone))
+        if gone:
+            _log.info("groups_forgotten", groups=len(gone), note="rebuilt by the partitions' next owner")
 
     def _assigned(self, tps: set[tuple[str, int]]) -> None:
         """Partitions came to this replica: they are read from their committed offsets, groups rebuilt."""

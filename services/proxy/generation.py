@@ -137,7 +137,7 @@ class PauseController:
         self._paused = True
         self._running.clear()
         self.reason = reason
-        self.pause_id = pause_id or self.pause_id
+        mine = self.pause_id = pause_id or self.pause_id
         self._lease_until = None  # no expiry while this pause waits for quiescence
         targets = self.active()
         deadline = start + timeout_s
@@ -147,7 +147,7 @@ class PauseController:
             for task in pending:
                 task.cancel()
         still = self.active()
-        if self._paused and self.pause_id == (pause_id or self.pause_id):
+        if self._paused and self.pause_id == mine:  # not resumed nor taken over meanwhile
             self._lease_until = time.monotonic() + lease_s
         return PauseResult(
             status=status,

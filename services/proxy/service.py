@@ -349,10 +349,7 @@ class ProxyService:
     def renew(self, pause_id: str, lease_s: float | None) -> dict[str, Any]:
         lease = lease_s or self.settings.pause_lease_s
         if not self.controller.renew(pause_id, lease):
-            raise StalePause(
-                f"pause {pause_id!r} is not this proxy's current pause", pause_id=pause_id,
-                current=self.controller.pause_id if self.controller.paused else None,
-            )
+            raise self._stale(pause_id)
         return {"status": "renewed", "pause_id": pause_id, "lease_s": lease}
 
     async def resume(self, version: str | None, pause_id: str | None = None) -> dict[str, Any]:
@@ -361,10 +358,7 @@ class ProxyService:
         the span pre-check of the held generations sees the new version before spending compute.
         With ``pause_id``, only that pause is ended (:class:`StalePause` otherwise)."""
         if pause_id is not None and pause_id != self.controller.pause_id:
-            raise StalePause(
-                f"pause {pause_id!r} is not this proxy's current pause", pause_id=pause_id,
-                current=self.controller.pause_id if self.controller.paused else None,
-            )
+            raise self._stale(pause_id)
         label = real_version(version)
         if label is not None:
             for engine in self.engines:
@@ -377,10 +371,15 @@ class ProxyService:
                     _log.warning("engine_info_unavailable_at_resume", engine=engine.url, error=str(exc))
         status = self.controller.resume(pause_id)
         if status == "stale":  # another pause began while the engines were read
-            raise StalePause(f"pause {pause_id!r} was replaced while resuming", pause_id=pause_id,
-                             current=self.controller.pause_id)
+            raise self._stale(pause_id or "")
         _log.info("resumed", version=label, status=status, held=self.controller.held, pause_id=pause_id)
         return {"status": status, "version": label, "held": self.controller.held}
+
+    def _stale(self, pause_id: str) -> StalePause:
+        return StalePause(
+            f"pause {pause_id!r} is not this proxy's current pause", pause_id=pause_id,
+            current=self.controller.pause_id if self.controller.paused else None,
+        )
 
     async def expire_lease(self) -> bool:
         """End the current pause if its lease ran out: resume on what the engines report. True if it did."""

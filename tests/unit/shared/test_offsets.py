@@ -90,12 +90,11 @@ def test_offset_events(events: list[Event], delivered: list[bool], commits: list
     assert got_commits == commits
 
 
-def test_counters_and_open_records() -> None:
-    offsets, _, _ = run([d(0), d(1), d(1), done(0), done(0), done(7)])
-    assert offsets.redelivered == 1
-    assert offsets.stray_done == 2
-    assert offsets.open_count() == 1 and offsets.is_open(P0, 1) and not offsets.is_open(P0, 0)
-    assert offsets.assigned() == {P0}
+def test_done_says_whether_it_closed_an_open_record() -> None:
+    offsets, _, _ = run([d(0), d(1)])
+    assert offsets.done(P0, 0) and not offsets.done(P0, 0)  # the second time is a no-op
+    assert not offsets.done(P0, 7) and not offsets.done(P1, 0)  # never delivered, never assigned
+    assert offsets.is_open(P0, 1) and not offsets.is_open(P0, 0)
 
 
 def test_committed_forgets_what_it_passed() -> None:
