@@ -44,7 +44,8 @@ from services.rollout.scheduler import (
     retry_work,
 )
 from services.rollout.settings import RolloutSettings
-from services.rollout.task import TASKS, Task
+from services.rollout.task import Task
+from services.rollout.tasks import TASKS
 from shared import log
 from shared.bus import BusUnavailable, Consumer, Polled, Producer, ensure_topology
 from shared.names import RedisKeys
