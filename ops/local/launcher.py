@@ -22,7 +22,7 @@ from shared import log
 from shared.settings import child_env, with_env
 
 _log = log.get(__name__)
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class LaunchError(RuntimeError):
