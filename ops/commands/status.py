@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ops.status import DEFAULT_GROUPS, RunDir, RunDirError, StatusSettings, Targets, collect, read_run_dir, render
+from ops.status import DEFAULT_GROUPS, RunDir, RunDirError, StatusSettings, Targets, collect, read_run_dir
+from ops.status_render import render
 from shared.settings import SettingsError, load
 
 EPILOG = """\

@@ -24,8 +24,8 @@ from ops.status import (
     proxy_part,
     read_run_dir,
     read_window,
-    render,
 )
+from ops.status_render import render
 from shared.names import RedisKeys
 
 TOKEN = "secret-token"
