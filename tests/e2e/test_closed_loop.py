@@ -16,13 +16,13 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from ops.local.stack import LocalStack, StackConfig, start
+from ops.report import rows_so_far
 from shared.bus import read_topic
 from shared.checkpoint import load as load_checkpoint
 from shared.names import Topics
-from shared.report import rows_so_far
 from shared.schemas import BatchManifest, Chunk, CompletedGroup, WeightApplied, WeightPublished
 from shared.settings import KafkaSettings
-from shared.stack import LocalStack, StackConfig, start
 from shared.versions import real_version
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]

@@ -24,13 +24,13 @@ import httpx
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
+from ops.local.ports import free_port
 from services.weight_broadcaster.loop import run
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import checkpoint
 from shared.bus import Consumer, Producer, read_topic
 from shared.names import RedisKeys, Topics
 from shared.policy import PolicyConfig, init_policy
-from shared.ports import free_port
 from shared.schemas import WeightApplied, WeightPublished, encode
 from shared.settings import KafkaSettings, RedisSettings, load
 from shared.state import RedisRegistry, connect

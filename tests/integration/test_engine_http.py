@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
+from ops.local.ports import free_port
 from shared import checkpoint
 from shared.policy import PolicyConfig, init_policy
-from shared.ports import free_port
 from shared.tokenizer import TOKENIZER
 from tests.procs import start_service
 

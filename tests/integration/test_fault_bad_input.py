@@ -47,11 +47,11 @@ from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from ops.local.ports import free_port
 from shared import checkpoint
 from shared.bus import Consumer, Producer, create_topics
 from shared.names import Topics
 from shared.policy import PolicyConfig, init_policy
-from shared.ports import free_port
 from shared.schemas import (
     SCHEMA_VERSION,
     BatchManifest,

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from shared.ports import free_port
+from ops.local.ports import free_port
 from shared.schemas import Chunk, SessionRejected
 from shared.staleness import check_span
 from tests.integration.test_proxy_harness import (

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from shared.ports import free_port
+from ops.local.ports import free_port
 from shared.schemas import Chunk, SessionFinished, SessionRejected
 from shared.tokenizer import TOKENIZER as TOK
 from tests.integration.test_proxy_harness import (

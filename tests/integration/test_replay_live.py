@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.cli import main as rein
+from ops.cli import main as rein
 from tests.integration.test_collector_support import Running, Source, Tail, final_decisions, make_settings
 
 # kafka-python 3.0 drops sockets it never connected without closing them; under "warnings are errors" the

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from ops.local.ports import free_port
 from services.trainer.loop import run
 from services.trainer.settings import TrainerSettings
 from shared import checkpoint
 from shared.bus import Consumer, Delivered, Producer
 from shared.names import Topics
-from shared.ports import free_port
 from shared.schemas import (
     BatchManifest,
     CompletedGroup,

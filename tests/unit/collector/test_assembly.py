@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from services.collector.assembly import Assembler, Position
 from shared.offsets import Offsets
-from shared.replay import window_group
 from shared.schemas import Chunk, CompletedGroup, GroupDispatched, Record, SessionFinished, SessionRejected
+from shared.window_view import window_group
 
 CHUNKS = "rollout.chunks"
 EVENTS = "rollout.events"
