@@ -330,7 +330,7 @@ def proxy_part(url: str, token: str, timeout_s: float) -> dict[str, Any]:
 
 
 def engine_part(url: str, timeout_s: float) -> dict[str, Any]:
-    info = http_json(f"{url.rstrip('/')}/model_info", timeout_s)
+    info = http_json(f"{url.rstrip('/')}/get_model_info", timeout_s)
     return {
         "url": url,
         "weight_version": info.get("weight_version"),

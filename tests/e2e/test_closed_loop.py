@@ -75,11 +75,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         final = f"v{STEPS}"
 
         def engine_on_final() -> bool:
-            info = httpx.get(f"{local.urls['engine']}/model_info", timeout=5).json()
+            info = httpx.get(f"{local.urls['engine']}/get_model_info", timeout=5).json()
             return bool(info.get("weight_version") == final)
 
         _wait(f"engine serving {final}", engine_on_final, 120, local)
-        engine_info = httpx.get(f"{local.urls['engine']}/model_info", timeout=5).json()
+        engine_info = httpx.get(f"{local.urls['engine']}/get_model_info", timeout=5).json()
         kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
         topics = Topics()
         data = {

@@ -1,7 +1,7 @@
 """The weight broadcaster with a real engine and a real proxy (subprocesses), Kafka and Redis.
 
 - A ``WeightPublished`` on the weights topic ends with the engine serving the checkpoint
-  (its ``/model_info`` digest is the event's), the version in the Redis registry, the
+  (its ``/get_model_info`` digest is the event's), the version in the Redis registry, the
   proxy resumed and a ``WeightApplied`` on the topic.
 - A proxy whose pause cannot quiesce (a slow generation in flight, a tiny pause timeout)
   gets no weight update; the failed round is counted and the proxy is resumed.
@@ -65,7 +65,7 @@ class Stack:
     group: str
 
     def model_info(self) -> dict[str, Any]:
-        data: dict[str, Any] = httpx.get(f"{self.engine}/model_info", timeout=10).json()
+        data: dict[str, Any] = httpx.get(f"{self.engine}/get_model_info", timeout=10).json()
         return data
 
     def proxy_state(self) -> dict[str, Any]:

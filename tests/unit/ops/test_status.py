@@ -113,7 +113,7 @@ def test_read_window_of_an_empty_deployment() -> None:
 
 @pytest.fixture
 def fake_services() -> Iterator[str]:
-    """One server playing a proxy (token-checked state, /metrics, /health) and an engine (/model_info)."""
+    """One server playing a proxy (token-checked state, /metrics, /health) and an engine (/get_model_info)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -128,7 +128,7 @@ def fake_services() -> Iterator[str]:
                 self._send(200, METRICS, "text/plain")
             elif self.path == "/health":
                 self._send(200, {"status": "ok", "paused": True})
-            elif self.path == "/model_info":
+            elif self.path == "/get_model_info":
                 self._send(200, {"weight_version": "v7", "model_path": "/w/v7.pt", "active_requests": 1})
             else:
                 self._send(404, {})
