@@ -25,11 +25,11 @@ import httpx
 import openai
 import pytest
 
+from ops.local.ports import free_port
 from services.weight_broadcaster.loop import run
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared.bus import Producer, read_topic
 from shared.names import RedisKeys, Topics
-from shared.ports import free_port
 from shared.schemas import Chunk, WeightApplied, WeightPublished
 from shared.settings import KafkaSettings, RedisSettings, load
 from shared.state import RedisRegistry, connect
