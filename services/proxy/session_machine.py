@@ -254,12 +254,15 @@ class Session(Transcript):
     # ------------------------------------------------------------------ internals
 
     def _require(self, phase: Phase) -> None:
+        """Refuse an event the phase does not take: 409 for the agent's, RuntimeError for the shell's."""
         if self.phase == phase:
             return
         if self.phase in ("finished", "rejected"):
             raise SessionFinalized(f"session {self.session_id} is {self.phase}; it takes no more calls",
                                    session_id=self.session_id, outcome=self.phase)
-        raise SessionBusy(f"session {self.session_id} has a call in flight", session_id=self.session_id)
+        if self.phase == "in_call":
+            raise SessionBusy(f"session {self.session_id} has a call in flight", session_id=self.session_id)
+        raise RuntimeError(f"session {self.session_id} is {self.phase}, not {phase}")
 
     def _call(self) -> TurnPlan:
         self._require("in_call")
