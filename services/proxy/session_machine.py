@@ -85,7 +85,11 @@ class ChatOutcome:
 @dataclass(frozen=True)
 class Step:
     """What the shell does after an event, in this order: end the session when ``ended``
-    says so, publish ``publish``, then answer ``answer`` or raise ``error``."""
+    says so, publish ``publish``, then answer ``answer`` or raise ``error``.
+
+    Records are data, so the shell decides how to wait for them: today it awaits each ack
+    before the next event; a shell that publishes without waiting feeds ``chunk_acked``
+    and ``end_acked`` when the acks come."""
 
     publish: tuple[Record, ...] = ()
     required: bool = True
