@@ -29,8 +29,10 @@ __all__ = [
     "ModelError",
     "ModelFamily",
     "TinyFamily",
+    "context_window_of",
     "load_family",
     "logits",
+    "set_gradient_checkpointing",
     "state_digest",
     "token_logprobs",
 ]
@@ -93,3 +95,22 @@ def token_logprobs(
     scaled = logits(model, ids, attention_mask)[:, :-1, :].float() / temperature
     logp = torch.log_softmax(scaled, dim=-1)
     return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def context_window_of(family: ModelFamily, model: nn.Module) -> int:
+    """The longest sequence ``model`` accepts: a tiny checkpoint's own context rules over the family's."""
+    if isinstance(model, TinyPolicy):
+        return model.config.context
+    return family.context_window
+
+
+def set_gradient_checkpointing(model: nn.Module, enabled: bool) -> bool:
+    """Recompute activations in the backward pass (less memory, ~30 % more compute) where the model
+    supports it (HF models); returns whether it is now on. The tiny policy is small enough not to need it."""
+    if isinstance(model, TinyPolicy):
+        return False
+    if enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+    else:
+        model.gradient_checkpointing_disable()  # type: ignore[operator]
+    return enabled

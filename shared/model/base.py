@@ -89,10 +89,11 @@ class ModelFamily(Protocol):
         """Suffix of a checkpoint's name: ``.pt`` (a file) for tiny, ``""`` (a directory) for HF."""
         ...
 
-    def new_model(self, seed: int, device: torch.device) -> nn.Module:
+    def new_model(self, seed: int, device: torch.device, *, dtype: torch.dtype | None = None) -> nn.Module:
         """tiny: fresh weights from ``seed``; hf: the directory's pretrained weights (seed ignored).
 
-        Returned in eval mode on ``device`` (fp32 on CPU; HF models in bf16 on CUDA).
+        Returned in eval mode on ``device``, in ``dtype`` (default: fp32 on CPU; HF models in bf16 on
+        CUDA; the trainer asks for fp32 master weights).
         """
         ...
 
@@ -100,8 +101,11 @@ class ModelFamily(Protocol):
         """Write a checkpoint atomically at ``path``; returns its digest."""
         ...
 
-    def load(self, path: Path, device: torch.device) -> Loaded:
-        """Read and verify a checkpoint; raises CheckpointError (or FileNotFoundError)."""
+    def load(self, path: Path, device: torch.device, *, dtype: torch.dtype | None = None) -> Loaded:
+        """Read and verify a checkpoint onto ``device`` (``dtype`` as for :meth:`new_model`).
+
+        Raises CheckpointError (unreadable, malformed, digest mismatch) or FileNotFoundError.
+        """
         ...
 
     def digest(self, model: nn.Module) -> str:

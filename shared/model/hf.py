@@ -133,9 +133,12 @@ class HFChatTokenizer:
             tokenize=True,
             return_dict=False,
         )
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        if not isinstance(ids, list):
             raise TypeError(f"apply_chat_template returned {type(ids).__name__}, expected a list of ids")
-        return ids
+        out = [i for i in ids if isinstance(i, int)]
+        if len(out) != len(ids):
+            raise TypeError("apply_chat_template returned something other than token ids")
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         text = self.inner.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)

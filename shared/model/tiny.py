@@ -85,8 +85,8 @@ class TinyFamily:
     def checkpoint_suffix(self) -> str:
         return ".pt"
 
-    def new_model(self, seed: int, device: torch.device) -> nn.Module:
-        model = init_policy(self.config, seed).to(device)
+    def new_model(self, seed: int, device: torch.device, *, dtype: torch.dtype | None = None) -> nn.Module:
+        model = init_policy(self.config, seed).to(device=device, dtype=dtype)
         model.eval()
         return model
 
@@ -95,8 +95,10 @@ class TinyFamily:
             raise TypeError(f"the tiny family saves TinyPolicy models, got {type(model).__name__}")
         return checkpoint.save(path, model, model.config, version, step)
 
-    def load(self, path: Path, device: torch.device) -> Loaded:
+    def load(self, path: Path, device: torch.device, *, dtype: torch.dtype | None = None) -> Loaded:
         ckpt = checkpoint.load(path, device)
+        if dtype is not None:
+            ckpt.model.to(dtype=dtype)
         return Loaded(model=ckpt.model, version=ckpt.version, step=ckpt.step, digest=ckpt.digest)
 
     def digest(self, model: nn.Module) -> str:
