@@ -109,8 +109,14 @@ def set_gradient_checkpointing(model: nn.Module, enabled: bool) -> bool:
     supports it (HF models); returns whether it is now on. The tiny policy is small enough not to need it."""
     if isinstance(model, TinyPolicy):
         return False
-    if enabled:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x names it so
+        if enabled:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.activation_checkpointing_disable()
+    elif enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
     else:
         model.gradient_checkpointing_disable()  # type: ignore[operator]
     return enabled
