@@ -112,9 +112,9 @@ def set_gradient_checkpointing(model: nn.Module, enabled: bool) -> bool:
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x names it so
         if enabled:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # type: ignore[operator]
         else:
-            model.activation_checkpointing_disable()
+            model.activation_checkpointing_disable()  # type: ignore[operator]
     elif enabled:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
     else:

@@ -14,7 +14,6 @@ from shared import checkpoint, policy
 from shared.model import (
     CheckpointError,
     ModelError,
-    TinyFamily,
     context_window_of,
     load_family,
     set_gradient_checkpointing,
@@ -65,7 +64,7 @@ def test_tiny_family_takes_a_shape_and_rejects_a_foreign_model(tmp_path: Path) -
 def test_unknown_specs_are_model_errors(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="expected 'tiny'"):
         load_family(str(tmp_path / "nope"))
-    with pytest.raises(ModelError, match="no config.json"):
+    with pytest.raises(ModelError, match=r"no config\.json"):
         load_family(str(tmp_path))
 
 
