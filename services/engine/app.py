@@ -113,7 +113,8 @@ def create_app(settings: EngineSettings) -> FastAPI:
         engine_metrics = EngineMetrics(CollectorRegistry(auto_describe=True))
         engine_metrics.set_weights(weights)
         batcher = Batcher(weights, end_id=TOKENIZER.end_id, pad_id=TOKENIZER.pad_id,
-                          max_batch_size=settings.max_batch_size, seed=settings.seed, device=device)
+                          max_batch_size=settings.max_batch_size, seed=settings.seed, device=device,
+                          kv_budget_tokens=settings.kv_budget_tokens)
         runner = EngineRunner(
             batcher, weights_dir=settings.weights_dir, device=device, vocab_size=TOKENIZER.vocab_size,
             step_delay_s=settings.step_delay_s, on_step=engine_metrics.on_step,
@@ -121,7 +122,8 @@ def create_app(settings: EngineSettings) -> FastAPI:
         )
         runner.start()
         logger.info("engine ready", weight_version=weights.version, digest=weights.digest,
-                    model_path=weights.model_path, device=str(device), params=weights.model.num_parameters())
+                    model_path=weights.model_path, device=str(device),
+                    params=sum(p.numel() for p in weights.model.parameters()))
         try:
             yield {"runner": runner, "metrics": engine_metrics, "settings": settings}
         finally:

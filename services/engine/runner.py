@@ -142,12 +142,15 @@ class EngineRunner:
         except asyncio.CancelledError:
             if self.batcher.abort_request(req):
                 self._resolve([req])
+                self._wake.set()
             raise
 
     def abort(self, rid: str | None, abort_all: bool) -> list[str]:
         """Abort matching active requests now; their callers get partial tokens."""
         aborted = self.batcher.abort(rid, abort_all)
         self._resolve(aborted)
+        if aborted:
+            self._wake.set()  # one more step frees their KV cache rows even if nothing else runs
         return [req.rid for req in aborted]
 
     def resolve_weights_path(self, model_path: str) -> Path:
