@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from shared.settings import ServiceSettings
+from shared.settings import ModelServiceSettings
 
 
-class ProxySettings(ServiceSettings):
+class ProxySettings(ModelServiceSettings):
     """Settings of ``python -m services.proxy``."""
 
     host: str = "127.0.0.1"

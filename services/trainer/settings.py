@@ -7,10 +7,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shared.settings import ServiceSettings
+from shared.settings import ModelServiceSettings
 
 
-class TrainerSettings(ServiceSettings):
+class TrainerSettings(ModelServiceSettings):
     """Settings of ``python -m services.trainer``."""
 
     weights_dir: Path = Path("weights")
