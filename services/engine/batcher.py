@@ -38,7 +38,7 @@ never fit is refused at admission.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -149,20 +149,22 @@ class Batcher:
         self,
         weights: Weights,
         *,
-        end_id: int,
+        end_id: int | Iterable[int],
         max_batch_size: int = 256,
         seed: int = 0,
         device: torch.device | str = "cpu",
         pad_id: int = 0,
         kv_budget_tokens: int | None = None,
+        kv_cache: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if kv_budget_tokens is not None and kv_budget_tokens < 1:
             raise ValueError(f"kv_budget_tokens must be >= 1, got {kv_budget_tokens}")
         self._kv_budget = kv_budget_tokens
+        self._kv_cache = kv_cache
         self._weights = weights
-        self._end_id = end_id
+        self._end_ids = frozenset([end_id] if isinstance(end_id, int) else end_id)
         self._pad_id = pad_id
         self._max_batch = max_batch_size
         self._device = torch.device(device)
@@ -229,7 +231,7 @@ class Batcher:
                 raise DuplicateRidError(f"request id {rid!r} is already active")
             stops = set(params.stop_token_ids)
             if not params.ignore_eos:
-                stops.add(self._end_id)
+                stops |= self._end_ids
             req = Request(rid=rid, input_ids=ids, params=params, stop_ids=frozenset(stops))
             if params.max_new_tokens <= 0 or len(ids) >= context:
                 self._finish(req, "length")
@@ -281,7 +283,7 @@ class Batcher:
             top_ps = [req.params.top_p for req in batch]
         decoder = self._decoder
         if decoder is None or decoder.model is not weights.model:  # new weights: every row prefills again
-            decoder = self._decoder = Decoder(weights.model, pad_id=self._pad_id)
+            decoder = self._decoder = Decoder(weights.model, pad_id=self._pad_id, use_cache=self._kv_cache)
         if not batch:
             decoder.clear()
             return StepReport(batch_size=0, finished=finished, version=weights.version)

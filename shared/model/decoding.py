@@ -43,7 +43,8 @@ class Decoder:
     Not thread-safe: one thread (the engine's decode step) owns a decoder.
     """
 
-    def __init__(self, model: nn.Module, *, pad_id: int = 0) -> None:
+    def __init__(self, model: nn.Module, *, pad_id: int = 0, use_cache: bool = True) -> None:
+        """``use_cache=False`` recomputes every prefix at every step (the reference, and benchmarks' baseline)."""
         self.model = model
         self._pad_id = pad_id
         self._device = next(model.parameters()).device
@@ -51,7 +52,7 @@ class Decoder:
         self._lengths: list[int] = []
         self._mask = torch.zeros(0, 0, dtype=torch.bool, device=self._device)
         self._kv: list[KV] = []
-        self._kind = _kind(model)
+        self._kind = _kind(model) if use_cache else "recompute"
         self._hf_cache: Any = None
         """HF only: the ``DynamicCache`` holding ``_kv`` after a decode step, reused by the next
         one so a step appends in place instead of copying the cache into a new object."""
@@ -223,7 +224,12 @@ def _recompute_last(
         ids[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
     last = torch.tensor([len(p) - 1 for p in prefixes], dtype=torch.long)
     with torch.inference_mode():
-        logits: torch.Tensor = model(ids.to(device))
+        if _kind(model) == "hf":  # right padding: real tokens keep positions 0..n-1; the mask hides the rest
+            mask = (torch.arange(longest)[None, :] <= last[:, None]).long()
+            logits: torch.Tensor = model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                         use_cache=False).logits
+        else:
+            logits = model(ids.to(device))
         picked = logits[torch.arange(len(prefixes), device=logits.device), last.to(logits.device)]
     return picked.float().cpu()
 
