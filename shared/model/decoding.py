@@ -12,8 +12,9 @@ the position of its next token. A step
 1. drops the rows of requests no longer in the batch (finished, aborted, or evicted)
    and trims the padding columns no row needs any more;
 2. decodes, in one batched forward, the rows whose prefix grew by exactly one token;
-3. prefills every other prefix on its own (a new request, a resumed one, or one whose
-   cache was computed by other weights) and merges it into the padded cache.
+3. prefills every other prefix (a new request, a resumed one, or one whose cache was
+   computed by other weights), those of equal length in one forward, and merges them
+   into the padded cache.
 
 Memory is ``rows x L`` positions per layer, with ``L`` the longest row: :attr:`Decoder.tokens`
 reports it so the engine can bound it by a token budget. A decoder belongs to one set of
@@ -138,27 +139,32 @@ class Decoder:
         return list(logits[:, -1])
 
     def _prefill(self, fresh: Sequence[tuple[Hashable, Sequence[int]]]) -> dict[Hashable, torch.Tensor]:
-        """Run each prefix alone, then merge the new rows into the padded cache at once."""
+        """Prefill prefixes of equal length together (no padding, so exact; a group's samples of one
+        prompt share a forward), then merge the new rows into the padded cache at once."""
         out: dict[Hashable, torch.Tensor] = {}
-        rows: list[tuple[Hashable, int, list[KV]]] = []
+        by_length: dict[int, list[tuple[Hashable, Sequence[int]]]] = {}
         for key, prefix in fresh:
-            ids = torch.tensor([list(prefix)], dtype=torch.long, device=self._device)
-            positions = torch.arange(len(prefix), device=self._device)[None, :]
+            by_length.setdefault(len(prefix), []).append((key, prefix))
+        groups: list[tuple[list[Hashable], int, list[KV]]] = []
+        for n, group in by_length.items():
+            ids = torch.tensor([list(p) for _, p in group], dtype=torch.long, device=self._device)
+            positions = torch.arange(n, device=self._device)[None, :].expand(len(group), n)
             logits, kv = _forward(self.model, ids, positions, None, None)
-            out[key] = logits[0, -1]
-            rows.append((key, len(prefix), kv))
+            out.update((key, logits[i, -1]) for i, (key, _) in enumerate(group))
+            groups.append(([key for key, _ in group], n, kv))
         self._hf_cache = None
-        width = max([int(self._mask.shape[1])] + [n for _, n, _ in rows])
+        width = max([int(self._mask.shape[1])] + [n for _, n, _ in groups])
         masks = [_pad_left(self._mask, width, dim=1)] if self._keys else []
-        layers: list[list[torch.Tensor]] = [[] for _ in range(2 * len(rows[0][2]))]
+        layers: list[list[torch.Tensor]] = [[] for _ in range(2 * len(groups[0][2]))]
         if self._keys:
             for i, (k, v) in enumerate(self._kv):
                 layers[2 * i].append(_pad_left(k, width, dim=2))
                 layers[2 * i + 1].append(_pad_left(v, width, dim=2))
-        for key, n, kv in rows:
-            self._keys.append(key)
-            self._lengths.append(n)
-            masks.append(_pad_left(torch.ones(1, n, dtype=torch.bool, device=self._device), width, dim=1))
+        for keys, n, kv in groups:
+            self._keys.extend(keys)
+            self._lengths.extend([n] * len(keys))
+            ones = torch.ones(len(keys), n, dtype=torch.bool, device=self._device)
+            masks.append(_pad_left(ones, width, dim=1))
             for i, (k, v) in enumerate(kv):
                 layers[2 * i].append(_pad_left(k, width, dim=2))
                 layers[2 * i + 1].append(_pad_left(v, width, dim=2))

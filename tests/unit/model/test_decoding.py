@@ -45,10 +45,11 @@ def test_cached_decode_equals_full_recompute(family: str) -> None:
         return torch.randint(0, vocab, (n,), generator=gen).tolist()
 
     decoder = Decoder(model)
-    prefixes: dict[str, list[int]] = {"a": rand(3), "b": rand(11), "c": rand(1)}
+    prefixes: dict[str, list[int]] = {"a": rand(3), "b": rand(11), "c": rand(1), "c2": rand(1)}
     for step in range(12):
         if step == 4:
             prefixes["late"] = rand(7)  # joins mid-way
+            prefixes["late2"] = rand(7)  # same length: prefilled in the same forward
         if step == 6:
             del prefixes["b"]  # aborted: its row is freed
         if step == 9:
