@@ -11,12 +11,16 @@ about 111k parameters — small enough to sample and train on two CPU cores.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+KV = tuple[torch.Tensor, torch.Tensor]
+"""One layer's cached keys and values, each ``[B, heads, S, head_dim]``."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,34 @@ class _Attention(nn.Module):
         out: torch.Tensor = self.proj(y)
         return out
 
+    def step(
+        self, x: torch.Tensor, past: KV | None, key_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, KV]:
+        """Attention over ``past`` keys/values plus ``x``'s own; returns ``(y, (k, v))`` of all of them.
+
+        ``key_mask[B, S]`` (S = past + new positions) marks real keys; padding is False.
+        Without a past and a mask this is :meth:`forward`'s computation exactly.
+        """
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q = q.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        k = k.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        v = v.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        if key_mask is None and past is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            s = k.shape[2]
+            allowed = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t)
+            if key_mask is not None:
+                allowed = allowed & key_mask.bool()[:, None, None, :]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        out: torch.Tensor = self.proj(y)
+        return out, (k, v)
+
 
 class _Block(nn.Module):
     def __init__(self, cfg: PolicyConfig) -> None:
@@ -86,6 +118,12 @@ class _Block(nn.Module):
         x = x + self.attn(self.ln1(x))
         x = x + self.mlp(self.ln2(x))
         return x
+
+    def step(self, x: torch.Tensor, past: KV | None, key_mask: torch.Tensor | None) -> tuple[torch.Tensor, KV]:
+        y, kv = self.attn.step(self.ln1(x), past, key_mask)
+        x = x + y
+        x = x + self.mlp(self.ln2(x))
+        return x, kv
 
 
 class TinyPolicy(nn.Module):
@@ -131,6 +169,29 @@ class TinyPolicy(nn.Module):
             x = block(x)
         logits: torch.Tensor = self.head(self.ln_f(x))
         return logits
+
+    def forward_cached(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        past: Sequence[KV] | None = None,
+        key_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """Incremental forward: ``ids[B,T]`` at ``positions[B,T]`` after ``past`` keys/values.
+
+        ``past`` holds one ``(k, v)`` pair ``[B, heads, S, head_dim]`` per layer; ``key_mask[B, S+T]``
+        marks real (not padding) keys. Returns the logits ``[B,T,V]`` and every layer's keys/values
+        including the new positions. Without a past or mask, the logits are :meth:`forward`'s.
+        """
+        if int(positions.max()) >= self.config.context:
+            raise ValueError(f"position {int(positions.max())} exceeds the context window {self.config.context}")
+        x = self.drop(self.tok_emb(ids) + self.pos_emb(positions))
+        new: list[KV] = []
+        for i, block in enumerate(self.blocks):
+            x, kv = cast(_Block, block).step(x, None if past is None else past[i], key_mask)
+            new.append(kv)
+        logits: torch.Tensor = self.head(self.ln_f(x))
+        return logits, new
 
 
 def token_logprobs(model: TinyPolicy, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

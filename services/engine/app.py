@@ -18,14 +18,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Histogram
 
-from services.engine.batcher import AdmissionError, Batcher, SamplingParams, StepReport, Weights
+from services.engine.batcher import AdmissionError, Batcher, SamplingParams, StepReport, Weights, limits
 from services.engine.batcher import Request as EngineRequest
 from services.engine.runner import EngineRunner, EngineUnavailableError, WeightUpdateError
 from services.engine.schemas import AbortBody, GenerateBody, UpdateWeightsBody, generate_response
 from services.engine.settings import EngineSettings
-from shared import checkpoint, log, metrics
+from shared import log, metrics
 from shared.http_server import BodyLimit
-from shared.policy import PolicyConfig, init_policy, resolve_device
+from shared.model import ModelFamily, load_family
+from shared.policy import resolve_device
 from shared.tokenizer import TOKENIZER
 
 
@@ -61,21 +62,29 @@ class EngineMetrics:
         self.weight_info.labels(weight_version=weights.version, digest=weights.digest).set(1)
 
 
-def initial_weights(settings: EngineSettings, device: torch.device) -> Weights:
-    """The checkpoint at ``model_path``, or a policy initialised from ``seed``."""
+def initial_weights(settings: EngineSettings, family: ModelFamily, device: torch.device) -> Weights:
+    """The checkpoint at ``model_path`` (read by the family), or the family's fresh model.
+
+    Fresh: the tiny policy initialised from ``seed``; an HF model's pretrained weights.
+    """
     path = settings.resolved_model_path()
     if path is not None:
-        ckpt = checkpoint.load(path, device)
-        if ckpt.config.vocab_size != TOKENIZER.vocab_size:
-            raise RuntimeError(
-                f"checkpoint {path} has vocab_size {ckpt.config.vocab_size}, tokenizer has {TOKENIZER.vocab_size}"
-            )
+        ckpt = family.load(path, device)
+        vocab = limits(ckpt.model)[0]
+        if vocab != family.tokenizer.vocab_size and family.kind == "tiny":
+            raise RuntimeError(f"checkpoint {path} has vocab_size {vocab}, tokenizer has {family.tokenizer.vocab_size}")
         return Weights(model=ckpt.model, version=ckpt.version, digest=ckpt.digest, step=ckpt.step,
                        model_path=str(path))
-    model = init_policy(PolicyConfig(vocab_size=TOKENIZER.vocab_size), settings.seed)
-    model.to(device).eval()
-    return Weights(model=model, version=settings.initial_version, digest=checkpoint.digest(model.state_dict()),
-                   step=0, model_path=None)
+    model = family.new_model(settings.seed, device).eval()
+    return Weights(model=model, version=settings.initial_version, digest=family.digest(model), step=0,
+                   model_path=None)
+
+
+def _token_text(family: ModelFamily, ids: list[int], skip_special: bool) -> str:
+    """Text of ``ids``: the tiny tokenizer keeps its ``skip_special`` switch, others skip specials."""
+    if family.kind == "tiny":
+        return TOKENIZER.decode(ids, skip_special=skip_special)
+    return family.tokenizer.decode(ids)
 
 
 def _finish_reason(req: EngineRequest) -> dict[str, Any]:
@@ -109,21 +118,25 @@ def create_app(settings: EngineSettings) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, Any]]:
         torch.set_num_threads(settings.torch_threads)
         device = resolve_device(settings.device)
-        weights = initial_weights(settings, device)
+        family = load_family(settings.model)
+        weights = initial_weights(settings, family, device)
         engine_metrics = EngineMetrics(CollectorRegistry(auto_describe=True))
         engine_metrics.set_weights(weights)
-        batcher = Batcher(weights, end_id=TOKENIZER.end_id, pad_id=TOKENIZER.pad_id,
-                          max_batch_size=settings.max_batch_size, seed=settings.seed, device=device)
+        batcher = Batcher(weights, end_id=family.tokenizer.stop_ids, pad_id=family.tokenizer.pad_id,
+                          max_batch_size=settings.max_batch_size, seed=settings.seed, device=device,
+                          kv_budget_tokens=settings.kv_budget_tokens)
         runner = EngineRunner(
-            batcher, weights_dir=settings.weights_dir, device=device, vocab_size=TOKENIZER.vocab_size,
+            batcher, weights_dir=settings.weights_dir, device=device, vocab_size=weights.vocab_size,
+            loader=family.load,
             step_delay_s=settings.step_delay_s, on_step=engine_metrics.on_step,
             on_finish=engine_metrics.on_finish, log=logger,
         )
         runner.start()
         logger.info("engine ready", weight_version=weights.version, digest=weights.digest,
-                    model_path=weights.model_path, device=str(device), params=weights.model.num_parameters())
+                    model_path=weights.model_path, device=str(device),
+                    params=sum(p.numel() for p in weights.model.parameters()))
         try:
-            yield {"runner": runner, "metrics": engine_metrics, "settings": settings}
+            yield {"runner": runner, "metrics": engine_metrics, "settings": settings, "family": family}
         finally:
             await runner.stop()
 
@@ -142,15 +155,16 @@ def create_app(settings: EngineSettings) -> FastAPI:
         )
         rid = body.rid if body.rid is not None else uuid.uuid4().hex
         req = await runner.generate(rid, body.input_ids, params)
+        family: ModelFamily = request.state.family
         logprobs = None
         if body.return_logprob:
             logprobs = [
-                [lp, tok, TOKENIZER.id_to_token(tok) if body.return_text_in_logprobs else None]
+                [lp, tok, _token_text(family, [tok], False) if body.return_text_in_logprobs else None]
                 for lp, tok in zip(req.logprobs, req.output_ids, strict=True)
             ]
         return generate_response(
             rid=rid,
-            text=TOKENIZER.decode(req.output_ids, skip_special=sp.skip_special_tokens),
+            text=_token_text(family, req.output_ids, sp.skip_special_tokens),
             output_ids=list(req.output_ids),
             finish_reason=_finish_reason(req),
             prompt_tokens=len(req.input_ids),
@@ -195,7 +209,7 @@ def create_app(settings: EngineSettings) -> FastAPI:
             # rein's extras
             "digest": weights.digest,
             "step": weights.step,
-            "vocab_size": weights.config.vocab_size,
+            "vocab_size": weights.vocab_size,
             "active_requests": len(runner.batcher.active_rids()),
             "active_rids": runner.batcher.active_rids(),
         }
@@ -210,7 +224,7 @@ def create_app(settings: EngineSettings) -> FastAPI:
         """SGLang's server args and scheduler info, the fields this engine has."""
         runner: EngineRunner = request.state.runner
         weights = runner.batcher.weights
-        context = weights.config.context
+        context = weights.context
         return {
             "model_path": weights.model_path,
             "tokenizer_path": None,

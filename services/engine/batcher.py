@@ -21,18 +21,32 @@ taken at the start of the step. So
 - weights swapped during a step are used from the next step. Each token is stamped
   with the version of the weights that produced it (``Request.versions``); the
   request's ``weight_version`` is the engine's version at the moment it finishes.
+
+KV cache: the forward pass goes through a :class:`shared.model.decoding.Decoder`, which
+keeps each running request's keys and values, so a step costs one position per request
+(a request prefills once, when it starts running, and again after a weight swap, since
+its cache was computed by other weights). Only the step thread touches the decoder;
+rows of finished or aborted requests are freed at the start of the next step.
+
+Admission to the running set is FIFO and bounded twice: ``max_batch_size`` requests and
+``kv_budget_tokens`` cache positions, counted as the decoder lays them out (rows x the
+longest row, each request reserved at ``min(prompt + max_new_tokens, context)``). A request
+that does not fit yet waits in the queue, still active (abortable, listed); one that could
+never fit is refused at admission.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+from torch import nn
 
-from shared.policy import PolicyConfig, TinyPolicy
+from shared.model.decoding import Decoder
+from shared.policy import PolicyConfig
 
 FinishType = Literal["stop", "length", "abort"]
 
@@ -49,7 +63,7 @@ class DuplicateRidError(AdmissionError):
 class Weights:
     """The policy being served and its identity."""
 
-    model: TinyPolicy
+    model: nn.Module
     version: str
     digest: str
     step: int
@@ -57,7 +71,26 @@ class Weights:
 
     @property
     def config(self) -> PolicyConfig:
-        return self.model.config
+        """The tiny policy's config (vocab and context; any family's :func:`limits` say the same)."""
+        config = self.model.config
+        assert isinstance(config, PolicyConfig), "not a tiny policy: use limits()"
+        return config
+
+    @property
+    def vocab_size(self) -> int:
+        return limits(self.model)[0]
+
+    @property
+    def context(self) -> int:
+        return limits(self.model)[1]
+
+
+def limits(model: nn.Module) -> tuple[int, int]:
+    """``(vocab_size, context window)`` of a tiny policy or a Hugging Face causal LM."""
+    config: Any = model.config
+    if isinstance(config, PolicyConfig):
+        return config.vocab_size, config.context
+    return int(config.vocab_size), int(config.max_position_embeddings)
 
 
 @dataclass(frozen=True)
@@ -116,22 +149,31 @@ class Batcher:
         self,
         weights: Weights,
         *,
-        end_id: int,
+        end_id: int | Iterable[int],
         max_batch_size: int = 256,
         seed: int = 0,
         device: torch.device | str = "cpu",
         pad_id: int = 0,
+        kv_budget_tokens: int | None = None,
+        kv_cache: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if kv_budget_tokens is not None and kv_budget_tokens < 1:
+            raise ValueError(f"kv_budget_tokens must be >= 1, got {kv_budget_tokens}")
+        self._kv_budget = kv_budget_tokens
+        self._kv_cache = kv_cache
         self._weights = weights
-        self._end_id = end_id
+        self._end_ids = frozenset([end_id] if isinstance(end_id, int) else end_id)
         self._pad_id = pad_id
         self._max_batch = max_batch_size
         self._device = torch.device(device)
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed)
         self._active: dict[str, Request] = {}
+        self._running: list[Request] = []
+        """Requests admitted to the batch (their caches reserved), oldest first; a subset of _active."""
+        self._decoder: Decoder | None = None
         self._lock = threading.Lock()
 
     # ---- read-only views -------------------------------------------------------------
@@ -152,6 +194,11 @@ class Batcher:
         with self._lock:
             return bool(self._active)
 
+    def kv_tokens(self) -> int:
+        """Cache positions the decoder holds now (freed rows included until the next step)."""
+        decoder = self._decoder
+        return decoder.tokens if decoder is not None else 0
+
     # ---- transitions -----------------------------------------------------------------
     def admit(self, rid: str, input_ids: Sequence[int], params: SamplingParams) -> Request:
         """Register a request; it is decoded from the next step on.
@@ -162,25 +209,31 @@ class Batcher:
         """
         ids = [int(t) for t in input_ids]
         with self._lock:
-            config = self._weights.config
+            vocab_size, context = self._weights.vocab_size, self._weights.context
             if not ids:
                 raise AdmissionError("input_ids is empty")
-            bad = [t for t in ids if not 0 <= t < config.vocab_size]
+            bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise AdmissionError(
-                    f"input_ids contains ids outside the vocabulary [0, {config.vocab_size}): {bad[:5]}"
+                    f"input_ids contains ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
                 )
-            if len(ids) > config.context:
+            if len(ids) > context:
                 raise AdmissionError(
-                    f"input of {len(ids)} tokens is longer than the context window of {config.context}"
+                    f"input of {len(ids)} tokens is longer than the context window of {context}"
+                )
+            need = min(len(ids) + max(params.max_new_tokens, 0), context)
+            if self._kv_budget is not None and need > self._kv_budget:
+                raise AdmissionError(
+                    f"request needs {need} tokens of KV cache (prompt + max_new_tokens); "
+                    f"the engine's budget is {self._kv_budget}"
                 )
             if rid in self._active:
                 raise DuplicateRidError(f"request id {rid!r} is already active")
             stops = set(params.stop_token_ids)
             if not params.ignore_eos:
-                stops.add(self._end_id)
+                stops |= self._end_ids
             req = Request(rid=rid, input_ids=ids, params=params, stop_ids=frozenset(stops))
-            if params.max_new_tokens <= 0 or len(ids) >= config.context:
+            if params.max_new_tokens <= 0 or len(ids) >= context:
                 self._finish(req, "length")
             else:
                 self._active[rid] = req
@@ -218,20 +271,24 @@ class Batcher:
         finished: list[Request] = []
         with self._lock:
             weights = self._weights
-            context = weights.config.context
+            context = weights.context
             for req in list(self._active.values()):
                 if req.length >= context:
                     self._finish(req, "length")
                     finished.append(req)
-            batch = list(self._active.values())[: self._max_batch]
+            batch = self._fill_batch(context)
             prefixes = [req.input_ids + req.output_ids for req in batch]
             temps = [req.params.temperature for req in batch]
             top_ks = [req.params.top_k for req in batch]
             top_ps = [req.params.top_p for req in batch]
+        decoder = self._decoder
+        if decoder is None or decoder.model is not weights.model:  # new weights: every row prefills again
+            decoder = self._decoder = Decoder(weights.model, pad_id=self._pad_id, use_cache=self._kv_cache)
         if not batch:
+            decoder.clear()
             return StepReport(batch_size=0, finished=finished, version=weights.version)
 
-        logits = self._last_logits(weights.model, prefixes)
+        logits = decoder.last_logits(list(zip(batch, prefixes, strict=True)))
         tokens, logprobs = sample_next(
             logits,
             temperature=torch.tensor(temps, dtype=torch.float32),
@@ -265,17 +322,30 @@ class Batcher:
         if self._active.get(req.rid) is req:
             del self._active[req.rid]
 
-    def _last_logits(self, model: TinyPolicy, prefixes: list[list[int]]) -> torch.Tensor:
-        """Logits at each prefix's last position, right-padded batch, on CPU: ``[B, V]``."""
-        longest = max(len(p) for p in prefixes)
-        ids = torch.full((len(prefixes), longest), self._pad_id, dtype=torch.long)
-        for i, p in enumerate(prefixes):
-            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        last = torch.tensor([len(p) - 1 for p in prefixes], dtype=torch.long)
-        with torch.inference_mode():
-            logits: torch.Tensor = model(ids.to(self._device))
-            picked = logits[torch.arange(len(prefixes), device=logits.device), last.to(logits.device)]
-        return picked.float().cpu()
+    def _fill_batch(self, context: int) -> list[Request]:
+        """Caller holds the lock. Drop finished requests from the running set, then admit
+        waiting ones oldest first while the batch size and the KV budget allow (the first
+        that does not fit blocks those behind it, so none is starved)."""
+        running = [req for req in self._running if not req.done]
+        taken = {id(req) for req in running}
+        longest = max((self._reserve(req, context) for req in running), default=0)
+        for req in self._active.values():
+            if id(req) in taken:
+                continue
+            if len(running) >= self._max_batch:
+                break
+            need = max(longest, self._reserve(req, context))
+            if self._kv_budget is not None and (len(running) + 1) * need > self._kv_budget:
+                break
+            running.append(req)
+            longest = need
+        self._running = running
+        return list(running)
+
+    @staticmethod
+    def _reserve(req: Request, context: int) -> int:
+        """Most cache positions this request can hold: its prompt plus its budget, within the context."""
+        return min(len(req.input_ids) + req.params.max_new_tokens, context)
 
 
 def sample_next(

@@ -21,8 +21,17 @@ from pathlib import Path
 import structlog
 import torch
 
-from services.engine.batcher import Batcher, Request, SamplingParams, StepReport, Weights
+from services.engine.batcher import Batcher, Request, SamplingParams, StepReport, Weights, limits
 from shared import checkpoint
+from shared.model.base import Loaded, ModelError
+
+Loader = Callable[[Path, torch.device], Loaded]
+"""Reads and verifies a checkpoint: the model family's ``load`` (a file for tiny, a directory for HF)."""
+
+
+def _load_tiny(path: Path, device: torch.device) -> Loaded:
+    ckpt = checkpoint.load(path, device)
+    return Loaded(model=ckpt.model, version=ckpt.version, step=ckpt.step, digest=ckpt.digest)
 
 
 class EngineUnavailableError(RuntimeError):
@@ -55,8 +64,10 @@ class EngineRunner:
         on_step: Callable[[StepReport], None] | None = None,
         on_finish: Callable[[Request], None] | None = None,
         log: structlog.stdlib.BoundLogger | None = None,
+        loader: Loader | None = None,
     ) -> None:
         self.batcher = batcher
+        self._loader = loader or _load_tiny
         self._weights_root = weights_dir.resolve()
         self._device = device
         self._vocab_size = vocab_size
@@ -142,12 +153,15 @@ class EngineRunner:
         except asyncio.CancelledError:
             if self.batcher.abort_request(req):
                 self._resolve([req])
+                self._wake.set()
             raise
 
     def abort(self, rid: str | None, abort_all: bool) -> list[str]:
         """Abort matching active requests now; their callers get partial tokens."""
         aborted = self.batcher.abort(rid, abort_all)
         self._resolve(aborted)
+        if aborted:
+            self._wake.set()  # one more step frees their KV cache rows even if nothing else runs
         return [req.rid for req in aborted]
 
     def resolve_weights_path(self, model_path: str) -> Path:
@@ -157,7 +171,7 @@ class EngineRunner:
         resolved = candidate.resolve()
         if not resolved.is_relative_to(self._weights_root):
             raise WeightUpdateError(f"model_path {model_path!r} is outside the weights dir {self._weights_root}")
-        if not resolved.is_file():
+        if not resolved.exists():
             raise WeightUpdateError(f"model_path {model_path!r} does not exist (resolved to {resolved})")
         return resolved
 
@@ -168,13 +182,12 @@ class EngineRunner:
         async with self._update_lock:
             path = self.resolve_weights_path(model_path)
             try:
-                ckpt = await asyncio.to_thread(checkpoint.load, path, self._device)
-            except (checkpoint.CheckpointError, OSError) as exc:
+                ckpt = await asyncio.to_thread(self._loader, path, self._device)
+            except (checkpoint.CheckpointError, ModelError, OSError) as exc:
                 raise WeightUpdateError(str(exc)) from exc
-            if ckpt.config.vocab_size != self._vocab_size:
-                raise WeightUpdateError(
-                    f"checkpoint vocab_size {ckpt.config.vocab_size} != tokenizer vocab_size {self._vocab_size}"
-                )
+            vocab = limits(ckpt.model)[0]
+            if vocab != self._vocab_size:
+                raise WeightUpdateError(f"checkpoint vocab_size {vocab} != served vocab_size {self._vocab_size}")
             aborted = self.abort(None, abort_all=True) if abort_all_requests else []
             version = weight_version if weight_version is not None else ckpt.version
             new = Weights(model=ckpt.model, version=version, digest=ckpt.digest, step=ckpt.step,

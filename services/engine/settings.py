@@ -32,6 +32,10 @@ class EngineSettings(ModelServiceSettings):
     """``torch.set_num_threads`` for this process: keeps the engine from starving co-located services."""
     max_batch_size: int = Field(default=256, ge=1)
     """Most requests decoded in one batched step; extra requests wait for a free slot (FIFO)."""
+    kv_budget_tokens: int = Field(default=65536, ge=1)
+    """KV cache positions the decoder may hold (``REIN_KV_BUDGET_TOKENS``), counted as rows x the
+    longest row's reservation (prompt + max_new_tokens). Requests that do not fit wait in the queue;
+    one that alone exceeds it is refused (400)."""
     step_delay_s: float = Field(default=0.0, ge=0.0)
     """Sleep between decode steps. Tests set it to make generations slow enough to pause mid-flight."""
     max_request_bytes: int = Field(default=1024 * 1024, ge=1024)
