@@ -20,7 +20,7 @@ from typing import IO
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class ServiceStartError(RuntimeError):
