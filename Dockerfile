@@ -31,7 +31,8 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
 COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY services ./services
-RUN pip install . && python -c "import shared.cli, services.engine.app, services.proxy.app"
+COPY ops ./ops
+RUN pip install . && python -c "import ops.cli, services.engine.app, services.proxy.app"
 
 USER rein
 # Overridden per service (python -m services.<name>); `rein` is on PATH for tail/report/status.

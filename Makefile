@@ -27,7 +27,7 @@ test: venv infra
 
 lint: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy shared services
+	$(VENV)/bin/mypy shared services ops
 	@# Only shared/settings.py reads the environment (tests and bench are exempt, as in ruff's TID251 config).
 	@if git ls-files -co --exclude-standard -- '*.py' \
 	    | grep -vE '^(shared/settings\.py|tests/|bench/)' \
@@ -36,7 +36,7 @@ lint: venv
 	fi
 
 demo: venv infra
-	$(PY) -m shared.demo
+	$(PY) -m ops.demo
 
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist *.egg-info

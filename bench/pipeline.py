@@ -28,12 +28,12 @@ from typing import Any
 
 import httpx
 
+from ops.local.stack import LocalStack, StackConfig, start
+from ops.report import rows_so_far
 from shared.bus import read_topic
 from shared.names import Topics
-from shared.report import rows_so_far
 from shared.schemas import BatchManifest, CompletedGroup, DecisionRecord
 from shared.settings import KafkaSettings
-from shared.stack import LocalStack, StackConfig, start
 
 _IN_FLIGHT = re.compile(r"^rein_rollout_groups_in_flight\s+([0-9.eE+-]+)$", re.M)
 

@@ -30,11 +30,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ops.local.ports import free_port
 from shared import checkpoint
 from shared.bus import ensure_topology
 from shared.names import Topics
 from shared.policy import PolicyConfig, init_policy
-from shared.ports import free_port
 from shared.settings import KafkaSettings
 from shared.tokenizer import TOKENIZER
 from tests.support.procs import Proc, start_service

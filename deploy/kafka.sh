@@ -87,8 +87,8 @@ cmd_fetch() {
     log "Kafka $KAFKA_VERSION jars ready ($(ls "$LIBS" | wc -l) jars)"
 }
 
-# Prints N distinct free TCP ports on 127.0.0.1, below the ephemeral range (see shared/ports.py).
-free_ports() { python3 "$HERE/../shared/ports.py" "$1"; }
+# Prints N distinct free TCP ports on 127.0.0.1, below the ephemeral range (see ops/local/ports.py).
+free_ports() { python3 "$HERE/../ops/local/ports.py" "$1"; }
 
 # A Kafka Uuid: 16 random bytes, url-safe base64 without padding, never starting with '-'.
 random_cluster_id() {

@@ -53,8 +53,8 @@ need_redis() {
         die "redis-server/redis-cli not found on PATH: run deploy/redis.sh install (or apt-get install -y redis-server)"
 }
 
-# A free TCP port on 127.0.0.1, below the ephemeral range (see shared/ports.py).
-free_port() { python3 "$HERE/../shared/ports.py" 1; }
+# A free TCP port on 127.0.0.1, below the ephemeral range (see ops/local/ports.py).
+free_port() { python3 "$HERE/../ops/local/ports.py" 1; }
 
 # Alive and not a zombie (an unreaped zombie still answers kill -0).
 pid_alive() {

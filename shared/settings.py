@@ -9,6 +9,7 @@ values fail at start with the variable's name, never later in a request path.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -69,6 +70,21 @@ class ServiceSettings(BaseSettings):
     """structlog level: debug, info, warning, error."""
     log_json: bool = True
     """JSON lines (services) or a readable console format (CLI, local debugging)."""
+
+
+class ModelServiceSettings(ServiceSettings):
+    """Base of the services that hold a model (engine, proxy, trainer): they must agree on it."""
+
+    model: str = "tiny"
+    """The model every service serves and trains (``REIN_MODEL``): ``tiny`` (the built-in policy), a path to
+    a Hugging Face directory, or a path to a ``.gguf`` file (converted once into the cache; see shared.model)."""
+
+
+def rein_cache() -> Path:
+    """``${REIN_CACHE:-~/.cache/rein}``: converted models, Kafka jars and venvs live here, outside checkouts."""
+    import os
+
+    return Path(os.environ.get("REIN_CACHE") or Path.home() / ".cache" / "rein")
 
 
 S = TypeVar("S", bound=BaseSettings)

@@ -1,4 +1,9 @@
-"""``/metrics`` and ``/health`` on a small threaded HTTP server, for services whose main loop is synchronous."""
+"""The one ``/metrics`` + ``/health`` server of the services without an HTTP API of their own.
+
+Collector, trainer, broadcaster and rollout runner serve their registry and a health callback
+from a daemon thread, so a busy or blocked main loop (synchronous or asyncio) still answers.
+Engine and proxy serve the same two routes from their own FastAPI apps.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Every creator of topics goes through :func:`topic_specs` (via :func:`shared.bus.ensure_topology`):
 the services that create what they need at start (collector, rollout runner), the
-compose ``topics`` service and ``rein up`` (``python -m shared.topology``), and the tests.
+compose ``topics`` service (``python -m shared.topology``), ``rein up`` and the demo
+(``ops/local/stack.py``), and the tests.
 
 - ``rollout.chunks`` / ``rollout.events``: the collector's input, co-partitioned (same
   count, keyed by group id). Kept 7 days, in segments of at most 1 day. A decided group's
@@ -70,7 +71,7 @@ def input_deleted_within_ms(topics: Topics, partitions: int = 4) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m shared.topology``: create every missing topic (compose's ``topics`` service, ``rein up``)."""
+    """``python -m shared.topology``: create every missing topic (compose's ``topics`` service)."""
     from shared.bus import ensure_topology
     from shared.settings import KafkaSettings
 

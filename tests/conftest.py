@@ -18,6 +18,8 @@ Per-test helpers (function scope):
 - ``redis_db_url -> str``: URL of a logical DB of its own (1..63, round robin), flushed first.
 - ``redis_client -> redis.Redis`` on ``redis_db_url``; closed afterwards.
 
+Hugging Face model fixtures (``smollm2_dir``, ``tiny_llama_dir``) live in ``tests/support/hf_model.py``.
+
 The versions that ran are printed in the terminal summary.
 """
 
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     from kafka.admin import KafkaAdminClient
 
     from shared.names import Topics
+
+pytest_plugins = ["tests.support.hf_model"]  # smollm2_dir, tiny_llama_dir
 
 _INFRA = pytest.StashKey[Infra]()
 _KEPT = pytest.StashKey[str]()

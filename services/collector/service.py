@@ -39,12 +39,12 @@ from shared import log
 from shared.bus import Consumer, Delivered, Polled, Producer, ensure_topology, topic_configs
 from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
-from shared.replay import window_group
 from shared.schemas import CompletedGroup, DecodeError, GroupRef, Record
 from shared.staleness import Decision, WindowConfig
 from shared.state import connect
 from shared.status_server import StatusServer
 from shared.topology import TopicSpec
+from shared.window_view import window_group
 
 _log = log.get(__name__)
 

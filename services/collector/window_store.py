@@ -18,6 +18,9 @@ publishes again: duplicates are possible only as the same bytes under the same
 key (same group decision, same manifest ``index``/``batch_id``), and consumers
 dedupe by key.
 
+The keys' layout (what each hash field holds and how it is encoded) is
+:mod:`shared.window_layout`, which ``rein status`` reads through.
+
 Idempotency: a group id already in the ``decided`` hash is never decided again. The
 hash is bounded by :meth:`WindowStore.trim_decided`, which forgets marks older than a TTL
 that outlives the input topics' retention (see :mod:`shared.topology`).
@@ -60,11 +63,11 @@ from shared.staleness import (
     WindowGroup,
     WindowSnapshot,
     WindowState,
-    cutoff_index,
     next_attempt,
     window_step,
 )
 from shared.state import RedisRegistry
+from shared.window_layout import decode_window, drops_field, encode_config, encode_window
 
 _log = log.get(__name__)
 
@@ -181,12 +184,7 @@ class WindowStore:
 
     def claim_config(self, overwrite: bool = False) -> None:
         """Record this window's settings, or fail when the shared window runs with different ones."""
-        want: dict[str, str] = {
-            "keep_versions": str(self.config.keep_versions),
-            "batch_groups": str(self.config.batch_groups),
-            "max_retries": str(self.config.max_retries),
-            "max_free_retries": str(self.config.max_free_retries),
-        }
+        want = encode_config(self.config)
         key = self.keys.window_config
         if overwrite:
             self.client.hset(key, mapping=dict(want))  # type: ignore[arg-type]
@@ -219,14 +217,6 @@ class WindowStore:
         values: list[str | None] = self.client.hmget(self.keys.registry, labels)  # type: ignore[assignment]
         return [v is not None for v in values]
 
-    def window_indices(self) -> tuple[int | None, int | None]:
-        """(current index, cutoff index) of the shared window now (for metrics)."""
-        current: str | None = self.client.hget(self.keys.window, "current")  # type: ignore[assignment]
-        if current is None:
-            return None, None
-        index = self.registry.observe([current])[0]
-        return index, cutoff_index(index, self.config.keep_versions)
-
     # ------------------------------------------------------------------ the step
 
     def _load(self, pipe: Any) -> tuple[WindowState, dict[str, GroupRef], int]:
@@ -241,15 +231,15 @@ class WindowStore:
             group, ref = _group_from_json(text)
             pending.append(group)
             refs[group.group_id] = ref
-        dropped = tuple((str(g), str(d)) for g, d in json.loads(window.get("dropped_since", "[]")))
+        hashed = decode_window(window)
         state = WindowState(
-            current=window.get("current"),
+            current=hashed.current,
             pending=tuple(pending),
-            batches=int(window.get("batches", 0)),
-            dropped_since_batch=dropped,
-            drops_total=int(window.get("drops_total", 0)),
+            batches=hashed.batches,
+            dropped_since_batch=hashed.dropped_since,
+            drops_total=hashed.drops_total,
         )
-        return state, refs, int(window.get("steps", 0))
+        return state, refs, hashed.steps
 
     def step(self, group: WindowGroup, ref: GroupRef, prompt: dict[str, Any] | None = None) -> StepOutcome:
         """Decide one completed group atomically for all replicas; idempotent per group id."""
@@ -362,15 +352,7 @@ class WindowStore:
     ) -> None:
         k = self.keys
         after = result.state
-        window: dict[str, str | int] = {
-            "batches": after.batches,
-            "drops_total": after.drops_total,
-            "dropped_since": json.dumps([list(p) for p in after.dropped_since_batch]),
-            "steps": steps + 1,
-        }
-        if after.current is not None:
-            window["current"] = after.current
-        pipe.hset(k.window, mapping=window)
+        pipe.hset(k.window, mapping=encode_window(after, steps + 1))
         # pending: rewrite the order, add the new group if kept, delete what left
         kept_ids = {g.group_id for g in after.pending}
         gone = [g.group_id for g in before.pending if g.group_id not in kept_ids]
@@ -386,7 +368,7 @@ class WindowStore:
         pipe.zadd(k.decided_at, dict.fromkeys(decided, time.time()))
         for d in result.decisions:
             if d.decision is not Decision.KEPT:
-                pipe.hincrby(k.window, f"drops:{d.decision.value}", 1)
+                pipe.hincrby(k.window, drops_field(d.decision.value), 1)
             if d.decision is Decision.FAILED_DROPPED:
                 pipe.hincrby(k.prompt_drops, d.prompt_id, 1)
         if records:
@@ -415,9 +397,6 @@ class WindowStore:
         return len(old)
 
     # ------------------------------------------------------------------ outbox
-
-    def outbox_size(self) -> int:
-        return int(self.client.llen(self.keys.outbox))  # type: ignore[arg-type,unused-ignore]
 
     def drain(self, publish: Publish, timeout_s: float = 30.0, chunk: int = 500) -> int:
         """Publish every outbox entry in order under the lease; returns how many this call published."""
@@ -451,13 +430,3 @@ class WindowStore:
                 self._extend(keys=[k.outbox_lock], args=[token, self.lock_ms])
         finally:
             self._release(keys=[k.outbox_lock], args=[token])
-
-    # ------------------------------------------------------------------ counters
-
-    def drops_by_reason(self) -> dict[str, int]:
-        window: dict[str, str] = self.client.hgetall(self.keys.window)  # type: ignore[assignment]
-        return {key.split(":", 1)[1]: int(v) for key, v in window.items() if key.startswith("drops:")}
-
-    def prompt_drops(self) -> dict[str, int]:
-        raw: dict[str, str] = self.client.hgetall(self.keys.prompt_drops)  # type: ignore[assignment]
-        return {k: int(v) for k, v in raw.items()}

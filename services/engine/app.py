@@ -95,7 +95,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def weight_update(req: Request, exc: Exception) -> JSONResponse:
         req.state.metrics.weight_updates.labels(result="refused").inc()
-        return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+        return JSONResponse({"success": False, "message": str(exc), "num_paused_requests": 0}, status_code=400)
 
     app.add_exception_handler(AdmissionError, admission)
     app.add_exception_handler(EngineUnavailableError, unavailable)
@@ -174,29 +174,54 @@ def create_app(settings: EngineSettings) -> FastAPI:
         engine_metrics.weight_updates.labels(result="applied").inc()
         return {
             "success": True,
-            "message": f"loaded {result.model_path}",
+            "message": f"Loaded {result.model_path}. Weight version updated to {result.version}.",
+            "num_paused_requests": 0,
+            # rein's extras: what is served now, and the requests abort_all_requests ended
             "weight_version": result.version,
             "digest": result.digest,
             "aborted": result.aborted,
         }
 
-    async def model_info(request: Request) -> dict[str, Any]:
+    @app.get("/get_model_info")
+    async def get_model_info(request: Request) -> dict[str, Any]:
         runner: EngineRunner = request.state.runner
         weights = runner.batcher.weights
         return {
             "model_path": weights.model_path,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
             "weight_version": weights.version,
+            # rein's extras
             "digest": weights.digest,
             "step": weights.step,
-            "context": weights.config.context,
             "vocab_size": weights.config.vocab_size,
             "active_requests": len(runner.batcher.active_rids()),
             "active_rids": runner.batcher.active_rids(),
-            "is_generation": True,
         }
 
-    app.add_api_route("/model_info", model_info, methods=["GET"])
-    app.add_api_route("/get_model_info", model_info, methods=["GET"])
+    @app.get("/get_weight_version")
+    async def get_weight_version(request: Request) -> dict[str, Any]:
+        runner: EngineRunner = request.state.runner
+        return {"weight_version": runner.batcher.weights.version}
+
+    @app.get("/get_server_info")
+    async def get_server_info(request: Request) -> dict[str, Any]:
+        """SGLang's server args and scheduler info, the fields this engine has."""
+        runner: EngineRunner = request.state.runner
+        weights = runner.batcher.weights
+        context = weights.config.context
+        return {
+            "model_path": weights.model_path,
+            "tokenizer_path": None,
+            "context_length": context,
+            "max_req_input_len": context,
+            "max_running_requests": settings.max_batch_size,
+            "random_seed": settings.seed,
+            "device": settings.device,
+            "weight_version": weights.version,
+            "status": "ready",
+        }
 
     @app.get("/debug/active")
     async def debug_active(request: Request) -> dict[str, Any]:

@@ -7,10 +7,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shared.settings import ServiceSettings
+from shared.settings import ModelServiceSettings
 
 
-class EngineSettings(ServiceSettings):
+class EngineSettings(ModelServiceSettings):
     """Settings of ``python -m services.engine``."""
 
     host: str = "127.0.0.1"

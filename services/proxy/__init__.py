@@ -9,7 +9,7 @@ Produces: ``rollout.chunks`` (one :class:`shared.schemas.Chunk` per engine call,
 key = group id, acked before the agent gets its answer) and ``rollout.events``
 (``SessionFinished``, ``SessionRejected``). A session without ``X-Group-Id`` is
 served but never published (not for training). Calls the engines' ``/generate``,
-``/abort_request`` and ``/model_info``.
+``/abort_request``, ``/get_model_info`` and ``/get_server_info``.
 
 Owns (in memory, per process): the session store (per-segment token ids and
 per-token versions, TITO message history), the pause flag and the set of engine

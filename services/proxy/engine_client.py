@@ -1,12 +1,14 @@
 """HTTP client of the engines (the SGLang native subset in DESIGN).
 
 One :class:`EngineHandle` per engine URL, sharing one ``httpx.AsyncClient``. A
-handle remembers *its* engine's last known weight version (from ``/model_info``,
-every ``/generate`` answer, ``resume {version}``, and ``/model_info`` again on a
+handle remembers *its* engine's last known weight version (from ``GET /get_model_info``,
+every ``/generate`` answer, ``resume {version}``, and ``/get_model_info`` again on a
 resume without a version) — the candidate of the span
 pre-check for sessions on that engine only, never a proxy-wide cache fed by other
-sessions (the reference's W16). Network failures become 503 ``engine_unavailable``;
-a non-2xx answer or a malformed body becomes 502 ``engine_error``.
+sessions (the reference's W16). The context window comes from the settings or, once,
+from ``GET /get_server_info`` (:func:`context_window_of`), where SGLang keeps it.
+Network failures become 503 ``engine_unavailable``; a non-2xx answer or a malformed
+body becomes 502 ``engine_error``.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class EngineHandle:
         self._client = client
         self.version: str | None = None
         self.context_window: int | None = context_window
-        self._window_from_settings = context_window is not None
+        """Tokens of prompt + output a generation may reach: the settings', else the engine's."""
         self.requests = 0
         """Generate calls sent (for state and tests)."""
 
@@ -79,17 +81,20 @@ class EngineHandle:
             self.version = version
 
     async def refresh(self) -> None:
-        """Read ``/model_info``: version and (unless configured) the context window."""
-        info = await self._call("GET", "/model_info", None, timeout=self._info_timeout_s)
-        self.observe(info.get("weight_version"))
-        if not self._window_from_settings:
-            window = info.get("context") or info.get("context_length") or info.get("max_context_length")
-            if not isinstance(window, int) or window < 2:
-                raise EngineError(f"engine {self.url} reports no usable context window: {window!r}", engine=self.url)
-            self.context_window = window
+        """Read ``/get_model_info`` (the version), and ``/get_server_info`` while the window is unknown."""
+        info = await self._call("GET", "/get_model_info", None, timeout=self._info_timeout_s)
+        if not isinstance(info, dict) or "weight_version" not in info:
+            raise EngineError(
+                f"engine {self.url} answered /get_model_info without weight_version: {str(info)[:300]}",
+                engine=self.url,
+            )
+        self.observe(info["weight_version"])
+        if self.context_window is None:
+            server = await self._call("GET", "/get_server_info", None, timeout=self._info_timeout_s)
+            self.context_window = context_window_of(server, self.url)
 
     async def window(self) -> int:
-        """The context window, reading ``/model_info`` the first time it is needed."""
+        """The context window, read from the engine the first time it is needed."""
         if self.context_window is None:
             await self.refresh()
         assert self.context_window is not None
@@ -181,6 +186,26 @@ def parse_generate(rid: str, data: Any, engine: str) -> EngineOutput:
         token_versions=token_versions,
         finish_reason=_FINISH[kind],
     )
+
+
+def context_window_of(server_info: Any, engine: str) -> int:
+    """Prompt + output tokens an engine accepts, from its ``/get_server_info``, or 502.
+
+    SGLang reports ``context_length`` only when it was launched with ``--context-length``
+    (else null) and always ``max_req_input_len``: the longest prompt its scheduler admits,
+    a few tokens under the model's context (and under the KV pool). A generation that
+    keeps prompt + output within the smaller of the two is admitted whole and never
+    reaches the model's context, so that is the window."""
+    info = server_info if isinstance(server_info, dict) else {}
+    limits = [info.get("context_length"), info.get("max_req_input_len")]
+    usable = [n for n in limits if isinstance(n, int) and not isinstance(n, bool) and n >= 2]
+    if not usable:
+        raise EngineError(
+            f"engine {engine} reports no usable context window in /get_server_info "
+            f"(context_length={limits[0]!r}, max_req_input_len={limits[1]!r}); set REIN_CONTEXT_WINDOW",
+            engine=engine,
+        )
+    return min(usable)
 
 
 def pick_engine(session_id: str, engines: Sequence[EngineHandle]) -> EngineHandle:

@@ -1,7 +1,9 @@
 """What each proxy endpoint does, without HTTP: chat call, finish, pause, resume, state.
 
 :class:`ProxyService` wires the session store, the engines, the pause controller
-and the publisher. Routes (``app.py``) only parse HTTP and call it.
+and the publisher. Routes (``app.py``) only parse HTTP and call it. Each session is
+a pure state machine (:mod:`services.proxy.session_machine`): this shell feeds it
+what happened, in order, and does what it answers (publish, end the session, answer).
 
 When records are published (the collector relies on this):
 
@@ -27,7 +29,6 @@ from services.proxy.engine_client import EngineHandle, Sampling, pick_engine
 from services.proxy.generation import (
     ActiveRequest,
     ChunkOutcome,
-    Generation,
     GenerationRequest,
     PauseController,
     PauseResult,
@@ -35,27 +36,23 @@ from services.proxy.generation import (
 )
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.publisher import Publisher
-from services.proxy.sessions import Session, SessionStore, TurnPlan
+from services.proxy.session_machine import ChatOutcome, Step, TurnPlan, VersionRules
+from services.proxy.sessions import Session, SessionStore
 from services.proxy.settings import ProxySettings
 from shared import log
 from shared.errors import (
     ContextOverflow,
     EngineError,
     EngineUnavailable,
-    InvalidRequest,
     KafkaUnavailable,
-    PartialRolloutStalenessExceeded,
-    ReinError,
-    RolloutRejected,
     SessionBusy,
-    SessionIdle,
     StalePause,
-    TrajectoryVersionChanged,
 )
-from shared.schemas import Chunk, SessionFinished, SessionRejected, new_id
-from shared.staleness import check_span
+from shared.schemas import Chunk, Record, new_id
 from shared.tokenizer import Tokenizer
-from shared.versions import distinct_real, encode_runs, real_version
+from shared.versions import real_version
+
+__all__ = ["CallIds", "ChatOutcome", "ProxyService"]
 
 _log = log.get(__name__)
 
@@ -69,18 +66,6 @@ class CallIds:
     turn_id: str = ""
     prompt_id: str = ""
     attempt: int = 0
-
-
-@dataclass(frozen=True)
-class ChatOutcome:
-    """A finished chat call: the text and what the response's ``rein`` field reports."""
-
-    content: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    rein: dict[str, Any]
-    soft_rejected: bool = False
 
 
 class ProxyService:
@@ -100,8 +85,8 @@ class ProxyService:
         self.publisher = publisher
         self.controller = controller
         self.metrics = metrics
-        self.tokenizer = tokenizer
-        self.sessions = SessionStore(settings.finalized_memory, clock)
+        rules = VersionRules(partial_rollout=settings.partial_rollout, max_preempts=settings.max_preempts)
+        self.sessions = SessionStore(settings.finalized_memory, clock, tokenizer=tokenizer, rules=rules)
         self._new_rid = new_rid
 
     # ------------------------------------------------------------------ chat
@@ -115,180 +100,107 @@ class ProxyService:
         sampling: Sampling,
         soft_reject: bool,
     ) -> ChatOutcome:
+        """Acquire the session, plan the turn, generate (publishing each chunk), answer.
+
+        Whatever stops the call is fed to the session once (``fail``/``cancel``) and its
+        step is carried out: end the session, publish the rejection, answer."""
         session = self.sessions.acquire(ids.session_id, ids.group_id, ids.prompt_id, ids.attempt)
         self.metrics.sessions.set(len(self.sessions))
-        published_before = session.num_chunks
-        plan: TurnPlan | None = None
         try:
-            try:
-                plan = session.plan(messages, self.tokenizer)
-            except ValueError as exc:
-                raise InvalidRequest(str(exc), fields=[{"field": "messages", "message": str(exc)}]) from None
+            plan = session.begin(messages, ids.turn_id)
             engine = pick_engine(ids.session_id, self.engines)
-            window = await engine.window()
-            room = window - len(plan.prompt_ids)
-            if room < 1:
-                raise ContextOverflow(
-                    f"prompt of {len(plan.prompt_ids)} tokens leaves no room in the context window of {window}",
-                    phase="prompt", context_window=window, input_tokens=len(plan.prompt_ids), max_tokens=budget,
-                    session_id=ids.session_id, turn_id=ids.turn_id, segment_index=plan.segment_index,
-                )
-            request = GenerationRequest(
-                session_id=ids.session_id, prompt_ids=plan.prompt_ids, context_ids=plan.context_ids,
-                budget=budget, window=window, sampling=sampling, partial_rollout=self.settings.partial_rollout,
-                max_chunks=self.settings.max_chunks_per_call,
-            )
-            current_plan = plan
+            request = self._request(plan, await engine.window(), ids, budget, sampling)
             gen = await generate_preemptible(
                 request,
                 engine=engine,
                 controller=self.controller,
                 new_rid=self._new_rid,
-                before_chunk=lambda _i: self._pre_check(session, engine),
-                on_chunk=lambda outcome: self._on_chunk(session, ids, current_plan, engine, outcome),
+                before_chunk=lambda _i: _raise(session.check_engine(engine.version)),
+                on_chunk=lambda outcome: self._on_chunk(session, engine, outcome),
             )
-        except RolloutRejected as exc:
-            await self._reject(session, exc, soft=soft_reject)
-            if not soft_reject:
-                raise
-            return ChatOutcome(
-                content="", finish_reason="stop", prompt_tokens=0, completion_tokens=0,
-                rein={"session_id": ids.session_id, "rejected": exc.detail()}, soft_rejected=True,
-            )
+            return session.complete(gen)
         except Exception as exc:
-            if plan is not None and session.num_chunks > published_before:
-                # Records of this call are on Kafka but the call cannot finish: the
-                # trajectory cannot be completed, so the session is rejected.
-                session.close_segment(plan)
-                error = exc if isinstance(exc, ReinError) else ReinError(f"{type(exc).__name__}: {exc}")
-                await self._reject(session, error, soft=False)
-            raise
+            return await self._carry_out(session, session.fail(exc, soft=soft_reject))
         except BaseException:
-            # Cancelled (shutdown): no awaiting here; a call that published chunks
-            # cannot be completed, so the session takes no more calls.
-            if plan is not None and session.num_chunks > published_before:
-                session.close_segment(plan)
-                self.sessions.finalize(session, "rejected (cancelled)")
+            self._end(session, session.cancel())  # cancelled (shutdown): nothing to await here
             raise
         finally:
             self.sessions.release(session)
             self.metrics.sessions.set(len(self.sessions))
-        content = self.tokenizer.decode(gen.output_ids)
-        session.complete_turn(plan, tuple(self.tokenizer.render_message("assistant", content)))
-        return ChatOutcome(
-            content=content,
-            finish_reason=gen.finish_reason,
-            prompt_tokens=len(plan.prompt_ids),
-            completion_tokens=len(gen.output_ids),
-            rein=_rein_info(ids.session_id, plan, gen),
+
+    def _request(
+        self, plan: TurnPlan, window: int, ids: CallIds, budget: int, sampling: Sampling
+    ) -> GenerationRequest:
+        """The generation of this turn on an engine with context ``window``; 400 when the prompt fills it."""
+        if window - len(plan.prompt_ids) < 1:
+            raise ContextOverflow(
+                f"prompt of {len(plan.prompt_ids)} tokens leaves no room in the context window of {window}",
+                phase="prompt", context_window=window, input_tokens=len(plan.prompt_ids), max_tokens=budget,
+                session_id=ids.session_id, turn_id=ids.turn_id, segment_index=plan.segment_index,
+            )
+        return GenerationRequest(
+            session_id=ids.session_id, prompt_ids=plan.prompt_ids, context_ids=plan.context_ids,
+            budget=budget, window=window, sampling=sampling, partial_rollout=self.settings.partial_rollout,
+            max_chunks=self.settings.max_chunks_per_call,
         )
 
-    def _pre_check(self, session: Session, engine: EngineHandle) -> None:
-        """Before an engine call: reject if the engine's current version would break a rule."""
-        candidate = [engine.version] if engine.version is not None else []
-        self._check_versions(session, candidate)
-
-    def _check_versions(self, session: Session, candidates: Sequence[str | None]) -> None:
-        recorded = session.versions()
-        if self.settings.partial_rollout:
-            rejection = check_span(recorded, candidates, self.settings.max_preempts, session.session_id)
-            if rejection is not None:
-                raise PartialRolloutStalenessExceeded.from_detail(rejection.detail())
-            return
-        new = [v for v in distinct_real(candidates) if v not in recorded]
-        if recorded and new:
-            raise TrajectoryVersionChanged(
-                f"session {session.session_id} was generated with {recorded}; the engine now serves {new} "
-                "and partial rollout is off",
-                previous_versions=recorded, new_versions=new, session_id=session.session_id,
-            )
-
-    async def _on_chunk(
-        self, session: Session, ids: CallIds, plan: TurnPlan, engine: EngineHandle, outcome: ChunkOutcome
-    ) -> None:
-        out = outcome.output
-        self.metrics.tokens.inc(len(out.output_ids))
-        if out.finish_reason == "abort":
+    async def _on_chunk(self, session: Session, engine: EngineHandle, outcome: ChunkOutcome) -> None:
+        """A chunk came back: publish what the session says, then tell it the chunk is on record."""
+        self.metrics.tokens.inc(len(outcome.output.output_ids))
+        if outcome.output.finish_reason == "abort":
             self.metrics.preempts.inc()
-        # The post-check compares against what the session held *before* this chunk.
-        candidates = [out.version, *out.token_versions]
-        seq = session.num_chunks
-        if session.trainable:
-            record = Chunk(
-                session_id=ids.session_id, group_id=ids.group_id, prompt_id=ids.prompt_id, attempt=ids.attempt,
-                turn_id=ids.turn_id, seq=seq, segment_index=plan.segment_index, chunk_index=outcome.chunk_index,
-                context_ids=list(outcome.context_ids), output_ids=list(out.output_ids), logprobs=list(out.logprobs),
-                version=out.version, token_versions=encode_runs(out.token_versions), finish_reason=out.finish_reason,
-                rid=out.rid, engine=engine.url,
-            )
-            try:
-                await self.publisher.send(self.settings.topics.chunks, record)
-            except KafkaUnavailable:
-                self.metrics.publish_failures.labels(record="chunk").inc()
-                session.close_segment(plan)
-                raise
-            self.metrics.chunks.inc()
-        check_error: RolloutRejected | None = None
-        try:
-            self._check_versions(session, candidates)
-        except RolloutRejected as exc:
-            check_error = exc
-        session.record_chunk(plan, outcome.context_ids, out.output_ids, out.token_versions)
-        if check_error is not None:
-            raise check_error
+        await self._publish(session.chunk(outcome, engine.url))
+        _raise(session.chunk_acked())
 
-    async def _reject(self, session: Session, error: ReinError, *, soft: bool) -> None:
-        """Finalize the session as rejected and publish SessionRejected (best effort for Kafka failures)."""
-        self._finalize_rejected(session, error, soft=soft)
+    async def _carry_out(self, session: Session, step: Step) -> ChatOutcome:
+        """A failed call's step: end the session (whatever Kafka says), publish, answer."""
+        self._end(session, step)
         try:
-            await self._publish_rejection(session, error)
+            await self._publish(step.publish)
         except KafkaUnavailable as exc:
-            if isinstance(error, RolloutRejected):
+            if step.required:
                 raise  # the agent must not get a soft 200 when the rejection is not on record
             _log.error("session_rejected_not_published", session_id=session.session_id, error=str(exc))
+        if step.answer is not None:
+            return step.answer
+        assert step.error is not None
+        raise step.error
 
-    def _finalize_rejected(self, session: Session, error: ReinError, *, soft: bool) -> None:
-        self.sessions.finalize(session, f"rejected ({error.code})")
-        self.metrics.rejections.labels(error=error.code, soft=str(soft).lower()).inc()
-        _log.warning("session_rejected", session_id=session.session_id, group_id=session.group_id,
-                     error=error.code, soft=soft, num_chunks=session.num_chunks)
-
-    async def _publish_rejection(self, session: Session, error: ReinError) -> None:
-        """SessionRejected on Kafka for a training session; KafkaUnavailable is counted and raised."""
-        if not session.trainable:
+    def _end(self, session: Session, step: Step) -> None:
+        """Drop an ended session (its id is remembered) and count a rejection."""
+        if step.ended is None:
             return
-        record = SessionRejected(
-            session_id=session.session_id, group_id=session.group_id, error=error.code,
-            detail=_jsonable(error.detail()), num_chunks=session.num_chunks,
-        )
-        try:
-            await self.publisher.send(self.settings.topics.events, record)
-        except KafkaUnavailable:
-            self.metrics.publish_failures.labels(record="session_rejected").inc()
-            raise
+        self.sessions.finalize(session, step.ended)
+        if step.rejection is not None:
+            error = step.rejection
+            self.metrics.rejections.labels(error=error.code, soft=str(step.soft).lower()).inc()
+            _log.warning("session_rejected", session_id=session.session_id, group_id=session.group_id,
+                         error=error.code, soft=step.soft, num_chunks=session.num_chunks)
+
+    async def _publish(self, records: Sequence[Record]) -> None:
+        """Write each record and wait for its ack; ``kafka_unavailable`` is counted and raised."""
+        for record in records:
+            try:
+                await self.publisher.send(getattr(self.settings.topics, record.topic_attr), record)
+            except KafkaUnavailable:
+                self.metrics.publish_failures.labels(record=record.type).inc()
+                raise
+            if isinstance(record, Chunk):
+                self.metrics.chunks.inc()
 
     # ------------------------------------------------------------------ finish
 
     async def finish(self, session_id: str, reward: float, status: str, error: str = "") -> dict[str, Any]:
+        """Publish SessionFinished, then end the session; a Kafka failure leaves it open (finish again)."""
         session = self.sessions.get(session_id)
         if session.busy:
             raise SessionBusy(f"session {session_id} has a call in flight; finish it after", session_id=session_id)
-        published = False
-        if session.trainable:
-            record = SessionFinished(
-                session_id=session_id, group_id=session.group_id, reward=reward, status=status,  # type: ignore[arg-type]
-                num_chunks=session.num_chunks, error=error if status == "failed" else "",
-            )
-            try:
-                await self.publisher.send(self.settings.topics.events, record)
-            except KafkaUnavailable:
-                self.metrics.publish_failures.labels(record="session_finished").inc()
-                raise  # the session stays open: the agent may call finish again
-            published = True
-        self.sessions.finalize(session, "finished")
+        step = session.finish(reward, status, error)
+        await self._publish(step.publish)
+        self._end(session, session.end_acked())
         self.metrics.sessions.set(len(self.sessions))
         return {"session_id": session_id, "status": status, "reward": reward,
-                "num_chunks": session.num_chunks, "published": published}
+                "num_chunks": session.num_chunks, "published": bool(step.publish)}
 
     # ------------------------------------------------------------------ idle sessions
 
@@ -304,19 +216,15 @@ class ProxyService:
             return 0
         expired = 0
         for session in self.sessions.idle(timeout):
-            error = SessionIdle(
-                f"session {session.session_id} had no call for {timeout:g}s", session_id=session.session_id,
-                idle_timeout_s=timeout,
-            )
             session.busy = True  # a late call or finish gets 409 while the rejection is being published
             try:
-                await self._publish_rejection(session, error)
+                await self._publish(session.expire(timeout).publish)
             except KafkaUnavailable as exc:
                 _log.warning("idle_session_not_expired", session_id=session.session_id, error=str(exc))
                 break  # Kafka is down: the rest wait for the next sweep instead of a send timeout each
             finally:
                 session.busy = False
-            self._finalize_rejected(session, error, soft=False)
+            self._end(session, session.end_acked())
             expired += 1
         if expired:
             self.metrics.sessions.set(len(self.sessions))
@@ -412,27 +320,7 @@ class ProxyService:
         }
 
 
-def _rein_info(session_id: str, plan: TurnPlan, gen: Generation) -> dict[str, Any]:
-    return {
-        "session_id": session_id,
-        "segment_index": plan.segment_index,
-        "new_segment": plan.new_segment,
-        "output_ids": gen.output_ids,
-        "versions": gen.versions,
-        "chunks": [
-            {"rid": c.output.rid, "version": c.output.version, "finish_reason": c.output.finish_reason,
-             "num_tokens": len(c.output.output_ids)}
-            for c in gen.chunks
-        ],
-    }
-
-
-def _jsonable(value: Any) -> Any:
-    """Detail fields made msgpack/JSON safe (tuples to lists, unknown objects to strings)."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    return str(value)
+def _raise(error: BaseException | None) -> None:
+    """Raise what a session event answered, if anything: it stops the generation."""
+    if error is not None:
+        raise error

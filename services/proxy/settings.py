@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from shared.settings import ServiceSettings
+from shared.settings import ModelServiceSettings
 
 
-class ProxySettings(ServiceSettings):
+class ProxySettings(ModelServiceSettings):
     """Settings of ``python -m services.proxy``."""
 
     host: str = "127.0.0.1"
@@ -37,8 +37,10 @@ class ProxySettings(ServiceSettings):
     """Answer the three staleness rejections with a 200 empty assistant message (the
     session is still rejected). Per request: header ``X-Rein-Soft-Reject: 1``."""
     context_window: int | None = Field(default=None, ge=2)
-    """Tokens of prompt + output a generation may reach. None: each engine's own window
-    (``context`` in its ``/model_info``), read on first use."""
+    """Tokens of prompt + output a generation may reach. None: each engine's own window, read
+    once from its ``GET /get_server_info`` (the smaller of ``context_length`` and
+    ``max_req_input_len``; SGLang reports ``context_length`` only when launched with
+    ``--context-length``)."""
     default_max_tokens: int = Field(default=64, ge=1)
     """Output budget of a call that sets neither ``max_tokens`` nor ``max_completion_tokens``."""
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)

@@ -1,26 +1,17 @@
-"""The runner's Prometheus series and its ``/metrics`` + ``/health`` server.
+"""The runner's Prometheus series.
 
-The server runs on the runner's event loop (uvicorn, with signal handling left to the
-runner). ``/health`` is 503 until the runner is dispatching and after it failed.
+They are served with ``/health`` by :class:`shared.status_server.StatusServer`, the one
+metrics + health server of the services without an HTTP API of their own.
 """
 
 from __future__ import annotations
 
-import contextlib
-import socket
 from collections import deque
-from collections.abc import Callable, Iterator
-from typing import Any
 
-import uvicorn
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
 from services.rollout.agent import EpisodeResult
 from shared import metrics
-
-HealthFn = Callable[[], tuple[bool, dict[str, Any]]]
 
 
 class RolloutMetrics:
@@ -86,44 +77,3 @@ class RolloutMetrics:
     @property
     def recent_reward_mean(self) -> float | None:
         return sum(self._recent) / len(self._recent) if self._recent else None
-
-
-def create_app(registry: CollectorRegistry, health: HealthFn) -> FastAPI:
-    app = FastAPI(title="rein rollout runner", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.get("/metrics")
-    def get_metrics() -> Response:
-        body, ctype = metrics.render(registry)
-        return Response(content=body, media_type=ctype)
-
-    @app.get("/health")
-    def get_health() -> JSONResponse:
-        ok, detail = health()
-        return JSONResponse(detail, status_code=200 if ok else 503)
-
-    return app
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # The runner owns SIGTERM/SIGINT (graceful drain); uvicorn must not take them.
-        yield
-
-
-class StatusServer:
-    """uvicorn on an already-bound socket, so ``port`` is known even when 0 was asked for."""
-
-    def __init__(self, host: str, port: int, app: FastAPI) -> None:
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
-        self.port: int = self._socket.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
-        self._server = _Server(config)
-
-    async def serve(self) -> None:
-        await self._server.serve(sockets=[self._socket])
-
-    def stop(self) -> None:
-        self._server.should_exit = True

@@ -33,7 +33,7 @@ from kafka.errors import KafkaError
 from prometheus_client import CollectorRegistry
 
 from services.rollout.agent import Agent, EpisodeResult, SessionIds
-from services.rollout.observe import RolloutMetrics, StatusServer, create_app
+from services.rollout.observe import RolloutMetrics
 from services.rollout.scheduler import (
     AVAILABILITY_ERRORS,
     BackendGate,
@@ -44,7 +44,8 @@ from services.rollout.scheduler import (
     retry_work,
 )
 from services.rollout.settings import RolloutSettings
-from services.rollout.task import TASKS, Task
+from services.rollout.task import Task
+from services.rollout.tasks import TASKS
 from shared import log
 from shared.bus import BusUnavailable, Consumer, Polled, Producer, ensure_topology
 from shared.names import RedisKeys
@@ -52,6 +53,7 @@ from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.schemas import DecodeError, GroupDispatched, RetryRequest, SessionRejected, WeightApplied, new_id
 from shared.settings import KafkaSettings
 from shared.state import connect
+from shared.status_server import StatusServer
 
 _log = log.get(__name__)
 
@@ -222,9 +224,8 @@ class Runner:
     async def run(self) -> None:
         """Run until stopped or ``max_groups`` is done; raises on a fatal error."""
         s = self.settings
-        server = StatusServer(s.metrics_host, s.metrics_port, create_app(self.metrics.registry, self.health))
+        server = StatusServer(s.metrics_host, s.metrics_port, self.metrics.registry, self.health).start()
         self.status_port = server.port
-        server_task = asyncio.create_task(server.serve())
         self.log.info("status_server_started", port=server.port)
         timeout = httpx.Timeout(s.request_timeout_s, connect=min(5.0, s.request_timeout_s))
         producer: Producer | None = None
@@ -252,8 +253,7 @@ class Runner:
                 await asyncio.to_thread(producer.close)
             if self._redis is not None:
                 self._redis.close()
-            server.stop()
-            await server_task
+            await asyncio.to_thread(server.stop)
         if self._fatal is not None:
             raise self._fatal
 

@@ -18,8 +18,9 @@ class RolloutSettings(ServiceSettings):
     """Bearer key the openai client sends; the proxy does not check it, the client requires one."""
     model: str = "rein-tiny"
     """Model name put in each chat request (the proxy accepts any)."""
-    task: Literal["guess_number"] = "guess_number"
-    """Built-in task to play (``services.rollout.task.TASKS``)."""
+    task: Literal["guess_number", "arithmetic"] = "guess_number"
+    """Built-in task to play (``services.rollout.tasks.TASKS``): ``guess_number`` for the tiny policy,
+    ``arithmetic`` for an instruct model (``REIN_MODEL`` = a Hugging Face model; docs/task.md)."""
     seed: int = 0
     """Seed of the prompt stream: the same seed gives the same prompts (and prompt ids) in the same order."""
     group_size: int = Field(default=8, ge=1)

@@ -196,10 +196,6 @@ class NumberGuessTask:
         return GuessEpisode(low=self.low, high=self.high, max_turns=self.max_turns)
 
 
-TASKS: dict[str, Callable[[], Task]] = {"guess_number": NumberGuessTask}
-"""Task name (``REIN_TASK``) -> factory."""
-
-
 # --------------------------------------------------------------------------- baselines (docs and tests)
 
 

@@ -3,12 +3,14 @@
 Consumes ``train.batches`` (manifests, consumer group ``consumer_group``, manual
 commit) and ``rollout.groups`` (by reference); produces checkpoints in
 ``weights_dir``, ``WeightPublished`` events on ``weights`` (key = version) and
-``run_dir/metrics.jsonl``. Owns the policy and its optimizer.
+``run_dir/metrics.jsonl``. Owns the policy and its optimizer; the model family
+(``REIN_MODEL``: tiny or a Hugging Face model) builds, saves and loads it.
 
 Lifecycle:
 
 - start: resume from the newest durable checkpoint (see ``store``), or write
-  ``v0.pt`` from ``init_policy(config, seed)``; re-publish that checkpoint's event
+  ``v0`` from the family's initial weights (tiny: from ``seed``; HF: the
+  pretrained ones); re-publish that checkpoint's event
   (idempotent by key: covers a crash between sidecar and publish); restore any
   metrics line a crash lost.
 - each manifest, in index order from ``last_index + 1`` (duplicates and indices
@@ -37,11 +39,12 @@ from services.trainer.ordering import ManifestOrder
 from services.trainer.samples import build_samples
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import Hyper, PolicyTrainer
-from services.trainer.store import MetricsLog, Sidecar, latest, reconcile_metrics, save_step
+from services.trainer.store import MetricsLog, Sidecar, latest, prune, reconcile_metrics, save_step
 from shared import log
 from shared.bus import BusUnavailable, Consumer, Producer
+from shared.model import ModelFamily, context_window_of, load_family, set_gradient_checkpointing
 from shared.outage import Outage
-from shared.policy import PolicyConfig, init_policy, resolve_device
+from shared.policy import PolicyConfig, resolve_device
 from shared.schemas import BatchManifest, DecodeError, WeightPublished
 from shared.status_server import StatusServer
 from shared.tokenizer import TOKENIZER
@@ -75,6 +78,9 @@ class TrainerLoop:
         self.stop = stop or threading.Event()
         self.metrics = TrainerMetrics(CollectorRegistry(auto_describe=True))
         self.device = resolve_device(settings.device)
+        self.family: ModelFamily = load_family(settings.model, tiny_config=PolicyConfig(
+            vocab_size=TOKENIZER.vocab_size, context=settings.model_context, width=settings.model_width,
+            layers=settings.model_layers, heads=settings.model_heads))
         self.metrics_log = MetricsLog(settings.run_dir / "metrics.jsonl")
         self._held: dict[int, list[tuple[str, int, int]]] = {}
         """Manifest index -> positions of every record carrying it (duplicates too), done once it is durable."""
@@ -85,26 +91,37 @@ class TrainerLoop:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _restore(self) -> tuple[PolicyTrainer, PolicyConfig, Sidecar]:
+    def _autocast(self) -> torch.dtype | None:
+        precision = self.settings.precision
+        if precision == "auto":
+            precision = "bf16" if self.family.kind == "hf" and self.device.type == "cuda" else "fp32"
+        return torch.bfloat16 if precision == "bf16" else None
+
+    def _new_trainer(self, model: torch.nn.Module) -> PolicyTrainer:
         s = self.settings
-        resumed = latest(s.weights_dir, self.device)
-        hyper = hyper_from(s)
+        if s.gradient_checkpointing and not set_gradient_checkpointing(model, True):
+            _log.warning("gradient_checkpointing_unsupported", model=self.family.name)
+        return PolicyTrainer(model, hyper_from(s), self.device, autocast=self._autocast())
+
+    def _restore(self) -> tuple[PolicyTrainer, Sidecar]:
+        s = self.settings
+        fp32 = torch.float32  # master weights; the forward may autocast
+        resumed = latest(s.weights_dir, self.family, self.device, dtype=fp32)
         if resumed is not None:
-            trainer = PolicyTrainer(resumed.checkpoint.model, hyper, self.device)
+            trainer = self._new_trainer(resumed.checkpoint.model)
             if resumed.optimizer_state is not None:
                 trainer.load_optimizer_state(resumed.optimizer_state)
             restored = reconcile_metrics(self.metrics_log, resumed.sidecar)
             _log.info("trainer_resumed", step=resumed.sidecar.step, last_index=resumed.sidecar.last_index,
-                      digest=resumed.sidecar.digest, metrics_lines_restored=restored)
-            return trainer, resumed.checkpoint.config, resumed.sidecar
-        config = PolicyConfig(vocab_size=TOKENIZER.vocab_size, context=s.model_context, width=s.model_width,
-                              layers=s.model_layers, heads=s.model_heads)
-        model = init_policy(config, s.seed)
-        trainer = PolicyTrainer(model, hyper, self.device)
-        sidecar = save_step(s.weights_dir, trainer.model, config, 0, s.first_index - 1, trainer.optimizer_state())
-        _log.info("trainer_initialised", step=0, path=sidecar.path, digest=sidecar.digest,
-                  params=model.num_parameters())
-        return trainer, config, sidecar
+                      digest=resumed.sidecar.digest, metrics_lines_restored=restored, model=self.family.name)
+            return trainer, resumed.sidecar
+        model = self.family.new_model(s.seed, self.device, dtype=fp32)
+        trainer = self._new_trainer(model)
+        sidecar = save_step(s.weights_dir, self.family, trainer.model, 0, s.first_index - 1,
+                            trainer.optimizer_state())
+        _log.info("trainer_initialised", step=0, path=sidecar.path, digest=sidecar.digest, model=self.family.name,
+                  params=sum(p.numel() for p in model.parameters()))
+        return trainer, sidecar
 
     def _health(self) -> tuple[bool, dict[str, object]]:
         stalled = time.monotonic() - self._last_poll > max(60.0, 10 * self.settings.poll_timeout_s)
@@ -113,8 +130,9 @@ class TrainerLoop:
     def run(self) -> RunResult:
         s = self.settings
         torch.set_num_threads(s.torch_threads)
-        trainer, config, sidecar = self._restore()
-        self.trainer, self.config, self.sidecar = trainer, config, sidecar
+        trainer, sidecar = self._restore()
+        self.trainer, self.sidecar = trainer, sidecar
+        self.max_tokens = context_window_of(self.family, trainer.model)
         self.step = sidecar.step
         result = RunResult(start_step=sidecar.step, step=sidecar.step)
         producer = Producer(s.kafka, client_suffix="trainer")
@@ -191,7 +209,7 @@ class TrainerLoop:
         if fetched.bad:
             self.metrics.bad_refs.inc(len(fetched.bad))
         batch = build_samples(fetched.groups, mask_nonlast_version=s.mask_nonlast_version,
-                              max_tokens=self.config.context)
+                              max_tokens=self.max_tokens)
         stats = self.trainer.step(batch)
         self.step += 1
         line = step_line(step=self.step, manifest=manifest, batch=batch, stats=stats, bad_refs=len(fetched.bad),
@@ -217,7 +235,8 @@ class TrainerLoop:
 
     def _make_durable(self, producer: Producer, consumer: Consumer) -> WeightPublished:
         last_index = self._last_trained
-        self.sidecar = save_step(self.settings.weights_dir, self.trainer.model, self.config, self.step, last_index,
+        s = self.settings
+        self.sidecar = save_step(s.weights_dir, self.family, self.trainer.model, self.step, last_index,
                                  self.trainer.optimizer_state(), self._pending_lines)
         self.metrics_log.append(self._pending_lines)
         event = self._publish(producer, self.sidecar)
@@ -226,6 +245,8 @@ class TrainerLoop:
                 consumer.done(topic, partition, offset)
         self._pending_lines = []
         consumer.commit()
+        if dropped := prune(s.weights_dir, self.family, s.keep_checkpoints):
+            _log.info("checkpoints_pruned", steps=dropped)
         return event
 
     def _publish(self, producer: Producer, sidecar: Sidecar) -> WeightPublished:

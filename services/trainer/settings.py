@@ -7,10 +7,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shared.settings import ServiceSettings
+from shared.settings import ModelServiceSettings
 
 
-class TrainerSettings(ServiceSettings):
+class TrainerSettings(ModelServiceSettings):
     """Settings of ``python -m services.trainer``."""
 
     weights_dir: Path = Path("weights")
@@ -25,13 +25,22 @@ class TrainerSettings(ServiceSettings):
     """Seed of the step-0 weights written at first start (same seed, same ``v0`` digest)."""
 
     model_context: int = Field(default=64, ge=2)
-    """Context window of the step-0 policy (ignored once a checkpoint exists: its config rules)."""
+    """Context window of the step-0 tiny policy (ignored once a checkpoint exists: its config rules)."""
     model_width: int = Field(default=64, ge=1)
-    """Width of the step-0 policy."""
+    """Width of the step-0 tiny policy (HF models: their config rules)."""
     model_layers: int = Field(default=2, ge=1)
-    """Layers of the step-0 policy."""
+    """Layers of the step-0 tiny policy."""
     model_heads: int = Field(default=4, ge=1)
-    """Attention heads of the step-0 policy."""
+    """Attention heads of the step-0 tiny policy."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Forward-pass precision. Weights, AdamW state and checkpoints stay fp32 in every case; ``bf16`` runs
+    the forward under bf16 autocast. ``auto``: bf16 for HF models on CUDA, fp32 otherwise (the tiny policy)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (HF models): less memory for ~30 % more compute.
+    The tiny policy ignores it."""
+    keep_checkpoints: int = Field(default=0, ge=0)
+    """Keep only the newest N durable steps in ``weights_dir`` (an HF checkpoint is ~0.5 GB, its AdamW
+    state twice that); 0 keeps all. Use 2 or more, so an engine loading the previous version finds it."""
 
     lr: float = Field(default=1e-3, gt=0)
     """AdamW learning rate; 1e-3 learned the toy tasks best (3e-4 too slow, 3e-3 unstable)."""

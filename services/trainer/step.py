@@ -4,19 +4,25 @@
 a :class:`~services.trainer.samples.BatchSamples` per manifest and gets back the
 step's statistics. Samples are right-padded; the causal model makes padding
 invisible to earlier positions, and the loss mask keeps it out of the loss.
+
+The model is whatever the model family built (tiny or HF); its weights and optimizer
+state stay fp32, and with ``autocast`` set (bf16 on a GPU) only the forward runs in
+lower precision.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from services.trainer.loss import grpo_advantages, ppo_clip_loss
 from services.trainer.samples import BatchSamples, Sample
-from shared.policy import TinyPolicy, token_logprobs
+from shared.model import token_logprobs
 
 
 @dataclass(frozen=True)
@@ -71,10 +77,14 @@ def collate(samples: list[Sample], advantages: torch.Tensor, device: torch.devic
 class PolicyTrainer:
     """The model, its optimizer and the update rule."""
 
-    def __init__(self, model: TinyPolicy, hyper: Hyper, device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, hyper: Hyper, device: torch.device, autocast: torch.dtype | None = None
+    ) -> None:
         self.model = model.to(device)
         self.hyper = hyper
         self.device = device
+        self.autocast = autocast
+        """Dtype of the forward pass under ``torch.autocast`` (bf16 on a GPU); None: the weights' dtype."""
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=hyper.lr, betas=hyper.betas, weight_decay=hyper.weight_decay
         )
@@ -106,7 +116,8 @@ class PolicyTrainer:
         loss_sum = diff_sum = clip_sum = trunc_sum = ratio_sum = 0.0
         for chunk in self._micro_batches(batch.samples):
             t = collate(chunk, advantages, self.device)
-            logprobs = token_logprobs(self.model, t["ids"], temperature=h.temperature)
+            with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext():
+                logprobs = token_logprobs(self.model, t["ids"], temperature=h.temperature)
             loss, stats = ppo_clip_loss(
                 logprobs, t["rollout"], t["adv"], t["mask"],
                 clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total),

@@ -2,7 +2,8 @@
 
 Per durable step ``s`` the weights dir holds, written in this order:
 
-1. ``v<s>.pt`` — the policy (``shared.checkpoint.save``: temp file + rename, digest inside);
+1. ``v<s>.pt`` (tiny) or ``v<s>/`` (an HF directory with ``rein.json``) — the policy, written by the
+   model family's ``save`` (temp file or directory + rename, digest inside);
 2. ``v<s>.optim.pt`` — AdamW state (temp file + rename), so a resumed run continues the same optimisation;
 3. ``v<s>.json`` — the sidecar: version, step, digest, ``last_index`` (the last manifest index
    folded into these weights) and the metrics lines of the steps it made durable.
@@ -11,7 +12,9 @@ The sidecar is the commit point: a step counts as trained only once its sidecar
 exists, and :func:`latest` resumes from the newest sidecar whose checkpoint loads
 and matches its digest. ``metrics.jsonl`` is appended only after the sidecar, and
 :func:`reconcile_metrics` restores lines a crash lost in between, so the file has
-exactly one line per durable step.
+exactly one line per durable step. With ``keep`` set, :func:`prune` deletes all but the
+newest ``keep`` durable steps (an HF checkpoint is hundreds of MB), sidecar first, so a
+half-pruned step is never taken for a durable one.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -26,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from shared import checkpoint, log
-from shared.checkpoint import Checkpoint, CheckpointError
-from shared.policy import PolicyConfig, TinyPolicy
+from shared import log
+from shared.model import CheckpointError, Loaded, ModelFamily
 
 _log = log.get(__name__)
 _SIDECAR = re.compile(r"^v(\d+)\.json$")
@@ -39,8 +43,9 @@ def version_label(step: int) -> str:
     return f"v{step}"
 
 
-def checkpoint_path(weights_dir: Path, step: int) -> Path:
-    return weights_dir / f"v{step}.pt"
+def checkpoint_path(weights_dir: Path, step: int, suffix: str = ".pt") -> Path:
+    """``v<step><suffix>``: the family's ``checkpoint_suffix`` (``.pt`` tiny, none for an HF directory)."""
+    return weights_dir / f"v{step}{suffix}"
 
 
 def optimizer_path(weights_dir: Path, step: int) -> Path:
@@ -66,7 +71,7 @@ class Sidecar:
 @dataclass(frozen=True)
 class Resumed:
     sidecar: Sidecar
-    checkpoint: Checkpoint
+    checkpoint: Loaded
     optimizer_state: dict[str, Any] | None
 
 
@@ -95,17 +100,17 @@ def _atomic_write(target: Path, write: Any) -> None:
 
 def save_step(
     weights_dir: Path,
-    model: TinyPolicy,
-    config: PolicyConfig,
+    family: ModelFamily,
+    model: nn.Module,
     step: int,
     last_index: int,
     optimizer_state: dict[str, Any] | None,
     metrics: Iterable[dict[str, Any]] = (),
 ) -> Sidecar:
     """Write checkpoint, optimizer state and sidecar (in that order); returns the sidecar."""
-    path = checkpoint_path(weights_dir, step).resolve()
+    path = checkpoint_path(weights_dir, step, family.checkpoint_suffix).resolve()
     version = version_label(step)
-    digest = checkpoint.save(path, model, config, version, step)
+    digest = family.save(model, path, version=version, step=step)
     _fsync_dir(path.parent)
     if optimizer_state is not None:
         _atomic_write(optimizer_path(weights_dir, step), lambda fh: torch.save(optimizer_state, fh))
@@ -122,17 +127,21 @@ def _read_sidecar(path: Path) -> Sidecar:
     return Sidecar(**data)
 
 
-def latest(weights_dir: Path, device: torch.device) -> Resumed | None:
+def _durable_steps(weights_dir: Path) -> list[int]:
+    """Steps with a sidecar, newest first."""
+    return sorted((int(m.group(1)) for p in weights_dir.iterdir() if (m := _SIDECAR.match(p.name))), reverse=True)
+
+
+def latest(
+    weights_dir: Path, family: ModelFamily, device: torch.device, *, dtype: torch.dtype | None = None
+) -> Resumed | None:
     """The newest durable step (sidecar + matching checkpoint), or None on a fresh weights dir."""
     if not weights_dir.is_dir():
         return None
-    steps = sorted(
-        (int(m.group(1)) for p in weights_dir.iterdir() if (m := _SIDECAR.match(p.name))), reverse=True
-    )
-    for step in steps:
+    for step in _durable_steps(weights_dir):
         try:
             sidecar = _read_sidecar(sidecar_path(weights_dir, step))
-            ckpt = checkpoint.load(checkpoint_path(weights_dir, step), device)
+            ckpt = family.load(checkpoint_path(weights_dir, step, family.checkpoint_suffix), device, dtype=dtype)
         except (OSError, ValueError, TypeError, CheckpointError) as exc:
             _log.error("checkpoint_unusable", step=step, error=str(exc))
             continue
@@ -143,6 +152,26 @@ def latest(weights_dir: Path, device: torch.device) -> Resumed | None:
         opt_state = torch.load(opt_file, map_location="cpu", weights_only=True) if opt_file.exists() else None
         return Resumed(sidecar=sidecar, checkpoint=ckpt, optimizer_state=opt_state)
     return None
+
+
+def prune(weights_dir: Path, family: ModelFamily, keep: int) -> list[int]:
+    """Delete every durable step but the newest ``keep`` (sidecar, then checkpoint and optimizer state).
+
+    Returns the steps deleted. An engine still loading a deleted version fails that load and keeps
+    its weights; with ``keep`` >= 2 the version just before the newest stays loadable.
+    """
+    if keep <= 0 or not weights_dir.is_dir():
+        return []
+    dropped = _durable_steps(weights_dir)[keep:]
+    for step in dropped:
+        sidecar_path(weights_dir, step).unlink(missing_ok=True)
+        target = checkpoint_path(weights_dir, step, family.checkpoint_suffix)
+        if target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
+        optimizer_path(weights_dir, step).unlink(missing_ok=True)
+    return dropped
 
 
 class MetricsLog:

@@ -1,7 +1,10 @@
 """HTTP calls to proxies and engines, answered as plain results (never raised into the loop).
 
-Every transport error or non-2xx answer becomes a result with ``ok=False`` and the
-reason, so the caller's decision logic sees one shape (:mod:`decide`).
+Every transport error, non-2xx answer or answer missing a field the broadcaster needs
+becomes a result with ``ok=False`` and the reason, so the caller's decision logic sees one
+shape (:mod:`decide`). Engines are spoken to in SGLang's native API: ``POST
+/update_weights_from_disk`` (answer ``{success, message, num_paused_requests}``) and ``GET
+/get_model_info`` (``weight_version``; rein's engine adds ``digest``). Extra fields are ignored.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ class ControlClient:
                                timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT)
         if resp.status_code // 100 != 2:
             raise _HTTPError(_error(resp))
-        data: dict[str, Any] = resp.json()
+        data: Any = resp.json()
+        if not isinstance(data, dict):
+            raise _HTTPError(f"HTTP {resp.status_code}: a JSON object was expected, got {resp.text[:300]}")
         return data
 
     def pause(self, proxy: str, reason: str, timeout_s: float, pause_id: str, lease_s: float) -> PauseAnswer:
@@ -74,26 +79,35 @@ class ControlClient:
         return ""
 
     def update(self, engine: str, model_path: str, version: str, timeout_s: float, abort_all: bool) -> EngineAnswer:
+        """Load ``model_path`` labelled ``version``; ok means the engine said ``success``. What it
+        serves afterwards is read by :meth:`model_info` (SGLang's answer does not say)."""
         body = {"model_path": model_path, "weight_version": version, "abort_all_requests": abort_all}
         try:
             data = self._post(f"{engine}/update_weights_from_disk", body, timeout_s, admin=False)
         except (httpx.HTTPError, _HTTPError, ValueError) as exc:
             return EngineAnswer(engine=engine, ok=False, error=str(exc) or type(exc).__name__)
-        if not data.get("success", False):
-            return EngineAnswer(engine=engine, ok=False, error=str(data.get("message", "success=false")))
-        return EngineAnswer(engine=engine, ok=True, weight_version=data.get("weight_version"),
-                            digest=data.get("digest"))
+        if "success" not in data:
+            return EngineAnswer(engine=engine, ok=False,
+                                error=f"/update_weights_from_disk answered without success: {str(data)[:300]}")
+        if data["success"] is not True:
+            return EngineAnswer(engine=engine, ok=False, error=str(data.get("message") or "success=false"))
+        return EngineAnswer(engine=engine, ok=True)
 
     def model_info(self, engine: str) -> EngineAnswer:
+        """What ``engine`` serves: ``weight_version`` (required) and rein's ``digest`` (None if absent)."""
         try:
-            resp = self._http.get(f"{engine}/model_info")
+            resp = self._http.get(f"{engine}/get_model_info")
             if resp.status_code // 100 != 2:
                 raise _HTTPError(_error(resp))
             data = resp.json()
         except (httpx.HTTPError, _HTTPError, ValueError) as exc:
             return EngineAnswer(engine=engine, ok=False, error=str(exc) or type(exc).__name__)
-        return EngineAnswer(engine=engine, ok=True, weight_version=data.get("weight_version"),
-                            digest=data.get("digest"))
+        if not isinstance(data, dict) or "weight_version" not in data:
+            return EngineAnswer(engine=engine, ok=False,
+                                error=f"/get_model_info answered without weight_version: {str(data)[:300]}")
+        version, digest = data["weight_version"], data.get("digest")
+        return EngineAnswer(engine=engine, ok=True, weight_version=None if version is None else str(version),
+                            digest=None if digest is None else str(digest))
 
     def close(self) -> None:
         self._http.close()

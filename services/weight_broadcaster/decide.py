@@ -7,7 +7,8 @@
 - :func:`after_pause`: given every proxy's pause answer, update, or resume and retry
   later, or give up this version (DESIGN: never update while a proxy did not quiesce).
 - :func:`backoff_s`: bounded exponential backoff between attempts.
-- :func:`digest_mismatches`: engines whose reported digest differs from the event's.
+- :func:`not_served`: why an engine's ``/get_model_info`` shows it is not serving an event's
+  version (its ``weight_version``, and rein's ``digest`` where the engine reports one).
 """
 
 from __future__ import annotations
@@ -51,14 +52,25 @@ def classify(
     event: WeightPublished, applied_seq: int | None, engines: Sequence[tuple[str | None, str | None]]
 ) -> EventAction:
     """``applied_seq``: sequence of the newest version already applied (None: none yet);
-    ``engines``: ``(weight_version, digest)`` each engine reports now (None: unknown/unreachable).
-    Already applied means every engine serves this label with this digest (a step that did
-    not change the weights still gets its new label loaded)."""
+    ``engines``: ``(weight_version, digest)`` each engine reports now (None: unknown/unreachable;
+    the digest is also None where the engine reports none, as SGLang). Already applied means
+    every engine serves this label, with this digest where it reports one (a step that did not
+    change the weights still gets its new label loaded)."""
     if applied_seq is not None and event.seq < applied_seq:
         return EventAction.OLDER
-    if engines and all(v == event.version and d == event.digest for v, d in engines):
+    if engines and all(not not_served(event, v, d) for v, d in engines):
         return EventAction.ALREADY_APPLIED
     return EventAction.APPLY
+
+
+def not_served(event: WeightPublished, weight_version: str | None, digest: str | None) -> str:
+    """Empty when an engine reporting ``weight_version`` (and ``digest``, None when it reports
+    none) serves ``event``; else the reason. SGLang reports no digest: its label is the proof."""
+    if weight_version != event.version:
+        return f"engine serves weight_version {weight_version!r}, not {event.version!r}"
+    if digest is not None and digest != event.digest:
+        return f"engine reports digest {digest}, the event says {event.digest}"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -105,11 +117,6 @@ def backoff_s(attempt: int, base_s: float, max_s: float) -> float:
     if attempt < 1:
         raise ValueError(f"attempt must be >= 1, got {attempt}")
     return float(min(max_s, base_s * 2 ** (attempt - 1)))
-
-
-def digest_mismatches(expected: str, reported: dict[str, str | None]) -> list[str]:
-    """Engines (by URL) whose reported digest is not ``expected``, in input order."""
-    return [url for url, digest in reported.items() if digest != expected]
 
 
 def latest_applied(records: Sequence[object]) -> WeightPublished | None:

@@ -13,7 +13,8 @@ already serve it (a replay after a crash), else: pause every proxy (with a pause
 id and a lease) → if any did not quiesce, resume all, back off and retry (bounded,
 then give the version up) → renew the pause on every proxy (one that no longer
 holds it, its lease ran out, counts as unquiesced) → load it on every engine, renewing
-the lease meanwhile, and check each reported digest → resume every proxy (always, in
+the lease meanwhile, and check what each then serves (``/get_model_info``: the label, and
+the digest where the engine reports one) → resume every proxy (always, in
 ``finally``, naming the pause; with the version when it was applied) → publish
 ``WeightApplied``. Killed mid-update, the proxies resume by themselves when the lease
 runs out. Offsets are committed once the poll's events are handled, so
@@ -44,8 +45,8 @@ from services.weight_broadcaster.decide import (
     after_pause,
     backoff_s,
     classify,
-    digest_mismatches,
     latest_applied,
+    not_served,
     plan_events,
 )
 from services.weight_broadcaster.settings import BroadcasterSettings
@@ -81,9 +82,9 @@ class BroadcasterMetrics:
             "Renewals a proxy refused or missed (its pause had ended: no update followed, or it resumed mid-update)",
             ("proxy",),
         )
-        self.update_failures = metrics.counter(registry, "broadcaster/update_failures",
-                                               "Engine update calls that failed or reported a wrong digest",
-                                               ("engine",))
+        self.update_failures = metrics.counter(
+            registry, "broadcaster/update_failures",
+            "Engine update calls that failed or after which the engine did not serve the version", ("engine",))
         self.resume_failures = metrics.counter(registry, "broadcaster/resume_failures", "Resume calls that failed",
                                                ("proxy",))
         self.applied_seq = metrics.gauge(registry, "broadcaster/applied_seq", "Sequence of the newest applied version")
@@ -220,10 +221,8 @@ class Broadcaster:
             for attempt in range(1, self.s.max_update_attempts + 1):
                 answer = self.client.update(engine, event.path, event.version, self.s.update_timeout_s,
                                             self.s.abort_all_requests)
-                if answer.ok and digest_mismatches(event.digest, {engine: answer.digest}):
-                    answer = EngineAnswer(engine=engine, ok=False, weight_version=answer.weight_version,
-                                          digest=answer.digest,
-                                          error=f"engine reports digest {answer.digest}, event says {event.digest}")
+                if answer.ok:
+                    answer = self._verify(engine, event)
                 if answer.ok:
                     return answer
                 self.metrics.update_failures.labels(engine=engine).inc()
@@ -232,6 +231,16 @@ class Broadcaster:
             return answer
 
         return list(self._pool.map(one, self.s.engine_urls))
+
+    def _verify(self, engine: str, event: WeightPublished) -> EngineAnswer:
+        """After a successful update: the engine's ``/get_model_info`` must show the event's label
+        (and its digest, where the engine reports one), else the update failed."""
+        info = self.client.model_info(engine)
+        error = not_served(event, info.weight_version, info.digest) if info.ok else info.error
+        if error:
+            return EngineAnswer(engine=engine, ok=False, weight_version=info.weight_version, digest=info.digest,
+                                error=f"after the update: {error}")
+        return info
 
     def _pause_one(self, proxy: str, reason: str, pause_id: str) -> PauseAnswer:
         return self.client.pause(proxy, reason, self.s.pause_timeout_s, pause_id, self.s.pause_lease_s)
@@ -278,7 +287,7 @@ class Broadcaster:
         infos = list(self._pool.map(self.client.model_info, self.s.engine_urls))
         behind = []
         for info in infos:
-            if not info.ok or (info.weight_version == latest.version and info.digest == latest.digest):
+            if not info.ok or not not_served(latest, info.weight_version, info.digest):
                 continue
             seq = self._engine_seq(info.weight_version)
             if seq is None or seq < latest.seq:

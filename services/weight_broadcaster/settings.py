@@ -46,7 +46,7 @@ class BroadcasterSettings(ServiceSettings):
     max_update_attempts: int = Field(default=3, ge=1)
     """Update calls per engine and version before the version is reported failed."""
     http_timeout_s: float = Field(default=10.0, gt=0)
-    """Bound on the other HTTP calls (resume, model_info)."""
+    """Bound on the other HTTP calls (resume, renew, the engines' ``/get_model_info``)."""
     abort_all_requests: bool = False
     """Pass ``abort_all_requests`` to the engines (the proxies already aborted their requests when pausing)."""
     consumer_group: str = "rein-weight-broadcaster"

@@ -16,13 +16,13 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from ops.local.stack import LocalStack, StackConfig, start
+from ops.report import rows_so_far
 from shared.bus import read_topic
 from shared.checkpoint import load as load_checkpoint
 from shared.names import Topics
-from shared.report import rows_so_far
 from shared.schemas import BatchManifest, Chunk, CompletedGroup, WeightApplied, WeightPublished
 from shared.settings import KafkaSettings
-from shared.stack import LocalStack, StackConfig, start
 from shared.versions import real_version
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
@@ -75,11 +75,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         final = f"v{STEPS}"
 
         def engine_on_final() -> bool:
-            info = httpx.get(f"{local.urls['engine']}/model_info", timeout=5).json()
+            info = httpx.get(f"{local.urls['engine']}/get_model_info", timeout=5).json()
             return bool(info.get("weight_version") == final)
 
         _wait(f"engine serving {final}", engine_on_final, 120, local)
-        engine_info = httpx.get(f"{local.urls['engine']}/model_info", timeout=5).json()
+        engine_info = httpx.get(f"{local.urls['engine']}/get_model_info", timeout=5).json()
         kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
         topics = Topics()
         data = {

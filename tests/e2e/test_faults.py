@@ -24,13 +24,13 @@ import httpx
 import pytest
 import redis
 
+from ops.local.launcher import Service
+from ops.local.stack import LocalStack, StackConfig, start
+from ops.report import rows_so_far
 from shared.bus import read_topic
-from shared.launcher import Service
 from shared.names import RedisKeys, Topics
-from shared.report import rows_so_far
 from shared.schemas import BatchManifest, DecisionRecord, GroupDispatched, SessionRejected, WeightPublished
 from shared.settings import KafkaSettings
-from shared.stack import LocalStack, StackConfig, start
 from tests.support.rebalance import ForeignMember
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]

@@ -46,10 +46,10 @@ from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from ops.local.ports import free_port
 from shared.bus import Consumer, Producer, create_topics
 from shared.names import Topics
 from shared.policy import PolicyConfig
-from shared.ports import free_port
 from shared.schemas import (
     SCHEMA_VERSION,
     BatchManifest,
@@ -417,7 +417,7 @@ def test_admin_endpoints_refuse_missing_and_wrong_tokens(stack: Stack, method: s
 
 
 def test_engine_refuses_weight_paths_outside_its_weights_dir(stack: Stack, tmp_path: Path) -> None:
-    before = httpx.get(f"{stack.engine}/model_info", timeout=10).json()
+    before = httpx.get(f"{stack.engine}/get_model_info", timeout=10).json()
     outside, _ = stack.checkpoint("v-outside", seed=7, where=tmp_path)  # a real, loadable checkpoint
     link = stack.weights_dir / f"link-{uuid.uuid4().hex[:6]}.pt"
     link.symlink_to(outside)
@@ -428,7 +428,7 @@ def test_engine_refuses_weight_paths_outside_its_weights_dir(stack: Stack, tmp_p
                        json={"model_path": bad, "weight_version": "v-evil"}, timeout=30)
         assert r.status_code in (400, 422), (bad, r.text)  # 422: the empty path fails the schema first
         assert r.status_code == 422 or r.json()["success"] is False, (bad, r.text)
-    after = httpx.get(f"{stack.engine}/model_info", timeout=10).json()
+    after = httpx.get(f"{stack.engine}/get_model_info", timeout=10).json()
     assert (after["weight_version"], after["digest"]) == (before["weight_version"], before["digest"])
     inside, digest = stack.checkpoint("v-inside", seed=8)
     r = httpx.post(f"{stack.engine}/update_weights_from_disk",
@@ -560,7 +560,7 @@ def test_broadcaster_skips_and_counts_poison_weight_records(
     )
     try:
         metrics_url = f"http://127.0.0.1:{port}/metrics"
-        wait_until(lambda: httpx.get(f"{stack.engine}/model_info", timeout=10).json()["digest"] == digest, 60,
+        wait_until(lambda: httpx.get(f"{stack.engine}/get_model_info", timeout=10).json()["digest"] == digest, 60,
                    "the valid version after the poison to reach the engine", proc)
         reader = Consumer(kafka, [weights_topic], f"{unique_group}-reader", client_suffix="fault-reader")
         try:

@@ -22,10 +22,10 @@ import pytest
 import uvicorn
 from kafka import KafkaConsumer, TopicPartition
 
+from ops.local.ports import free_port
 from services.proxy.app import create_app
 from services.proxy.settings import ProxySettings
 from shared.names import Topics
-from shared.ports import free_port
 from shared.schemas import Record, decode
 from shared.settings import KafkaSettings
 from tests.support.stack import Engine

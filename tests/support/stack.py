@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 
+from ops.local.ports import free_port
 from shared import checkpoint
 from shared.names import Topics
 from shared.policy import PolicyConfig, init_policy
-from shared.ports import free_port
 from shared.tokenizer import TOKENIZER
 from tests.support.procs import Proc, start_service
 
@@ -56,7 +56,7 @@ class Engine:
         assert r.status_code == 200, r.text
 
     def model_info(self) -> dict[str, Any]:
-        data: dict[str, Any] = httpx.get(f"{self.url}/model_info", timeout=10).json()
+        data: dict[str, Any] = httpx.get(f"{self.url}/get_model_info", timeout=10).json()
         return data
 
     def requests_total(self) -> float:

@@ -1,7 +1,7 @@
 """The weight broadcaster with a real engine and a real proxy (subprocesses), Kafka and Redis.
 
 - A ``WeightPublished`` on the weights topic ends with the engine serving the checkpoint
-  (its ``/model_info`` digest is the event's), the version in the Redis registry, the
+  (its ``/get_model_info`` digest is the event's), the version in the Redis registry, the
   proxy resumed and a ``WeightApplied`` on the topic.
 - A proxy whose pause cannot quiesce (a slow generation in flight, a tiny pause timeout)
   gets no weight update; the failed round is counted and the proxy is resumed.
@@ -24,13 +24,13 @@ import httpx
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
+from ops.local.ports import free_port
 from services.weight_broadcaster.loop import run
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import checkpoint
 from shared.bus import Consumer, Producer, read_topic
 from shared.names import RedisKeys, Topics
 from shared.policy import PolicyConfig, init_policy
-from shared.ports import free_port
 from shared.schemas import WeightApplied, WeightPublished, encode
 from shared.settings import KafkaSettings, RedisSettings, load
 from shared.state import RedisRegistry, connect
@@ -59,7 +59,7 @@ class Stack:
     group: str
 
     def model_info(self) -> dict[str, Any]:
-        data: dict[str, Any] = httpx.get(f"{self.engine}/model_info", timeout=10).json()
+        data: dict[str, Any] = httpx.get(f"{self.engine}/get_model_info", timeout=10).json()
         return data
 
     def proxy_state(self) -> dict[str, Any]:

@@ -13,9 +13,9 @@ from collections import Counter
 
 import pytest
 
+from ops.local.ports import free_port
+from ops.replay import GroupEvent, WeightEvent, group_event, replay
 from services.collector.synthetic import group_records
-from shared.ports import free_port
-from shared.replay import GroupEvent, WeightEvent, group_event, replay
 from shared.schemas import CompletedGroup, DecisionRecord
 from shared.staleness import WindowConfig
 from tests.support.collector import (

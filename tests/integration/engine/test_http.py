@@ -92,7 +92,7 @@ def test_abort_mid_generation_returns_partial(engine: Engine) -> None:
         async with httpx.AsyncClient(base_url=engine.url, timeout=30) as client:
             pending = asyncio.create_task(client.post("/generate", json=slow_body(rid)))
             await wait_generating(client, rid)
-            assert rid in (await client.get("/model_info")).json()["active_rids"]
+            assert rid in (await client.get("/get_model_info")).json()["active_rids"]
             dup = await client.post("/generate", json=slow_body(rid))
             assert dup.status_code == 400 and "already active" in dup.json()["detail"]
             r = await client.post("/abort_request", json={"rid": rid})
@@ -115,14 +115,14 @@ def test_update_weights_mid_generation(engine: Engine) -> None:
     async def body() -> None:
         rid = f"swap-{uuid.uuid4().hex}"
         async with httpx.AsyncClient(base_url=engine.url, timeout=30) as client:
-            old = (await client.get("/model_info")).json()["weight_version"]
+            old = (await client.get("/get_model_info")).json()["weight_version"]
             pending = asyncio.create_task(client.post("/generate", json=slow_body(rid, max_new_tokens=40)))
             await wait_generating(client, rid)
             path = str(engine.weights_dir / f"{version}.pt")
             r = await client.post("/update_weights_from_disk", json={"model_path": path})
             assert r.status_code == 200, r.text
             assert (r.json()["success"], r.json()["weight_version"], r.json()["digest"]) == (True, version, dig)
-            info = (await client.get("/model_info")).json()
+            info = (await client.get("/get_model_info")).json()
             assert (info["weight_version"], info["digest"], info["step"]) == (version, dig, 11)
             out = (await pending).json()
         meta = out["meta_info"]
@@ -138,12 +138,12 @@ def test_update_weights_refusals(engine: Engine, tmp_path: Path) -> None:
     outside = tmp_path / "outside.pt"
     checkpoint.save(outside, init_policy(CFG, 1), CFG, version="evil", step=1)
     with httpx.Client(base_url=engine.url, timeout=10) as client:
-        before = client.get("/model_info").json()
+        before = client.get("/get_model_info").json()
         for path in (str(outside), "../outside.pt", "missing.pt"):
             r = client.post("/update_weights_from_disk", json={"model_path": path})
             assert r.status_code == 400, r.text
             assert r.json()["success"] is False
-        assert client.get("/model_info").json()["digest"] == before["digest"]
+        assert client.get("/get_model_info").json()["digest"] == before["digest"]
 
 
 def test_malformed_bodies(engine: Engine) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.cli import main as rein
+from ops.cli import main as rein
 from tests.support.collector import Running, Source, Tail, final_decisions, make_settings
 
 pytestmark = [pytest.mark.integration]

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from ops.cli import main
 from services.collector.synthetic import group_records
-from shared.cli import main
 from tests.support.collector import Running, Source, Tail, final_decisions, make_settings
 
 pytestmark = [pytest.mark.integration]
@@ -98,7 +98,7 @@ def test_status_reports_window_registry_and_lag(
         assert lag["members"] == 0
         assert report["window"]["pending_groups"] == 1  # nothing decided while stopped
 
-        # Same answer through a run directory (stack.json written by shared.stack) and the real entry point.
+        # Same answer through a run directory (stack.json written by ops.local.stack) and the real entry point.
         run_dir = tmp_path / "run"
         run_dir.mkdir()
         (run_dir / "stack.json").write_text(
@@ -108,7 +108,7 @@ def test_status_reports_window_registry_and_lag(
             )
         )
         out = subprocess.run(
-            [sys.executable, "-m", "shared.cli", "status", "--run-dir", str(run_dir),
+            [sys.executable, "-m", "ops.cli", "status", "--run-dir", str(run_dir),
              "--key-prefix", settings.redis.key_prefix, "--group", group],
             cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
         )

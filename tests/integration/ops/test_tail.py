@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from kafka import KafkaProducer
 
+from ops.cli import main
 from shared.bus import Producer
-from shared.cli import main
 from shared.schemas import Chunk, GroupDispatched, Record, SessionFinished, encode
 from shared.settings import KafkaSettings
 

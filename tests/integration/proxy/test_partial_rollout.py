@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from shared.ports import free_port
+from ops.local.ports import free_port
 from shared.schemas import Chunk, SessionRejected
 from shared.staleness import check_span
 from tests.support.proxy import (
@@ -135,7 +135,7 @@ def test_max_preempts_1_rejects_third_version_before_generating(engine: Engine, 
     join = in_background(lambda: ask(client, m3, max_tokens=30))
     preempt(proxy, engine, c)
     before = engine.requests_total()
-    proxy.resume()  # no version: the proxy reads /model_info and the pre-check sees c
+    proxy.resume()  # no version: the proxy reads /get_model_info and the pre-check sees c
     with pytest.raises(openai.APIStatusError) as info:
         join()
     expected = check_span([a, b], [c], 1, sid)
@@ -298,7 +298,8 @@ class NaturalStopShim:
             routes=[
                 Route("/generate", self.generate, methods=["POST"]),
                 Route("/abort_request", self.abort, methods=["POST"]),
-                Route("/model_info", self.model_info, methods=["GET"]),
+                Route("/get_model_info", self.forward_get, methods=["GET"]),
+                Route("/get_server_info", self.forward_get, methods=["GET"]),
             ]
         )
 
@@ -315,9 +316,9 @@ class NaturalStopShim:
         self._abort_seen.set()
         return JSONResponse({})
 
-    async def model_info(self, _: Request) -> JSONResponse:
+    async def forward_get(self, request: Request) -> JSONResponse:
         async with httpx.AsyncClient(timeout=10) as client:
-            return JSONResponse((await client.get(f"{self.engine_url}/model_info")).json())
+            return JSONResponse((await client.get(f"{self.engine_url}{request.url.path}")).json())
 
 
 def test_abort_after_natural_stop_does_not_extend(engine: Engine, proxy_factory: ProxyFactory) -> None:

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
+from ops.local.ports import free_port
 from shared.names import Topics
-from shared.ports import free_port
 from shared.schemas import Chunk, SessionFinished, SessionRejected
 from shared.tokenizer import TOKENIZER as TOK
 from tests.support.procs import Proc

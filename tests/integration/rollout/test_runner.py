@@ -24,10 +24,10 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
+from ops.local.ports import free_port
 from services.rollout.task import NumberGuessTask
 from shared.bus import create_topics
 from shared.names import Topics
-from shared.ports import free_port
 from shared.schemas import (
     Chunk,
     GroupDispatched,

@@ -18,14 +18,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from kafka import KafkaProducer
 
+from ops.local.ports import free_port
 from services.trainer.loop import RunResult, run
 from services.trainer.settings import TrainerSettings
 from shared import checkpoint
 from shared.bus import Consumer, Delivered, Producer
+from shared.model import load_family
 from shared.names import Topics
-from shared.ports import free_port
 from shared.schemas import (
     BatchManifest,
     CompletedGroup,
@@ -221,6 +223,32 @@ def test_sigkill_mid_run_trains_each_manifest_once(env: Env) -> None:
     assert [x["manifest_index"] for x in lines] == [0, 1, 2, 3, 4, 5]
     assert [x["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
     _check_checkpoints(env, env.published(7), 6)
+
+
+def test_hf_model_trains_resumes_and_prunes_directory_checkpoints(env: Env, tiny_llama_dir: Path) -> None:
+    """REIN_MODEL=<HF directory>: same ordering and exactly-once machinery; checkpoints are HF directories."""
+    family = load_family(str(tiny_llama_dir))
+    refs = env.groups(6)
+    env.manifests([_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(3)])
+    hf = {"model": str(tiny_llama_dir), "keep_checkpoints": 2, "gradient_checkpointing": True}
+
+    first = run(env.settings(max_steps=2, **hf))
+    assert (first.start_step, first.step, first.trained_indices) == (0, 2, [0, 1])
+    second = run(env.settings(max_steps=3, **hf))  # resumes from the v2 directory and its AdamW state
+    assert (second.start_step, second.step, second.trained_indices) == (2, 3, [2])
+
+    lines = env.lines()
+    assert [x["manifest_index"] for x in lines] == [0, 1, 2]
+    assert all(x["trained_tokens"] == 2 * 4 * 4 and x["train_rollout_logprob_abs_diff"] > 0 for x in lines)
+    events = env.published(4)
+    assert [e.seq for e in events] == [0, 1, 2, 3]
+    weights = env.tmp / "weights"
+    assert sorted(p.name for p in weights.iterdir() if not p.name.startswith(".")) == [
+        "v2", "v2.json", "v2.optim.pt", "v3", "v3.json", "v3.optim.pt"]
+    for e in events[2:]:
+        loaded = family.load(Path(e.path), torch.device("cpu"))
+        assert Path(e.path).is_dir() and (loaded.digest, loaded.version, loaded.step) == (e.digest, e.version, e.step)
+    assert events[3].digest != events[2].digest
 
 
 def _produce_to(bootstrap: str, topic: str, partition: int, record: object) -> None:

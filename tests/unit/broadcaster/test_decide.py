@@ -11,7 +11,7 @@ from services.weight_broadcaster.decide import (
     after_pause,
     backoff_s,
     classify,
-    digest_mismatches,
+    not_served,
     plan_events,
 )
 from shared.schemas import WeightPublished
@@ -42,6 +42,9 @@ V2 = ("v2", "d2")
         (2, 2, [V2, ("v1", "d1")], EventAction.APPLY),  # one engine lags (restarted): load it again
         (2, None, [V2, (None, None)], EventAction.APPLY),  # an engine did not answer: cannot know
         (2, 1, [("v1", "d2")], EventAction.APPLY),  # same weights (no-op step), new label still loaded
+        (2, 2, [("v2", None), V2], EventAction.ALREADY_APPLIED),  # SGLang reports no digest: the label says
+        (2, 2, [("v2", "d9")], EventAction.APPLY),  # a digest that is reported must match
+        (2, None, [("default", None)], EventAction.APPLY),  # SGLang's label before any update
     ],
 )
 def test_classify(
@@ -82,5 +85,16 @@ def test_backoff(attempt: int, expected: float) -> None:
     assert backoff_s(attempt, 0.5, 10.0) == expected
 
 
-def test_digest_mismatches() -> None:
-    assert digest_mismatches("d", {"a": "d", "b": "x", "c": None}) == ["b", "c"]
+@pytest.mark.parametrize(
+    ("version", "digest", "reason"),
+    [
+        ("v1", "d1", ""),
+        ("v1", None, ""),  # SGLang: no digest, the label is the proof
+        ("v1", "x", "digest x"),
+        ("v0", "d1", "weight_version 'v0'"),
+        (None, None, "weight_version None"),
+    ],
+)
+def test_not_served(version: str | None, digest: str | None, reason: str) -> None:
+    got = not_served(ev(1), version, digest)
+    assert (got == "") if not reason else (reason in got)

@@ -28,6 +28,12 @@ class FakeClient:
     renew_errors: list[str] = field(default_factory=list)
     """Answer of each renew call in order (then ""): a non-empty one says the proxy lost the pause."""
     pause_ids: list[str] = field(default_factory=list)
+    info_reads: list[tuple[str, int]] = field(default_factory=list)
+    """``(engine, number of calls logged before)`` of each model_info read."""
+    report_digest: bool = True
+    """False: engines report no digest (SGLang)."""
+    ignore_version: bool = False
+    """True: updates succeed but keep the old label (an engine ignoring ``weight_version``)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _log(self, *call: str) -> None:
@@ -53,14 +59,16 @@ class FakeClient:
 
     def update(self, engine: str, model_path: str, version: str, timeout_s: float, abort_all: bool) -> EngineAnswer:
         self._log("update", engine, version)
-        digest = self.digest.get(model_path, "?")
-        self.engine_version[engine] = version
-        return EngineAnswer(engine, ok=True, weight_version=version, digest=digest)
+        if not self.ignore_version:
+            self.engine_version[engine] = version
+        return EngineAnswer(engine, ok=True)
 
     def model_info(self, engine: str) -> EngineAnswer:
+        with self._lock:
+            self.info_reads.append((engine, len(self.calls)))
         version = self.engine_version.get(engine, "v0")
-        return EngineAnswer(engine, ok=True, weight_version=version,
-                            digest=self.digest.get(f"/w/{version}.pt", "d-initial"))
+        digest = self.digest.get(f"/w/{version}.pt", "d-initial") if self.report_digest else None
+        return EngineAnswer(engine, ok=True, weight_version=version, digest=digest)
 
 
 class FakeRedis:
@@ -183,6 +191,29 @@ def test_wrong_digest_is_a_failed_update_and_resumes_without_version() -> None:
     assert sum(1 for c in client.calls if c[0] == "update") == 4
     assert {c for c in client.calls if c[0] == "resume"} == {("resume", "http://p1", "None"),
                                                              ("resume", "http://p2", "None")}
+    assert producer.sent == []
+    b.close()
+
+
+def test_engines_without_digest_are_verified_by_their_label() -> None:
+    b, client, _, producer = make([True])
+    client.report_digest = False
+    [outcome] = b.handle([ev(1)])
+    assert outcome.outcome == "applied"
+    for i, call in enumerate(client.calls):
+        if call[0] == "update":  # each update is followed by a read of what that engine serves
+            assert any(engine == call[1] and before > i for engine, before in client.info_reads), call
+    assert [type(r).__name__ for r in producer.sent] == ["WeightApplied"]
+    [again] = b.handle([ev(1)])  # replay: the engines already report v1
+    assert again.outcome == "already_applied"
+    b.close()
+
+
+def test_an_engine_that_keeps_its_label_failed_the_update() -> None:
+    b, client, _, producer = make([True], max_update_attempts=1)
+    client.report_digest, client.ignore_version = False, True
+    [outcome] = b.handle([ev(1)])
+    assert outcome.outcome == "update_failed" and outcome.failed_engines == ["http://e1", "http://e2"]
     assert producer.sent == []
     b.close()
 

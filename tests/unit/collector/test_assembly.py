@@ -13,7 +13,6 @@ from services.collector.assembly import (
     version_spans,
 )
 from shared.offsets import Offsets
-from shared.replay import window_group
 from shared.schemas import (
     Chunk,
     CompletedGroup,
@@ -24,6 +23,7 @@ from shared.schemas import (
     SessionRejected,
     Trajectory,
 )
+from shared.window_view import window_group
 
 CHUNKS = "rollout.chunks"
 EVENTS = "rollout.events"

@@ -56,6 +56,7 @@ def test_errors(client: TestClient) -> None:
     assert r.status_code == 413
     r = client.post("/update_weights_from_disk", json={"model_path": "/etc/passwd"})
     assert r.status_code == 400 and r.json()["success"] is False and "outside" in r.json()["message"]
+    assert r.json()["num_paused_requests"] == 0
     r = client.post("/abort_request", json={"rid": "unknown"})
     assert r.status_code == 200 and r.json() == {"success": False, "aborted": []}
 
@@ -63,15 +64,23 @@ def test_errors(client: TestClient) -> None:
 def test_info_health_metrics(client: TestClient, tmp_path: Path) -> None:
     assert client.get("/health").json() == {"status": "ok"}
     assert client.post("/flush_cache").json() == {"success": True}
-    info = client.get("/model_info").json()
+    info = client.get("/get_model_info").json()
     expected = checkpoint.digest(init_policy(PolicyConfig(vocab_size=TOKENIZER.vocab_size), 3).state_dict())
-    assert (info["weight_version"], info["digest"], info["context"], info["vocab_size"]) == ("v0", expected, 64, 54)
+    sglang_fields = {"model_path", "tokenizer_path", "is_generation", "preferred_sampling_params", "weight_version"}
+    assert sglang_fields <= info.keys() and info["is_generation"] is True
+    assert (info["weight_version"], info["digest"], info["vocab_size"]) == ("v0", expected, 54)
     assert info["active_requests"] == 0 and info["model_path"] is None
+    assert client.get("/get_weight_version").json() == {"weight_version": "v0"}
+    server = client.get("/get_server_info").json()
+    assert (server["context_length"], server["max_req_input_len"], server["max_running_requests"]) == (64, 64, 256)
+    assert client.get("/model_info").status_code == 404  # SGLang's names only
     client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
     cfg = PolicyConfig(vocab_size=TOKENIZER.vocab_size)
     dig = checkpoint.save(tmp_path / "c.pt", init_policy(cfg, 9), cfg, version="v9", step=9)
     r = client.post("/update_weights_from_disk", json={"model_path": "c.pt"}).json()
-    assert (r["success"], r["weight_version"], r["digest"]) == (True, "v9", dig)
+    assert (r["success"], r["num_paused_requests"], r["weight_version"], r["digest"]) == (True, 0, "v9", dig)
+    assert isinstance(r["message"], str)
+    assert client.get("/get_model_info").json()["weight_version"] == "v9"
     text = client.get("/metrics").text
     assert 'rein_engine_requests_total{finish_reason=' in text
     assert "rein_engine_batch_size_bucket" in text

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.ports import DEFAULT_EPHEMERAL_RANGE, LOWEST_PORT, ephemeral_range, free_ports
+from ops.local.ports import DEFAULT_EPHEMERAL_RANGE, LOWEST_PORT, ephemeral_range, free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -57,7 +57,8 @@ def test_zero_ports_is_refused() -> None:
 
 def test_the_deploy_scripts_can_run_it_without_the_virtualenv() -> None:
     out = subprocess.run(
-        ["python3", str(REPO_ROOT / "shared" / "ports.py"), "2"], capture_output=True, text=True, check=True, timeout=30
+        ["python3", str(REPO_ROOT / "ops" / "local" / "ports.py"), "2"],
+        capture_output=True, text=True, check=True, timeout=30,
     )
     low, _ = ephemeral_range()
     ports = [int(p) for p in out.stdout.split()]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shared.replay import ReplayFormatError, event_to_json, read_jsonl, replay
+from ops.replay import ReplayFormatError, event_to_json, read_jsonl, replay
 from shared.staleness import WindowConfig
 
 RUN = [

@@ -1,4 +1,4 @@
-"""``rein report`` and :mod:`shared.report`: a recorded run renders to a non-empty PNG."""
+"""``rein report`` and :mod:`ops.report`: a recorded run renders to a non-empty PNG."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from shared.cli import main
-from shared.report import load_metrics, plot_run, present_panels, read_metrics, series
+from ops.cli import main
+from ops.report import load_metrics, plot_run, present_panels, read_metrics, series
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -11,10 +11,9 @@ from typing import Any
 
 import pytest
 
-from shared.cli import build_parser
-from shared.commands.status import targets_from_args
-from shared.names import RedisKeys
-from shared.status import (
+from ops.cli import build_parser
+from ops.commands.status import targets_from_args
+from ops.status import (
     StatusSettings,
     Targets,
     collect,
@@ -25,8 +24,9 @@ from shared.status import (
     proxy_part,
     read_run_dir,
     read_window,
-    render,
 )
+from ops.status_render import render
+from shared.names import RedisKeys
 
 TOKEN = "secret-token"
 METRICS = """\
@@ -113,7 +113,7 @@ def test_read_window_of_an_empty_deployment() -> None:
 
 @pytest.fixture
 def fake_services() -> Iterator[str]:
-    """One server playing a proxy (token-checked state, /metrics, /health) and an engine (/model_info)."""
+    """One server playing a proxy (token-checked state, /metrics, /health) and an engine (/get_model_info)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -128,7 +128,7 @@ def fake_services() -> Iterator[str]:
                 self._send(200, METRICS, "text/plain")
             elif self.path == "/health":
                 self._send(200, {"status": "ok", "paused": True})
-            elif self.path == "/model_info":
+            elif self.path == "/get_model_info":
                 self._send(200, {"weight_version": "v7", "model_path": "/w/v7.pt", "active_requests": 1})
             else:
                 self._send(404, {})
@@ -201,7 +201,7 @@ def test_run_dir_fills_in_what_flags_do_not_give(tmp_path: Path) -> None:
 
 
 def test_help_and_missing_run_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from shared.cli import main
+    from ops.cli import main
 
     with pytest.raises(SystemExit):
         main(["status", "--help"])

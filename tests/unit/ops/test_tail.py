@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from shared.cli import main
+from ops.cli import main
+from ops.tail import Start, Tailer, TailError, TailOptions, parse_duration, parse_offset, render, session_matches
 from shared.schemas import SessionFinished, encode
 from shared.settings import KafkaSettings
-from shared.tail import Start, Tailer, TailError, TailOptions, parse_duration, parse_offset, render, session_matches
 
 
 @pytest.mark.parametrize(

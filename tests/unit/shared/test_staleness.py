@@ -316,8 +316,8 @@ def test_free_retries(
 
 
 def test_uncharged_is_computed_from_every_abnormal_session() -> None:
-    from shared.replay import window_group
     from shared.schemas import CompletedGroup, Trajectory
+    from shared.window_view import window_group
 
     def group(*ends: tuple[str, str]) -> CompletedGroup:
         trajs = [Trajectory(session_id=f"s{i}", status=s, error=e, segments=[]) for i, (s, e) in enumerate(ends)]

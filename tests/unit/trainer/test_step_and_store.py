@@ -12,10 +12,12 @@ from services.trainer.samples import BatchSamples, Sample
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import Hyper, PolicyTrainer
 from services.trainer.store import MetricsLog, checkpoint_path, latest, reconcile_metrics, save_step, sidecar_path
+from shared.model import TinyFamily
 from shared.policy import PolicyConfig, init_policy, token_logprobs
 from shared.settings import SettingsError, load
 
 CFG = PolicyConfig(vocab_size=16, context=16, width=16, layers=1, heads=2)
+FAMILY = TinyFamily(CFG)
 
 
 def _batch(model: torch.nn.Module, rewards: list[float]) -> BatchSamples:
@@ -61,11 +63,11 @@ def test_batch_without_trained_tokens_takes_no_update() -> None:
 def test_save_and_resume_newest_durable_step(tmp_path: Path) -> None:
     model = init_policy(CFG, 0)
     trainer = PolicyTrainer(model, Hyper(), torch.device("cpu"))
-    save_step(tmp_path, model, CFG, 0, -1, trainer.optimizer_state())
+    save_step(tmp_path, FAMILY, model, 0, -1, trainer.optimizer_state())
     trainer.step(_batch(model, [1.0, 0.0]))
-    side = save_step(tmp_path, model, CFG, 1, 0, trainer.optimizer_state(), [{"step": 1, "loss": 0.5}])
+    side = save_step(tmp_path, FAMILY, model, 1, 0, trainer.optimizer_state(), [{"step": 1, "loss": 0.5}])
     checkpoint_path(tmp_path, 2).write_bytes(b"torn")  # checkpoint without sidecar: not durable
-    resumed = latest(tmp_path, torch.device("cpu"))
+    resumed = latest(tmp_path, FAMILY, torch.device("cpu"))
     assert resumed is not None
     assert resumed.sidecar.step == 1 and resumed.sidecar.last_index == 0
     assert resumed.checkpoint.digest == side.digest
@@ -74,12 +76,12 @@ def test_save_and_resume_newest_durable_step(tmp_path: Path) -> None:
 
 def test_corrupt_newest_falls_back(tmp_path: Path) -> None:
     model = init_policy(CFG, 0)
-    save_step(tmp_path, model, CFG, 0, -1, None)
-    save_step(tmp_path, model, CFG, 1, 0, None)
+    save_step(tmp_path, FAMILY, model, 0, -1, None)
+    save_step(tmp_path, FAMILY, model, 1, 0, None)
     checkpoint_path(tmp_path, 1).write_bytes(b"garbage")
-    resumed = latest(tmp_path, torch.device("cpu"))
+    resumed = latest(tmp_path, FAMILY, torch.device("cpu"))
     assert resumed is not None and resumed.sidecar.step == 0
-    assert latest(tmp_path / "missing", torch.device("cpu")) is None
+    assert latest(tmp_path / "missing", FAMILY, torch.device("cpu")) is None
     assert json.loads(sidecar_path(tmp_path, 0).read_text())["version"] == "v0"
 
 
@@ -88,7 +90,7 @@ def test_metrics_reconcile_restores_lost_lines_and_cuts_torn_ones(tmp_path: Path
     log.append([{"step": 1}])
     with log.path.open("a") as fh:
         fh.write('{"step": 2, "lo')  # crash mid-append
-    side = save_step(tmp_path, init_policy(CFG, 0), CFG, 3, 2, None, [{"step": 2}, {"step": 3}])
+    side = save_step(tmp_path, FAMILY, init_policy(CFG, 0), 3, 2, None, [{"step": 2}, {"step": 3}])
     assert reconcile_metrics(log, side) == 2
     assert [json.loads(x)["step"] for x in log.path.read_text().splitlines()] == [1, 2, 3]
     assert reconcile_metrics(log, side) == 0

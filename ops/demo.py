@@ -1,6 +1,6 @@
 """``make demo``: the whole pipeline learning the built-in task on CPU, with progress.
 
-Starts Kafka, Redis and every service as local processes (``shared.stack``), runs
+Starts Kafka, Redis and every service as local processes (``ops.local.stack``), runs
 a fixed number of trainer steps with ``keep_versions=2``, partial rollout on and
 ``max_preempts=2``, shows one progress line per step (reward, version gap, drops,
 rejections), stops every process it started (also on Ctrl-C), and writes
@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 
-from shared.launcher import LaunchError
-from shared.report import plot_run, rows_so_far
-from shared.stack import LocalStack, StackConfig, start
+from ops.local.launcher import LaunchError
+from ops.local.stack import LocalStack, StackConfig, start
+from ops.report import plot_run, rows_so_far
 
 _REJECTIONS = re.compile(r"^rein_proxy_rejections_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 

@@ -1,4 +1,4 @@
-"""``rein status``: one look at a running system (logic in :mod:`shared.status`)."""
+"""``rein status``: one look at a running system (logic in :mod:`ops.status`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ops.status import DEFAULT_GROUPS, RunDir, RunDirError, StatusSettings, Targets, collect, read_run_dir
+from ops.status_render import render
 from shared.settings import SettingsError, load
-from shared.status import DEFAULT_GROUPS, RunDir, RunDirError, StatusSettings, Targets, collect, read_run_dir, render
 
 EPILOG = """\
 Reports the version registry and the window (current version and index, cutoff,

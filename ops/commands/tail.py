@@ -1,4 +1,4 @@
-"""``rein tail TOPIC``: print a topic's records as JSON lines (logic in :mod:`shared.tail`)."""
+"""``rein tail TOPIC``: print a topic's records as JSON lines (logic in :mod:`ops.tail`)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from ops.tail import Start, Tailer, TailError, TailOptions, parse_duration, parse_offset
 from shared.settings import ServiceSettings, SettingsError, load
-from shared.tail import Start, Tailer, TailError, TailOptions, parse_duration, parse_offset
 
 EPILOG = """\
 Output: one JSON object per line on stdout,

@@ -18,8 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shared.bus import read_topic
-from shared.replay import (
+from ops.replay import (
     ReplayEvent,
     ReplayFormatError,
     ReplayReport,
@@ -29,6 +28,7 @@ from shared.replay import (
     read_jsonl,
     replay,
 )
+from shared.bus import read_topic
 from shared.schemas import CompletedGroup, DecisionRecord, WeightPublished
 from shared.settings import ServiceSettings, SettingsError, load
 from shared.staleness import WindowConfig

@@ -7,7 +7,7 @@ Redis client, say) can take it, and the service dies with EADDRINUSE. Ports belo
 are never given out implicitly, so only another listener can take them.
 
 Standard library only: ``deploy/kafka.sh`` and ``deploy/redis.sh`` run it as a script
-(``python3 shared/ports.py N`` prints N ports) before any virtualenv exists.
+(``python3 ops/local/ports.py N`` prints N ports) before any virtualenv exists.
 """
 
 from __future__ import annotations

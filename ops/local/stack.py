@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ops.local.launcher import Infra, LaunchError, Service, Stack
+from ops.local.ports import free_port
 from shared import bus
-from shared.launcher import Infra, LaunchError, Service, Stack
 from shared.names import Topics
-from shared.ports import free_port
 from shared.settings import KafkaSettings
 
 

@@ -1,17 +1,23 @@
 """Local processes without Docker: Kafka, Redis and rein services as child processes.
 
-Used by ``make demo``, ``rein up`` / ``rein down`` and the end-to-end tests. Each
-process writes its log under the run directory; everything started is stopped by
-PID (never a broad ``pkill``), in reverse order, also on Ctrl-C.
+The one process launcher: ``make demo``, ``rein up`` / ``rein down``, the end-to-end
+tests (through :mod:`ops.local.stack`) and the integration tests (:func:`start_service`)
+start services with :class:`Service`. A child runs ``python -m <module>`` from the
+repository root with this process's environment minus every ``REIN_*`` variable plus its
+own, so a run is hermetic whatever the shell exports. Each process writes its log to a
+file whose tail is shown when it fails to start; everything started is stopped by PID
+(never a broad ``pkill``), in reverse order, also on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +28,7 @@ from shared import log
 from shared.settings import child_env, with_env
 
 _log = log.get(__name__)
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class LaunchError(RuntimeError):
@@ -108,49 +114,99 @@ class Service:
     env: dict[str, str]
     health_url: str | None
     log_path: Path
+    new_session: bool = True
+    """Own session: Ctrl-C in the terminal reaches only the parent, which stops children in order.
+    Test services share pytest's process group, so a signal to the whole run reaches them too."""
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        handle = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module],
-            cwd=REPO,
-            env=child_env(self.env),
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        handle.close()
+        with self.log_path.open("ab") as handle:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", self.module],
+                cwd=REPO,
+                env=child_env({"PYTHONUNBUFFERED": "1", **self.env}),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=self.new_session,
+            )
 
-    def wait_healthy(self, timeout_s: float = 90) -> None:
+    @property
+    def popen(self) -> subprocess.Popen[bytes]:
+        """The started process (an error before :meth:`start`)."""
+        if self.proc is None:
+            raise LaunchError(f"{self.name} was never started")
+        return self.proc
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def tail(self, lines: int = 60) -> str:
+        return _tail(self.log_path, lines)
+
+    def wait_healthy(self, timeout_s: float = 90, poll_s: float = 0.2) -> None:
+        """Until ``GET health_url`` answers 200; LaunchError (with the log tail) if it exits or times out."""
         if self.health_url is None:
             return
         deadline = time.monotonic() + timeout_s
+        last = "no attempt"
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self.proc is not None and self.proc.poll() is not None:
-                    raise LaunchError(f"{self.name} exited with {self.proc.returncode}:\n{_tail(self.log_path)}")
+                    raise LaunchError(
+                        f"{self.name} exited with {self.proc.returncode} before {self.health_url} was healthy; "
+                        f"log {self.log_path}:\n{self.tail()}"
+                    )
                 try:
-                    if client.get(self.health_url).status_code == 200:
+                    status = client.get(self.health_url).status_code
+                    if status == 200:
                         return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-        raise LaunchError(f"{self.name} not healthy at {self.health_url} after {timeout_s}s:\n{_tail(self.log_path)}")
+                    last = f"status {status}"
+                except httpx.HTTPError as exc:
+                    last = repr(exc)
+                time.sleep(poll_s)  # polling another process's HTTP endpoint: no event to wait on
+        raise LaunchError(
+            f"{self.name} not healthy at {self.health_url} after {timeout_s}s ({last}); "
+            f"log {self.log_path}:\n{self.tail()}"
+        )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self, timeout_s: float = 20) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+    def stop(self, timeout_s: float = 20) -> int | None:
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL; idempotent. The exit code (None if never started)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+
+def start_service(
+    module: str, env: dict[str, str], health_url: str, timeout_s: float = 60, log_dir: Path | None = None
+) -> Service:
+    """Run ``python -m module`` and block until ``GET health_url`` answers 200.
+
+    Raises :class:`LaunchError` (with the log tail) if the process exits or the deadline
+    passes; the process is stopped first in both cases.
+    """
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rein-proc-"))
+    log_path = log_dir / f"{module.replace('.', '_')}-{os.getpid()}-{time.monotonic_ns()}.log"
+    service = Service(module, module, env, health_url, log_path, new_session=False)
+    service.start()
+    try:
+        service.wait_healthy(timeout_s, poll_s=0.1)
+    except BaseException:
+        service.stop()
+        raise
+    return service
 
 
 @dataclass
@@ -203,8 +259,6 @@ def stop_recorded(run_dir: Path, timeout_s: float = 20) -> list[str]:
     For ``rein down``: the processes were started by another command that has exited.
     Returns the names of the services that were still running.
     """
-    import os
-
     stopped: list[str] = []
     pid_file = run_dir / "pids.json"
     pids: dict[str, int] = json.loads(pid_file.read_text()) if pid_file.exists() else {}

@@ -7,7 +7,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# Each module in shared/commands registers one subcommand; listed here in help order.
+# Each module in ops/commands registers one subcommand; listed here in help order.
 COMMANDS = ("up", "status", "replay", "tail", "report")
 
 
@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        module = importlib.import_module(f"shared.commands.{name}")
+        module = importlib.import_module(f"ops.commands.{name}")
         module.register(sub)
     return parser
 

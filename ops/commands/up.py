@@ -38,8 +38,8 @@ def register(sub: Any) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from shared.launcher import LaunchError
-    from shared.stack import StackConfig, start
+    from ops.local.launcher import LaunchError
+    from ops.local.stack import StackConfig, start
 
     pid_file = args.run_dir / "pids.json"
     if pid_file.exists() and json.loads(pid_file.read_text() or "{}"):
@@ -78,7 +78,7 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def run_down(args: argparse.Namespace) -> int:
-    from shared.launcher import stop_recorded
+    from ops.local.launcher import stop_recorded
 
     stopped = stop_recorded(args.run_dir)
     print(json.dumps({"stopped": stopped, "run_dir": str(args.run_dir)}))

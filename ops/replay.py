@@ -1,70 +1,27 @@
 """What-if replay of the batch window over a recorded run, pure.
 
-``rein replay`` (``shared/commands/replay.py``) reads a run either from the
+``rein replay`` (``ops/commands/replay.py``) reads a run either from the
 ``rollout.groups`` + ``weights`` (+ ``staleness.decisions`` for order) topics or
 from a JSONL file (format in ``docs/replay.md``), and folds it through the same
 :func:`shared.staleness.window_step` the collector runs against Redis, with an
 in-memory :class:`shared.versions.VersionRegistry`. Nothing here touches live state.
 
-The collector also uses :func:`window_group` to turn a completed group into what
-the window judges, so the live rule and the replayed rule cannot drift apart.
+A recorded group is turned into what the window judges by :mod:`shared.window_view`,
+the same code the live collector uses, so the live and the replayed rule cannot drift apart.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from shared.schemas import CompletedGroup
-from shared.staleness import (
-    UNCHARGED_ERRORS,
-    Decision,
-    SegmentEnd,
-    WindowConfig,
-    WindowGroup,
-    WindowReplay,
-    trajectory_versions,
-)
+from shared.staleness import Decision, SegmentEnd, WindowConfig, WindowGroup, WindowReplay
 from shared.versions import VersionRegistry, real_version
-
-# --------------------------------------------------------------------------- completed group -> window group
-
-
-def segment_end_version(loss_mask: Sequence[int], versions: Sequence[str | None]) -> str | None:
-    """Version of the segment's last trainable (mask 1) token with a real version, else None."""
-    for mask, version in zip(reversed(loss_mask), reversed(versions), strict=True):
-        if mask and real_version(version) is not None:
-            return real_version(version)
-    return None
-
-
-def segment_ends(group: CompletedGroup) -> list[SegmentEnd]:
-    """One :class:`SegmentEnd` per segment of every trajectory (trajectory id = session id)."""
-    return [
-        SegmentEnd(traj.session_id, seg.segment_index, segment_end_version(seg.loss_mask, seg.versions))
-        for traj in group.trajectories
-        for seg in traj.segments
-    ]
-
-
-def window_group_from_samples(
-    group_id: str, prompt_id: str, attempt: int, failed: bool, samples: Sequence[SegmentEnd]
-) -> WindowGroup:
-    """The window's view of a group: one end version per versioned trajectory (highest segment decides)."""
-    versions = tuple(trajectory_versions(samples).values())
-    return WindowGroup(group_id, prompt_id, attempt, failed, versions)
-
-
-def window_group(group: CompletedGroup) -> WindowGroup:
-    """The window's view of a completed group from ``rollout.groups``."""
-    view = window_group_from_samples(group.group_id, group.prompt_id, group.attempt, group.failed, segment_ends(group))
-    abnormal = [t.error for t in group.trajectories if t.status not in ("completed", "truncated")]
-    uncharged = group.failed and bool(abnormal) and all(e in UNCHARGED_ERRORS for e in abnormal)
-    return replace(view, free_retries=group.free_retries, uncharged=uncharged)
-
+from shared.window_view import segment_ends, window_group_from_samples
 
 # --------------------------------------------------------------------------- recorded events
 

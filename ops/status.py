@@ -6,11 +6,8 @@ thread under one deadline, so an unreachable broker, Redis, proxy or engine beco
 writes: the registry index of a label is computed from the sorted sets directly (the
 registry's ``observe`` would register an unknown label).
 
-The Redis layout read here is the one ``shared.names.RedisKeys`` documents and the
-collector's window store writes: ``window`` (hash: ``current``, ``batches``,
-``steps``, ``drops_total``, ``drops:<decision>``, ``dropped_since``), ``window_config``
-(``keep_versions``, ``batch_groups``, ``max_retries``), ``pending_order`` (list),
-``outbox`` (list), ``prompt_drops`` (hash), and the registry's sorted sets.
+The window and registry are read through :class:`shared.window_layout.WindowReader`, the
+layout the collector's window store writes with.
 """
 
 from __future__ import annotations
@@ -31,6 +28,8 @@ from pydantic import Field
 from shared.names import RedisKeys, Topics
 from shared.settings import KafkaSettings, RedisSettings, ServiceSettings
 from shared.staleness import cutoff_index
+from shared.versions import VersionRegistry
+from shared.window_layout import WindowReader
 
 DEFAULT_GROUPS: dict[str, tuple[str, ...]] = {
     "rein-collector": ("chunks", "events"),
@@ -110,13 +109,21 @@ def read_run_dir(path: Path) -> RunDir:
 # --------------------------------------------------------------------------- pure helpers
 
 
+def _index(registry: VersionRegistry, label: str) -> int | None:
+    try:
+        return registry.index(label)
+    except KeyError:
+        return None
+
+
 def label_index(label: str, published: Sequence[str], unregistered: Sequence[str]) -> int | None:
-    """The registry index of ``label``: published ones by sequence, then unregistered in observation order."""
-    if label in published:
-        return list(published).index(label)
-    if label in unregistered:
-        return len(published) + list(unregistered).index(label)
-    return None
+    """The registry index of ``label`` (the order of :class:`shared.versions.VersionRegistry`), None if unknown."""
+    registry = VersionRegistry()
+    for seq, name in enumerate(published):
+        registry.publish(name, seq)
+    for name in unregistered:
+        registry.observe(name)
+    return _index(registry, label)
 
 
 def lag_report(
@@ -167,34 +174,21 @@ def parse_rejections(text: str) -> dict[str, float]:
 
 
 def read_window(client: Any, keys: RedisKeys) -> dict[str, Any]:
-    """Registry and window from Redis (read only)."""
-    pairs = cast(list[tuple[str, float]], client.zrange(keys.registry_order, 0, -1, withscores=True))
-    published = [label for label, _ in pairs]
-    unregistered = cast(list[str], client.zrange(keys.unregistered, 0, -1))
-    window = cast(dict[str, str], client.hgetall(keys.window))
-    config = cast(dict[str, str], client.hgetall(keys.window_config))
-    pending = int(client.llen(keys.pending_order))
-    outbox = int(client.llen(keys.outbox))
-    prompt_drops = cast(dict[str, str], client.hgetall(keys.prompt_drops))
-    keep = int(config["keep_versions"]) if "keep_versions" in config else None
-    current = window.get("current")
-    current_index = None if current is None else label_index(current, published, unregistered)
+    """Registry and window from Redis, through the layout the collector writes (read only)."""
+    reader = WindowReader(client, keys)
+    pairs, registry = reader.registry()
+    window = reader.window()
+    config = reader.config()
+    keep = config.get("keep_versions")
+    current = window.current
+    current_index = None if current is None else _index(registry, current)
     cutoff = None if keep is None else cutoff_index(current_index, keep)
-    cutoff_label = None
-    if cutoff is not None:
-        ordered = published + unregistered
-        cutoff_label = ordered[cutoff] if cutoff < len(ordered) else None
-    drops = {key.split(":", 1)[1]: int(v) for key, v in window.items() if key.startswith("drops:")}
-    try:
-        since = [{"group_id": str(g), "decision": str(d)} for g, d in json.loads(window.get("dropped_since", "[]"))]
-    except (ValueError, TypeError):
-        since = []
+    ordered = [label for label, _ in pairs] + registry.unregistered
+    cutoff_label = ordered[cutoff] if cutoff is not None and cutoff < len(ordered) else None
     return {
         "registry": {
-            "published": [{"label": label, "seq": int(seq), "index": i} for i, (label, seq) in enumerate(pairs)],
-            "unregistered": [
-                {"label": label, "index": len(published) + i} for i, label in enumerate(unregistered)
-            ],
+            "published": [{"label": label, "seq": seq, "index": i} for i, (label, seq) in enumerate(pairs)],
+            "unregistered": [{"label": label, "index": registry.index(label)} for label in registry.unregistered],
         },
         "window": {
             "current_version": current,
@@ -202,18 +196,18 @@ def read_window(client: Any, keys: RedisKeys) -> dict[str, Any]:
             "cutoff_index": cutoff,
             "cutoff_version": cutoff_label,
             "keep_versions": keep,
-            "batch_groups": int(config["batch_groups"]) if "batch_groups" in config else None,
-            "max_retries": int(config["max_retries"]) if "max_retries" in config else None,
-            "pending_groups": pending,
-            "batches": int(window.get("batches", 0)),
-            "steps": int(window.get("steps", 0)),
-            "outbox": outbox,
+            "batch_groups": config.get("batch_groups"),
+            "max_retries": config.get("max_retries"),
+            "pending_groups": reader.pending_count(),
+            "batches": window.batches,
+            "steps": window.steps,
+            "outbox": reader.outbox_size(),
         },
         "drops": {
-            "total": int(window.get("drops_total", 0)),
-            "by_reason": drops,
-            "since_last_batch": len(since),
-            "prompts_dropped_after_retries": len(prompt_drops),
+            "total": window.drops_total,
+            "by_reason": window.drops_by_reason,
+            "since_last_batch": len(window.dropped_since),
+            "prompts_dropped_after_retries": len(reader.prompt_drops()),
         },
     }
 
@@ -336,7 +330,7 @@ def proxy_part(url: str, token: str, timeout_s: float) -> dict[str, Any]:
 
 
 def engine_part(url: str, timeout_s: float) -> dict[str, Any]:
-    info = http_json(f"{url.rstrip('/')}/model_info", timeout_s)
+    info = http_json(f"{url.rstrip('/')}/get_model_info", timeout_s)
     return {
         "url": url,
         "weight_version": info.get("weight_version"),
@@ -447,92 +441,3 @@ def _all_ok(report: dict[str, Any]) -> bool:
     if any("error" in row for row in report["proxies"] + report["engines"]):
         return False
     return all(row.get("ok") for row in report["services"].values())
-
-
-# --------------------------------------------------------------------------- rendering
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
-
-
-def render(report: dict[str, Any]) -> str:
-    """The report as a human-readable text table."""
-    lines: list[str] = []
-    add = lines.append
-    redis_info = report["redis"]
-    if "error" in redis_info:
-        add(f"redis: ERROR {redis_info['error']}")
-    else:
-        add(f"redis: {redis_info['url']} (key prefix {redis_info['key_prefix']!r})")
-        w = report["window"]
-        add("")
-        add("window")
-        add(f"  current version  {_fmt(w['current_version'])} (index {_fmt(w['current_index'])})")
-        add(f"  cutoff           index {_fmt(w['cutoff_index'])} ({_fmt(w['cutoff_version'])})")
-        add(f"  keep_versions    {_fmt(w['keep_versions'])}   batch_groups {_fmt(w['batch_groups'])}"
-            f"   max_retries {_fmt(w['max_retries'])}")
-        add(f"  pending groups   {w['pending_groups']}   batches {w['batches']}   steps {w['steps']}"
-            f"   outbox {w['outbox']}")
-        d = report["drops"]
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(d["by_reason"].items())) or "none"
-        add(f"  drops            {d['total']} total ({reasons}); {d['since_last_batch']} since the last batch;"
-            f" {d['prompts_dropped_after_retries']} prompts dropped after retries")
-        reg = report["registry"]
-        add("")
-        add(f"registry ({len(reg['published'])} published, {len(reg['unregistered'])} unregistered)")
-        shown = reg["published"][-10:]
-        if len(reg["published"]) > len(shown):
-            add(f"  ... {len(reg['published']) - len(shown)} older")
-        for row in shown:
-            mark = "  <- current" if row["label"] == w["current_version"] else ""
-            add(f"  [{row['index']:>4}] {row['label']:<24} seq {row['seq']}{mark}")
-        for row in reg["unregistered"]:
-            add(f"  [{row['index']:>4}] {row['label']:<24} UNREGISTERED")
-    add("")
-    groups = report["consumer_groups"]
-    if "error" in groups:
-        add(f"consumer lag: ERROR {groups['error']}")
-    else:
-        add(f"consumer lag ({groups['bootstrap']})")
-        add(f"  {'group':<26} {'lag':>8}  {'state':<14} members  partitions behind")
-        for name, g in groups["groups"].items():
-            if "error" in g:
-                add(f"  {name:<26} ERROR {g['error']}")
-                continue
-            behind = [f"{p['topic']}/{p['partition']}:{p['lag']}" for p in g["partitions"] if p["lag"]]
-            note = "" if g.get("committed") else " (no commits)"
-            add(f"  {name:<26} {g['lag']:>8}  {g.get('state', '-'):<14} {_fmt(g.get('members')):>7}  "
-                f"{' '.join(behind[:6]) or '-'}{' ...' if len(behind) > 6 else ''}{note}")
-    add("")
-    add("proxies" if report["proxies"] else "proxies: none given (--proxy or --run-dir)")
-    for row in report["proxies"]:
-        if "error" in row and "paused" not in row:
-            add(f"  {row['url']}: ERROR {row['error']}")
-            continue
-        state = "PAUSED" if row.get("paused") else "running"
-        extra = f" ({row['reason']})" if row.get("paused") and row.get("reason") else ""
-        add(f"  {row['url']}: {state}{extra}  pauses {_fmt(row.get('pauses'))}  active {_fmt(row.get('active'))}"
-            f"  held {_fmt(row.get('held'))}  sessions {_fmt(row.get('live_sessions'))}")
-        if "error" in row:
-            add(f"    ERROR {row['error']}")
-    add("engines" if report["engines"] else "engines: none given (--engine or --run-dir)")
-    for row in report["engines"]:
-        if "error" in row:
-            add(f"  {row['url']}: ERROR {row['error']}")
-        else:
-            add(f"  {row['url']}: version {_fmt(row['weight_version'])}  active {_fmt(row.get('active_requests'))}")
-    rejections = report["rejections"]
-    add("rejections (proxies, since start): " + (
-        ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(rejections.items())) or "none"))
-    if report["services"]:
-        add("")
-        add("services")
-        for name, row in report["services"].items():
-            status = "ok" if row.get("ok") else f"DOWN ({row.get('error', 'unhealthy')})"
-            add(f"  {name:<14} {row['url']:<28} {status}")
-    return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""``rein report RUN_DIR``: render a run's ``metrics.jsonl`` to a PNG (logic in :mod:`shared.report`)."""
+"""``rein report RUN_DIR``: render a run's ``metrics.jsonl`` to a PNG (logic in :mod:`ops.report`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shared.report import plot_run, read_metrics
+from ops.report import plot_run, read_metrics
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -1,0 +1,318 @@
+"""One session as a pure state machine: events in, what to publish and answer out.
+
+A session is one agent conversation (``X-Session-Id``). Its tokens are cut into
+*segments*; a segment is one growing token sequence, the unit the collector turns
+into a training sample. No I/O, no asyncio here: :mod:`services.proxy.service` feeds
+the events in the order they happen and does what each answer says (publish these
+records, end the session, answer the agent).
+
+Lifecycle::
+
+    open ──begin──▶ in call ──complete──▶ open ──finish, end_acked──▶ finished
+                       │ └──fail (nothing published in this call)──▶ open
+                       └──fail (a staleness rule; or anything once this call published)──▶ rejected
+    open ──expire, end_acked──▶ rejected (session_idle)
+
+Events and what they return:
+
+================  ==================================================================
+``begin``         turn planned: the :class:`TurnPlan` (400 for a role the template lacks)
+``check_engine``  before each engine call: the rejection the engine's version would cause
+``chunk``         chunk received: the records to publish before going on (none untracked)
+``chunk_acked``   the chunk's records are on Kafka: recorded; the rejection it causes
+``complete``      the call's generation ended: the :class:`ChatOutcome` to answer
+``fail``          reject, preempt without partial rollout, engine lost, Kafka refused: a :class:`Step`
+``cancel``        the call was cancelled (no awaiting): a :class:`Step` with nothing to publish
+``finish``        the agent's finish: the SessionFinished to publish; the session ends at ``end_acked``
+``expire``        idle too long: the SessionRejected to publish; the session ends at ``end_acked``
+================  ==================================================================
+
+Tokens are kept token-in-token-out by :class:`~services.proxy.transcript.Transcript`;
+tokenisation happens only there and in :meth:`Session.complete`, through the injected
+:class:`~services.proxy.transcript.ChatTokenizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+from services.proxy.transcript import ChatTokenizer, SegmentState, Transcript, TurnPlan
+from shared.errors import (
+    InvalidRequest,
+    KafkaUnavailable,
+    PartialRolloutStalenessExceeded,
+    ReinError,
+    RolloutRejected,
+    SessionBusy,
+    SessionFinalized,
+    SessionIdle,
+    TrajectoryVersionChanged,
+)
+from shared.schemas import Chunk, Record, SessionFinished, SessionRejected
+from shared.staleness import check_span
+from shared.tokenizer import TOKENIZER
+from shared.versions import distinct_real, encode_runs
+
+if TYPE_CHECKING:
+    from services.proxy.generation import ChunkOutcome, Generation
+
+__all__ = ["ChatOutcome", "ChatTokenizer", "SegmentState", "Session", "Step", "TurnPlan", "VersionRules"]
+
+
+@dataclass(frozen=True)
+class VersionRules:
+    """The proxy's staleness settings, as the session applies them."""
+
+    partial_rollout: bool = True
+    max_preempts: int | None = None
+    """Span cap with partial rollout (``None``: no cap)."""
+
+
+@dataclass(frozen=True)
+class ChatOutcome:
+    """A finished chat call: the text and what the response's ``rein`` field reports."""
+
+    content: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    rein: dict[str, Any]
+    soft_rejected: bool = False
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the shell does after an event, in this order: end the session when ``ended``
+    says so, publish ``publish``, then answer ``answer`` or raise ``error``.
+
+    Records are data, so the shell decides how to wait for them: today it awaits each ack
+    before the next event; a shell that publishes without waiting feeds ``chunk_acked``
+    and ``end_acked`` when the acks come."""
+
+    publish: tuple[Record, ...] = ()
+    required: bool = True
+    """A failed publish replaces the answer with ``kafka_unavailable``; else it is only logged."""
+    ended: str | None = None
+    """The session's outcome when this step ends it (``finished``, ``rejected (code)``)."""
+    rejection: ReinError | None = None
+    """Why the session was rejected (for metrics and logs)."""
+    soft: bool = False
+    answer: ChatOutcome | None = None
+    error: BaseException | None = None
+
+
+Phase = Literal["open", "in_call", "finished", "rejected"]
+
+
+@dataclass
+class Session(Transcript):
+    """One conversation. Fed only by the request handler that holds ``busy``."""
+
+    session_id: str
+    group_id: str
+    prompt_id: str = ""
+    attempt: int = 0
+    tokenizer: ChatTokenizer = field(default=TOKENIZER, repr=False, compare=False)
+    rules: VersionRules = field(default_factory=VersionRules)
+    segments: list[SegmentState] = field(default_factory=list)
+    num_chunks: int = 0
+    """Chunk records published for this session (the next chunk's ``seq``)."""
+    phase: Phase = "open"
+    busy: bool = False
+    """Held by a request (a call, or publishing the idle rejection): others get 409. Set by the store."""
+    last_active: float = 0.0
+    """Clock reading of the last time a call started or ended (the idle timeout counts from it)."""
+    _turn: TurnPlan | None = field(default=None, init=False, repr=False)
+    _turn_id: str = field(default="", init=False, repr=False)
+    _first_seq: int = field(default=0, init=False, repr=False)
+    """``num_chunks`` when the current call began: more means this call published."""
+    _pending: ChunkOutcome | None = field(default=None, init=False, repr=False)
+    _ending: Step | None = field(default=None, init=False, repr=False)
+
+    @property
+    def trainable(self) -> bool:
+        """Sessions without a group id are served but never published for training."""
+        return bool(self.group_id)
+
+    # ------------------------------------------------------------------ events of a chat call
+
+    def begin(self, messages: Sequence[tuple[str, str]], turn_id: str = "") -> TurnPlan:
+        """Turn planned: the session is in a call until ``complete``, ``fail`` or ``cancel``."""
+        self._require("open")
+        try:
+            plan = self.plan(messages, self.tokenizer)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), fields=[{"field": "messages", "message": str(exc)}]) from None
+        self.phase, self._turn, self._turn_id, self._first_seq = "in_call", plan, turn_id, self.num_chunks
+        return plan
+
+    def check_engine(self, version: str | None) -> RolloutRejected | None:
+        """Before an engine call: the rejection if the engine's current version would break a rule."""
+        return self._rejection([version] if version is not None else [])
+
+    def chunk(self, outcome: ChunkOutcome, engine: str) -> tuple[Record, ...]:
+        """A chunk came back: the records to publish (none for an untracked session) before ``chunk_acked``."""
+        plan = self._call()
+        out = outcome.output
+        record = None
+        if self.trainable:
+            record = Chunk(
+                session_id=self.session_id, group_id=self.group_id, prompt_id=self.prompt_id, attempt=self.attempt,
+                turn_id=self._turn_id, seq=self.num_chunks, segment_index=plan.segment_index,
+                chunk_index=outcome.chunk_index, context_ids=list(outcome.context_ids), output_ids=list(out.output_ids),
+                logprobs=list(out.logprobs), version=out.version, token_versions=encode_runs(out.token_versions),
+                finish_reason=out.finish_reason, rid=out.rid, engine=engine,
+            )
+        self._pending = outcome
+        return () if record is None else (record,)
+
+    def chunk_acked(self) -> RolloutRejected | None:
+        """The chunk's records are on Kafka: it joins the segment. Returns the rejection its
+        versions cause, checked against what the session held *before* it."""
+        plan = self._call()
+        if self._pending is None:
+            raise RuntimeError("chunk_acked without a chunk")
+        outcome, self._pending = self._pending, None
+        out = outcome.output
+        rejection = self._rejection([out.version, *out.token_versions])
+        self.record_chunk(plan, outcome.context_ids, out.output_ids, out.token_versions)
+        return rejection
+
+    def complete(self, gen: Generation) -> ChatOutcome:
+        """The generation ended: the returned assistant message joins the segment's history."""
+        plan = self._call()
+        content = self.tokenizer.decode(gen.output_ids)
+        self.complete_turn(plan, tuple(self.tokenizer.render_message("assistant", content)))
+        self._leave_call()
+        rein = {
+            "session_id": self.session_id, "segment_index": plan.segment_index, "new_segment": plan.new_segment,
+            "output_ids": gen.output_ids, "versions": gen.versions,
+            "chunks": [{"rid": c.output.rid, "version": c.output.version, "finish_reason": c.output.finish_reason,
+                        "num_tokens": len(c.output.output_ids)} for c in gen.chunks],
+        }
+        return ChatOutcome(content=content, finish_reason=gen.finish_reason, prompt_tokens=len(plan.prompt_ids),
+                           completion_tokens=len(gen.output_ids), rein=rein)
+
+    def fail(self, error: Exception, *, soft: bool = False) -> Step:
+        """The call stopped on ``error``. A staleness rule rejects the session (softly when asked);
+        any other failure rejects it only once this call published (its records cannot be
+        completed), and then the agent still gets ``error``. Otherwise the session stays open."""
+        if self.phase != "in_call":
+            return Step(error=error)
+        if isinstance(error, RolloutRejected):
+            return self._reject(error, soft=soft, required=True)
+        plan, published = self._call(), self.num_chunks > self._first_seq
+        if published or (isinstance(error, KafkaUnavailable) and self._pending is not None):
+            self.close_segment(plan)
+        if not published:
+            self._leave_call()
+            return Step(error=error)
+        rejection = error if isinstance(error, ReinError) else ReinError(f"{type(error).__name__}: {error}")
+        return replace(self._reject(rejection, soft=False, required=False), error=error)
+
+    def cancel(self) -> Step:
+        """The call was cancelled (shutdown): once it published, the session takes no more calls."""
+        if self.phase != "in_call":
+            return Step()
+        if self.num_chunks == self._first_seq:
+            self._leave_call()
+            return Step()
+        self.close_segment(self._call())
+        self._pending, self.phase = None, "rejected"
+        return Step(ended="rejected (cancelled)")
+
+    # ------------------------------------------------------------------ events that end an open session
+
+    def finish(self, reward: float, status: str, error: str = "") -> Step:
+        """The agent reports its reward: publish SessionFinished (tracked sessions); the session
+        ends at ``end_acked``, and stays open if the publish fails."""
+        self._require("open")
+        self._ending = Step(ended="finished")
+        if not self.trainable:
+            return Step()
+        record = SessionFinished(
+            session_id=self.session_id, group_id=self.group_id, reward=reward, status=status,  # type: ignore[arg-type]
+            num_chunks=self.num_chunks, error=error if status == "failed" else "",
+        )
+        return Step(publish=(record,))
+
+    def expire(self, timeout_s: float) -> Step:
+        """No call for ``timeout_s``: publish SessionRejected; the session ends at ``end_acked``."""
+        self._require("open")
+        error = SessionIdle(f"session {self.session_id} had no call for {timeout_s:g}s", session_id=self.session_id,
+                            idle_timeout_s=timeout_s)
+        self._ending = Step(ended=f"rejected ({error.code})", rejection=error)
+        return Step(publish=self._rejected_record(error), rejection=error)
+
+    def end_acked(self) -> Step:
+        """The records of ``finish`` or ``expire`` are on Kafka: the session ends."""
+        self._require("open")
+        if self._ending is None:
+            raise RuntimeError("end_acked without finish or expire")
+        step, self._ending = self._ending, None
+        self.phase = "finished" if step.ended == "finished" else "rejected"
+        return step
+
+    # ------------------------------------------------------------------ internals
+
+    def _require(self, phase: Phase) -> None:
+        """Refuse an event the phase does not take: 409 for the agent's, RuntimeError for the shell's."""
+        if self.phase == phase:
+            return
+        if self.phase in ("finished", "rejected"):
+            raise SessionFinalized(f"session {self.session_id} is {self.phase}; it takes no more calls",
+                                   session_id=self.session_id, outcome=self.phase)
+        if self.phase == "in_call":
+            raise SessionBusy(f"session {self.session_id} has a call in flight", session_id=self.session_id)
+        raise RuntimeError(f"session {self.session_id} is {self.phase}, not {phase}")
+
+    def _call(self) -> TurnPlan:
+        self._require("in_call")
+        assert self._turn is not None
+        return self._turn
+
+    def _leave_call(self) -> None:
+        self.phase, self._turn, self._pending = "open", None, None
+
+    def _reject(self, error: ReinError, *, soft: bool, required: bool) -> Step:
+        self.phase, self._turn, self._pending = "rejected", None, None
+        answer = None
+        if soft:
+            answer = ChatOutcome(content="", finish_reason="stop", prompt_tokens=0, completion_tokens=0,
+                                 rein={"session_id": self.session_id, "rejected": error.detail()}, soft_rejected=True)
+        return Step(publish=self._rejected_record(error), required=required, ended=f"rejected ({error.code})",
+                    rejection=error, soft=soft, answer=answer, error=None if soft else error)
+
+    def _rejected_record(self, error: ReinError) -> tuple[Record, ...]:
+        if not self.trainable:
+            return ()
+        return (SessionRejected(session_id=self.session_id, group_id=self.group_id, error=error.code,
+                                detail=_jsonable(error.detail()), num_chunks=self.num_chunks),)
+
+    def _rejection(self, candidates: Sequence[str | None]) -> RolloutRejected | None:
+        """The staleness rule the session breaks if it took tokens of ``candidates``, if any."""
+        recorded = self.versions()
+        if self.rules.partial_rollout:
+            span = check_span(recorded, candidates, self.rules.max_preempts, self.session_id)
+            return None if span is None else PartialRolloutStalenessExceeded.from_detail(span.detail())
+        new = [v for v in distinct_real(candidates) if v not in recorded]
+        if not (recorded and new):
+            return None
+        return TrajectoryVersionChanged(
+            f"session {self.session_id} was generated with {recorded}; the engine now serves {new} "
+            "and partial rollout is off",
+            previous_versions=recorded, new_versions=new, session_id=self.session_id,
+        )
+
+
+def _jsonable(value: Any) -> Any:
+    """Detail fields made msgpack/JSON safe (tuples to lists, unknown objects to strings)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)

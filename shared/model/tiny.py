@@ -1,0 +1,105 @@
+"""The built-in tiny policy as a model family: ``shared.policy``, ``shared.tokenizer`` and
+``shared.checkpoint`` wrapped, unchanged, so ``REIN_MODEL=tiny`` behaves exactly as before."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from shared import checkpoint
+from shared.model.base import ChatTokenizer, Loaded
+from shared.policy import PolicyConfig, TinyPolicy, init_policy
+from shared.tokenizer import TOKENIZER, Tokenizer
+
+
+class TinyChatTokenizer:
+    """:class:`shared.tokenizer.Tokenizer` behind the :class:`ChatTokenizer` protocol.
+
+    The tiny template has no tool rendering: ``tools`` are ignored, and a message's
+    ``content`` must be text (None reads as empty).
+    """
+
+    def __init__(self, tokenizer: Tokenizer = TOKENIZER) -> None:
+        self.inner = tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    @property
+    def pad_id(self) -> int:
+        return self.inner.pad_id
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset({self.inner.end_id})
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        plain = []
+        for i, message in enumerate(messages):
+            if "role" not in message or "content" not in message:
+                missing = "role" if "role" not in message else "content"
+                raise ValueError(f"message {i} lacks field {missing!r}")
+            content = message["content"]
+            plain.append({"role": str(message["role"]), "content": "" if content is None else str(content)})
+        return self.inner.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.inner.decode(ids)
+
+
+class TinyFamily:
+    """The tiny policy of shape ``config``; checkpoints are ``shared.checkpoint`` torch files."""
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config or PolicyConfig(vocab_size=TOKENIZER.vocab_size)
+        self._tokenizer = TinyChatTokenizer()
+
+    @property
+    def name(self) -> str:
+        return "tiny"
+
+    @property
+    def kind(self) -> Literal["tiny", "hf"]:
+        return "tiny"
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        return self._tokenizer
+
+    @property
+    def context_window(self) -> int:
+        return self.config.context
+
+    @property
+    def checkpoint_suffix(self) -> str:
+        return ".pt"
+
+    def new_model(self, seed: int, device: torch.device, *, dtype: torch.dtype | None = None) -> nn.Module:
+        model = init_policy(self.config, seed).to(device=device, dtype=dtype)
+        model.eval()
+        return model
+
+    def save(self, model: nn.Module, path: Path, *, version: str, step: int) -> str:
+        if not isinstance(model, TinyPolicy):
+            raise TypeError(f"the tiny family saves TinyPolicy models, got {type(model).__name__}")
+        return checkpoint.save(path, model, model.config, version, step)
+
+    def load(self, path: Path, device: torch.device, *, dtype: torch.dtype | None = None) -> Loaded:
+        ckpt = checkpoint.load(path, device)
+        if dtype is not None:
+            ckpt.model.to(dtype=dtype)
+        return Loaded(model=ckpt.model, version=ckpt.version, step=ckpt.step, digest=ckpt.digest)
+
+    def digest(self, model: nn.Module) -> str:
+        return checkpoint.digest(model.state_dict())

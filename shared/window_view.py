@@ -1,0 +1,50 @@
+"""The window's view of a completed group, pure: what :func:`shared.staleness.window_step` judges.
+
+A ``rollout.groups`` record carries every token's version; the window only needs one end
+version per trajectory (the last trainable, versioned token of its highest segment) and
+whether a failure is charged to the prompt. The live collector and the what-if replay
+(``ops/replay.py``) both build that view here, so the live and the replayed rule cannot
+drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from shared.schemas import CompletedGroup
+from shared.staleness import UNCHARGED_ERRORS, SegmentEnd, WindowGroup, trajectory_versions
+from shared.versions import real_version
+
+
+def segment_end_version(loss_mask: Sequence[int], versions: Sequence[str | None]) -> str | None:
+    """Version of the segment's last trainable (mask 1) token with a real version, else None."""
+    for mask, version in zip(reversed(loss_mask), reversed(versions), strict=True):
+        if mask and real_version(version) is not None:
+            return real_version(version)
+    return None
+
+
+def segment_ends(group: CompletedGroup) -> list[SegmentEnd]:
+    """One :class:`SegmentEnd` per segment of every trajectory (trajectory id = session id)."""
+    return [
+        SegmentEnd(traj.session_id, seg.segment_index, segment_end_version(seg.loss_mask, seg.versions))
+        for traj in group.trajectories
+        for seg in traj.segments
+    ]
+
+
+def window_group_from_samples(
+    group_id: str, prompt_id: str, attempt: int, failed: bool, samples: Sequence[SegmentEnd]
+) -> WindowGroup:
+    """The window's view of a group: one end version per versioned trajectory (highest segment decides)."""
+    versions = tuple(trajectory_versions(samples).values())
+    return WindowGroup(group_id, prompt_id, attempt, failed, versions)
+
+
+def window_group(group: CompletedGroup) -> WindowGroup:
+    """The window's view of a completed group from ``rollout.groups``."""
+    view = window_group_from_samples(group.group_id, group.prompt_id, group.attempt, group.failed, segment_ends(group))
+    abnormal = [t.error for t in group.trajectories if t.status not in ("completed", "truncated")]
+    uncharged = group.failed and bool(abnormal) and all(e in UNCHARGED_ERRORS for e in abnormal)
+    return replace(view, free_retries=group.free_retries, uncharged=uncharged)

@@ -1,0 +1,74 @@
+"""EngineHandle reads SGLang's info routes: the version from /get_model_info, the window from
+/get_server_info (or the settings), extra fields tolerated, missing ones a clear 502."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+from services.proxy.engine_client import EngineHandle, context_window_of
+from shared.errors import EngineError
+
+SGLANG_MODEL_INFO = {"model_path": "/m", "tokenizer_path": "/m", "is_generation": True,
+                     "preferred_sampling_params": None, "weight_version": "default"}
+
+
+def handle(routes: dict[str, Any], window: int | None = None) -> tuple[EngineHandle, list[str]]:
+    """A handle on an in-memory engine answering ``routes`` (path -> JSON body; absent: 404)."""
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        if request.url.path not in routes:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        return httpx.Response(200, json=routes[request.url.path])
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    return EngineHandle("http://e", client, window), seen
+
+
+@pytest.mark.parametrize(
+    ("info", "window"),
+    [
+        ({"context_length": None, "max_req_input_len": 32757, "tp_size": 1}, 32757),  # SGLang's default launch
+        ({"context_length": 4096, "max_req_input_len": 4090}, 4090),
+        ({"context_length": 64, "max_req_input_len": 64}, 64),  # rein's engine
+        ({"context_length": 2048}, 2048),
+        ({"context_length": True, "max_req_input_len": 100}, 100),  # a bool is not a length
+    ],
+)
+def test_context_window_of(info: dict[str, Any], window: int) -> None:
+    assert context_window_of(info, "http://e") == window
+
+
+@pytest.mark.parametrize("info", [{}, {"context_length": None}, {"max_req_input_len": 1}, [], None])
+def test_context_window_of_refuses_what_has_none(info: Any) -> None:
+    with pytest.raises(EngineError, match=r"no usable context window.*REIN_CONTEXT_WINDOW"):
+        context_window_of(info, "http://e")
+
+
+def test_refresh_reads_both_sglang_routes() -> None:
+    engine, seen = handle({"/get_model_info": SGLANG_MODEL_INFO,
+                           "/get_server_info": {"context_length": None, "max_req_input_len": 500}})
+    assert asyncio.run(engine.window()) == 500
+    assert engine.version == "default" and seen == ["/get_model_info", "/get_server_info"]
+    asyncio.run(engine.refresh())  # the window is read once; the version every time
+    assert seen[2:] == ["/get_model_info"]
+
+
+def test_a_configured_window_is_not_read() -> None:
+    engine, seen = handle({"/get_model_info": {**SGLANG_MODEL_INFO, "weight_version": "v3", "digest": "x"}}, 128)
+    asyncio.run(engine.refresh())
+    assert (engine.version, asyncio.run(engine.window()), seen) == ("v3", 128, ["/get_model_info"])
+
+
+def test_missing_fields_and_routes_are_clear_errors() -> None:
+    no_version, _ = handle({"/get_model_info": {"model_path": "/m"}}, 128)
+    with pytest.raises(EngineError, match="without weight_version"):
+        asyncio.run(no_version.refresh())
+    no_server_info, _ = handle({"/get_model_info": SGLANG_MODEL_INFO})
+    with pytest.raises(EngineError, match="404 on /get_server_info"):
+        asyncio.run(no_server_info.window())

@@ -1,0 +1,235 @@
+"""The session state machine as a table: a script of events in, what each one answers out.
+
+Each event's answer is written as one short line (``publish chunk#0/s0/c0``, ``end rejected (x)``,
+``raise engine_unavailable``...), so a row reads as the conversation it models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from services.proxy.engine_client import EngineOutput, FinishReason
+from services.proxy.generation import ChunkOutcome, Generation
+from services.proxy.session_machine import Session, Step, VersionRules
+from shared.errors import (
+    EngineUnavailable,
+    GenerationPreempted,
+    KafkaUnavailable,
+    ReinError,
+    RolloutRejected,
+)
+from shared.schemas import Chunk, Record, SessionFinished, SessionRejected
+from shared.tokenizer import TOKENIZER as TOK
+
+USER1 = ("user", "guess")
+USER2 = ("user", "higher")
+FIVE = TOK.token_id("5")
+
+
+@dataclass
+class Driver:
+    """Turns script events into session events, remembering what one call needs."""
+
+    session: Session
+    outputs: list[EngineOutput] | None = None
+    messages: list[tuple[str, str]] | None = None
+    plan_context: tuple[int, ...] = ()
+    rejection: RolloutRejected | None = None
+    """The last rejection ``check`` or ``ack`` answered: ``("fail", "it")`` feeds it back."""
+
+    def event(self, event: tuple[object, ...]) -> str:
+        try:
+            return self._event(event)
+        except ReinError as exc:
+            return f"refused {exc.code}"
+
+    def _event(self, event: tuple[object, ...]) -> str:
+        s, name, args = self.session, event[0], event[1:]
+        if name == "begin":  # ("begin", "extend" | "rewrite" | "bad")
+            self.messages = {"rewrite": [USER2], "bad": [("tool", "x")]}.get(str(args[0]), [USER1])
+            if args[0] == "extend":
+                self.messages = [USER1, ("assistant", "5"), USER2]
+            plan = s.begin(self.messages, "t")
+            self.outputs, self.plan_context = [], plan.context_ids
+            return f"plan s{plan.segment_index} {'new' if plan.new_segment else 'extend'}"
+        if name == "check":  # ("check", version)
+            self.rejection = s.check_engine(str(args[0]))
+            return _rejection(self.rejection)
+        if name == "chunk":  # ("chunk", version, finish_reason)
+            assert self.outputs is not None
+            reason: FinishReason = args[1]  # type: ignore[assignment]
+            ids = [FIVE, TOK.end_id] if reason == "stop" else [FIVE]
+            out = EngineOutput(f"r{len(self.outputs)}", ids, [-0.1] * len(ids), str(args[0]), [str(args[0])] * len(ids),
+                               reason)
+            index = len(self.outputs)
+            self.outputs.append(out)
+            records = s.chunk(ChunkOutcome(index, self.plan_context if index == 0 else (), out), "e")
+            return "publish " + (" ".join(_record(r) for r in records) or "-")
+        if name == "ack":
+            self.rejection = s.chunk_acked()
+            return _rejection(self.rejection)
+        if name == "complete":
+            assert self.outputs is not None
+            ids = [t for o in self.outputs for t in o.output_ids]
+            gen = Generation(output_ids=ids, finish_reason=self.outputs[-1].finish_reason if self.outputs else "stop",
+                             chunks=[ChunkOutcome(i, (), o) for i, o in enumerate(self.outputs)])
+            answer = s.complete(gen)
+            return f"answer {answer.content!r} {answer.finish_reason}"
+        if name == "fail":  # ("fail", error | "it", soft)
+            error = self.rejection if args[0] == "it" else args[0]
+            assert isinstance(error, Exception)
+            return _step(s.fail(error, soft=bool(args[1:] and args[1])))
+        if name == "cancel":
+            return _step(s.cancel())
+        if name == "finish":
+            return _step(s.finish(1.0, "completed"))
+        if name == "expire":
+            return _step(s.expire(30.0))
+        if name == "end":
+            return _step(s.end_acked())
+        raise AssertionError(name)
+
+
+def _rejection(error: RolloutRejected | None) -> str:
+    return "ok" if error is None else f"reject {error.code}"
+
+
+def _record(record: Record) -> str:
+    if isinstance(record, Chunk):
+        return f"chunk#{record.seq}/s{record.segment_index}/c{record.chunk_index}"
+    if isinstance(record, SessionRejected):
+        return f"rejected({record.error},n={record.num_chunks})"
+    assert isinstance(record, SessionFinished)
+    return f"finished(n={record.num_chunks})"
+
+
+def _step(step: Step) -> str:
+    parts = []
+    if step.ended:
+        parts.append(f"end {step.ended}")
+    if step.publish:
+        parts.append("publish " + " ".join(_record(r) for r in step.publish) + ("" if step.required else "?"))
+    if step.answer is not None:
+        parts.append("answer soft")
+    if step.error is not None:
+        parts.append(f"raise {getattr(step.error, 'code', type(step.error).__name__)}")
+    return ", ".join(parts) or "-"
+
+
+KAFKA = KafkaUnavailable("broker down")
+LOST = EngineUnavailable("engine gone")
+SPAN = "partial_rollout_staleness_exceeded"
+FIRST_TURN: list[tuple[tuple[object, ...], str]] = [
+    (("begin", "first"), "plan s0 new"), (("check", "v1"), "ok"), (("chunk", "v1", "stop"), "publish chunk#0/s0/c0"),
+    (("ack",), "ok"), (("complete",), "answer '5' stop"),
+]
+
+TABLE: dict[str, tuple[VersionRules, str, list[tuple[tuple[object, ...], str]]]] = {
+    "one turn, then an extension": (VersionRules(), "g", [
+        *FIRST_TURN,
+        (("begin", "extend"), "plan s0 extend"), (("chunk", "v1", "stop"), "publish chunk#1/s0/c0"), (("ack",), "ok"),
+    ]),
+    "an untracked session publishes nothing, ever": (VersionRules(), "", [
+        *[(e, "publish -" if e[0] == "chunk" else r) for e, r in FIRST_TURN],
+        (("begin", "extend"), "plan s0 extend"), (("chunk", "v1", "abort"), "publish -"), (("ack",), "ok"),
+        (("fail", LOST), "end rejected (engine_unavailable), raise engine_unavailable"),
+        (("finish",), "refused session_finalized"),
+    ]),
+    "a preempted chunk continues on the new version within the cap": (VersionRules(max_preempts=1), "g", [
+        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("ack",), "ok"),
+        (("check", "v2"), "ok"), (("chunk", "v2", "stop"), "publish chunk#1/s0/c1"), (("ack",), "ok"),
+        (("complete",), "answer '5 5' stop"),
+    ]),
+    "the span pre-check rejects before spending compute": (VersionRules(max_preempts=0), "g", [
+        *FIRST_TURN, (("begin", "extend"), "plan s0 extend"), (("check", "v2"), f"reject {SPAN}"),
+        (("fail", "it"), f"end rejected ({SPAN}), publish rejected({SPAN},n=1), raise {SPAN}"),
+        (("finish",), "refused session_finalized"), (("begin", "extend"), "refused session_finalized"),
+    ]),
+    "the post-check rejects after the chunk is on record": (VersionRules(max_preempts=0), "g", [
+        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("ack",), "ok"),
+        (("chunk", "v2", "stop"), "publish chunk#1/s0/c1"), (("ack",), f"reject {SPAN}"),
+        (("fail", "it"), f"end rejected ({SPAN}), publish rejected({SPAN},n=2), raise {SPAN}"),
+    ]),
+    "a soft rejection answers 200 and still ends the session": (VersionRules(max_preempts=0), "g", [
+        *FIRST_TURN, (("begin", "extend"), "plan s0 extend"), (("check", "v2"), f"reject {SPAN}"),
+        (("fail", "it", True), f"end rejected ({SPAN}), publish rejected({SPAN},n=1), answer soft"),
+        (("expire",), "refused session_finalized"),
+    ]),
+    "without partial rollout a new version ends the trajectory": (VersionRules(partial_rollout=False), "g", [
+        *FIRST_TURN, (("begin", "rewrite"), "plan s1 new"), (("check", "v1"), "ok"),
+        (("check", "v2"), "reject trajectory_version_changed"),
+    ]),
+    "without partial rollout a preempt rejects the session": (VersionRules(partial_rollout=False), "g", [
+        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("ack",), "ok"),
+        (("fail", GenerationPreempted("preempted")),
+         "end rejected (generation_preempted), publish rejected(generation_preempted,n=1), raise generation_preempted"),
+    ]),
+    "an engine lost before any chunk leaves the session open and the segment extendable": (VersionRules(), "g", [
+        *FIRST_TURN, (("begin", "extend"), "plan s0 extend"), (("fail", LOST), "raise engine_unavailable"),
+        (("begin", "extend"), "plan s0 extend"),
+    ]),
+    "an engine lost after a chunk rejects the session, best effort": (VersionRules(), "g", [
+        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("ack",), "ok"),
+        (("fail", LOST),
+         "end rejected (engine_unavailable), publish rejected(engine_unavailable,n=1)?, raise engine_unavailable"),
+    ]),
+    "a plain bug after a chunk is rejected as internal_error and re-raised as is": (VersionRules(), "g", [
+        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("ack",), "ok"),
+        (("fail", KeyError("x")),
+         "end rejected (internal_error), publish rejected(internal_error,n=1)?, raise KeyError"),
+    ]),
+    "Kafka refusing an extension's first chunk closes the segment": (VersionRules(), "g", [
+        *FIRST_TURN, (("begin", "extend"), "plan s0 extend"), (("chunk", "v1", "stop"), "publish chunk#1/s0/c0"),
+        (("fail", KAFKA), "raise kafka_unavailable"), (("begin", "extend"), "plan s1 new"),
+        (("chunk", "v1", "stop"), "publish chunk#1/s1/c0"),
+    ]),
+    "Kafka refusing a later chunk rejects with the chunks that made it": (VersionRules(), "g", [
+        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("ack",), "ok"),
+        (("chunk", "v1", "stop"), "publish chunk#1/s0/c1"),
+        (("fail", KAFKA),
+         "end rejected (kafka_unavailable), publish rejected(kafka_unavailable,n=1)?, raise kafka_unavailable"),
+    ]),
+    "a bad role is a 400 and changes nothing": (VersionRules(), "g", [
+        (("begin", "bad"), "refused invalid_request"), (("begin", "first"), "plan s0 new"),
+    ]),
+    "a cancelled call ends the session only once it published": (VersionRules(), "g", [
+        (("begin", "first"), "plan s0 new"), (("cancel",), "-"), (("begin", "first"), "plan s0 new"),
+        (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("ack",), "ok"),
+        (("cancel",), "end rejected (cancelled)"),
+        (("finish",), "refused session_finalized"),
+    ]),
+    "finish publishes every chunk's count and ends at the ack": (VersionRules(), "g", [
+        *FIRST_TURN, (("finish",), "publish finished(n=1)"), (("end",), "end finished"),
+        (("finish",), "refused session_finalized"), (("begin", "extend"), "refused session_finalized"),
+    ]),
+    "a finish Kafka refused leaves the session open": (VersionRules(), "g", [
+        *FIRST_TURN, (("finish",), "publish finished(n=1)"), (("begin", "extend"), "plan s0 extend"),
+    ]),
+    "finish during a call is refused": (VersionRules(), "g", [
+        (("begin", "first"), "plan s0 new"), (("finish",), "refused session_busy"),
+        (("expire",), "refused session_busy"),
+    ]),
+    "an idle session is rejected once its record is on Kafka": (VersionRules(), "g", [
+        *FIRST_TURN, (("expire",), "publish rejected(session_idle,n=1)"), (("end",), "end rejected (session_idle)"),
+        (("finish",), "refused session_finalized"),
+    ]),
+    "an untracked session finishes without a record": (VersionRules(), "", [
+        *[(e, "publish -" if e[0] == "chunk" else r) for e, r in FIRST_TURN],
+        (("finish",), "-"), (("end",), "end finished"),
+    ]),
+}
+
+
+@pytest.mark.parametrize("rules,group,script", TABLE.values(), ids=TABLE.keys())
+def test_session_machine(rules: VersionRules, group: str, script: list[tuple[tuple[object, ...], str]]) -> None:
+    driver = Driver(Session("s", group, rules=rules))
+    assert [driver.event(event) for event, _ in script] == [expected for _, expected in script]
+
+
+@pytest.mark.parametrize("event", [("chunk", "v1", "stop"), ("ack",), ("complete",), ("end",)])
+def test_events_out_of_order_are_bugs_not_answers(event: tuple[object, ...]) -> None:
+    driver = Driver(Session("s", "g"), outputs=[])
+    with pytest.raises(RuntimeError):
+        driver.event(event)
