@@ -352,7 +352,7 @@ def test_weights_swapped_mid_request_give_per_token_versions_on_the_chunk(
     engine reported it, not one label for all."""
     a, b = labels(2)
     engine.load(a)
-    b_path = engine.save(b)
+    b_path, _ = engine.checkpoint(b)
     proxy = proxy_factory([engine.url])
     client = proxy.client(f"s-{uuid.uuid4().hex}", "g")
     join = in_background(lambda: ask(client, USER, max_tokens=60))
