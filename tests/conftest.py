@@ -1,6 +1,6 @@
 """Session fixtures: a real Kafka broker and a real Redis, started once per run, only when needed.
 
-Service fixtures (session scope; the services are started by ``tests/infra.py`` through
+Service fixtures (session scope; the services are started by ``tests/support/infra.py`` through
 ``deploy/kafka.sh`` / ``deploy/redis.sh`` in a temp dir and stopped at the end of the run):
 
 - ``kafka_bootstrap -> str``: ``"127.0.0.1:PORT"`` of a single-node KRaft broker
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.infra import KAFKA, NEEDS, REDIS, Infra, InfraError
+from tests.support.infra import KAFKA, NEEDS, REDIS, Infra, InfraError
 
 if TYPE_CHECKING:
     import redis
