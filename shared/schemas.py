@@ -4,6 +4,11 @@ Wire form: a msgpack map ``{"schema": SCHEMA_VERSION, "type": <record type>,
 "data": {...fields}}``. :func:`decode` checks size, envelope, schema version and
 fields, and raises :class:`DecodeError` naming the problem; consumers count,
 log and skip such records (STYLE 7) instead of crashing.
+
+A record is where a version label enters every consumer, so the schema normalises
+each version field once, on construction and on decode (:data:`Label`,
+:data:`RealLabel`): a record from any producer carries real labels or None, and the
+pure rules downstream take them as they are.
 """
 
 from __future__ import annotations
@@ -13,9 +18,18 @@ import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from shared.versions import decode_runs
+from shared.versions import decode_runs, real_version
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
@@ -23,6 +37,32 @@ DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 
 def _now() -> float:
     return time.time()
+
+
+def _label(value: object) -> object:
+    """A text label normalised (not real: None); any other value is left to the type check."""
+    return real_version(value) if isinstance(value, str) else value
+
+
+def _real_label(value: object) -> object:
+    label = _label(value)
+    if isinstance(value, str) and label is None:
+        raise ValueError(f"{value!r} is not a real version label")
+    return label
+
+
+def _labels(values: list[str | None]) -> list[str | None]:
+    """Per-token labels normalised; the common already-normalised list is returned as it is."""
+    table = {value: real_version(value) for value in set(values)}
+    if all(value == label for value, label in table.items()):
+        return values
+    return [table[value] for value in values]
+
+
+Label = Annotated[str | None, BeforeValidator(_label)]
+"""A version field: the normalised label, or None when the producer sent no real version."""
+RealLabel = Annotated[str, BeforeValidator(_real_label)]
+"""A version field that must name a real version (a published or applied weight version)."""
 
 
 def new_id(prefix: str) -> str:
@@ -72,15 +112,27 @@ class Chunk(Record):
     context_ids: list[int] = Field(default_factory=list)
     output_ids: list[int] = Field(default_factory=list)
     logprobs: list[float] = Field(default_factory=list)
-    version: str | None = None
+    version: Label = None
     """Normalised ``weight_version`` the engine reported for the call (its version when it answered)."""
-    token_versions: list[tuple[str | None, int]] = Field(default_factory=list)
+    token_versions: list[tuple[Label, int]] = Field(default_factory=list)
     """The version of each output token as the engine reported it, run-length encoded
     (``[(label, count), ...]``, counts summing to ``len(output_ids)``): an engine may swap
     weights mid-request. Empty: every output token carries ``version``."""
     finish_reason: Literal["stop", "length", "abort"]
     rid: str = ""
     engine: str = ""
+
+    @field_validator("token_versions")
+    @classmethod
+    def _merge_equal_runs(cls, runs: list[tuple[str | None, int]]) -> list[tuple[str | None, int]]:
+        """Neighbouring runs that normalised to one label become one run (``"-1"`` and ``None`` both say none)."""
+        merged: list[tuple[str | None, int]] = []
+        for label, count in runs:
+            if merged and merged[-1][0] == label:
+                merged[-1] = (label, merged[-1][1] + count)
+            else:
+                merged.append((label, count))
+        return merged
 
     @model_validator(mode="after")
     def _runs_cover_the_output(self) -> Chunk:
@@ -173,8 +225,13 @@ class Segment(BaseModel):
     logprobs: list[float]
     """Rollout logprob per token (0.0 on context tokens)."""
     versions: list[str | None]
-    """Version per token (None on context tokens)."""
+    """Version per token, normalised (None on context tokens)."""
     finish_reason: str = "stop"
+
+    @field_validator("versions")
+    @classmethod
+    def _normalise_versions(cls, versions: list[str | None]) -> list[str | None]:
+        return _labels(versions)
 
 
 class Trajectory(BaseModel):
@@ -209,7 +266,7 @@ class CompletedGroup(Record):
 class WindowInfo(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     keep_versions: int
-    current_version: str | None
+    current_version: Label
     current_index: int | None
     cutoff_index: int | None
 
@@ -223,7 +280,7 @@ class DecisionRecord(Record):
     prompt_id: str
     attempt: int = Field(ge=0)
     decision: Literal["kept", "dropped_stale", "dropped_retroactive", "failed_retry", "failed_dropped"]
-    versions: list[str]
+    versions: list[RealLabel]
     window: WindowInfo
     collector: str = ""
     step: int | None = Field(default=None, ge=0)
@@ -277,7 +334,7 @@ class WeightPublished(Record):
 
     topic_attr: ClassVar[str] = "weights"
     type: Literal["weight_published"] = "weight_published"
-    version: str = Field(min_length=1)
+    version: RealLabel
     seq: int = Field(ge=0)
     path: str
     digest: str
@@ -292,7 +349,7 @@ class WeightApplied(Record):
 
     topic_attr: ClassVar[str] = "weights"
     type: Literal["weight_applied"] = "weight_applied"
-    version: str = Field(min_length=1)
+    version: RealLabel
     seq: int = Field(ge=0)
     digest: str
     engines: list[str] = Field(default_factory=list)
