@@ -5,10 +5,9 @@ Wire form: a msgpack map ``{"schema": SCHEMA_VERSION, "type": <record type>,
 fields, and raises :class:`DecodeError` naming the problem; consumers count,
 log and skip such records (STYLE 7) instead of crashing.
 
-A record is where a version label enters every consumer, so the schema normalises
-each version field once, on construction and on decode (:data:`Label`,
-:data:`RealLabel`): a record from any producer carries real labels or None, and the
-pure rules downstream take them as they are.
+A record is where a version label enters its consumers: every version field is
+normalised on construction and decode (``Label``, ``RealLabel``), so a record from any
+producer carries real labels or None and the rules downstream take them as they are.
 """
 
 from __future__ import annotations
@@ -18,18 +17,9 @@ import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgpack
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    TypeAdapter,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from shared.versions import decode_runs, real_version
+from shared.versions import Label, RealLabel, decode_runs
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
@@ -37,32 +27,6 @@ DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 
 def _now() -> float:
     return time.time()
-
-
-def _label(value: object) -> object:
-    """A text label normalised (not real: None); any other value is left to the type check."""
-    return real_version(value) if isinstance(value, str) else value
-
-
-def _real_label(value: object) -> object:
-    label = _label(value)
-    if isinstance(value, str) and label is None:
-        raise ValueError(f"{value!r} is not a real version label")
-    return label
-
-
-def _labels(values: list[str | None]) -> list[str | None]:
-    """Per-token labels normalised; the common already-normalised list is returned as it is."""
-    table = {value: real_version(value) for value in set(values)}
-    if all(value == label for value, label in table.items()):
-        return values
-    return [table[value] for value in values]
-
-
-Label = Annotated[str | None, BeforeValidator(_label)]
-"""A version field: the normalised label, or None when the producer sent no real version."""
-RealLabel = Annotated[str, BeforeValidator(_real_label)]
-"""A version field that must name a real version (a published or applied weight version)."""
 
 
 def new_id(prefix: str) -> str:
@@ -121,18 +85,6 @@ class Chunk(Record):
     finish_reason: Literal["stop", "length", "abort"]
     rid: str = ""
     engine: str = ""
-
-    @field_validator("token_versions")
-    @classmethod
-    def _merge_equal_runs(cls, runs: list[tuple[str | None, int]]) -> list[tuple[str | None, int]]:
-        """Neighbouring runs that normalised to one label become one run (``"-1"`` and ``None`` both say none)."""
-        merged: list[tuple[str | None, int]] = []
-        for label, count in runs:
-            if merged and merged[-1][0] == label:
-                merged[-1] = (label, merged[-1][1] + count)
-            else:
-                merged.append((label, count))
-        return merged
 
     @model_validator(mode="after")
     def _runs_cover_the_output(self) -> Chunk:
@@ -224,14 +176,9 @@ class Segment(BaseModel):
     loss_mask: list[int]
     logprobs: list[float]
     """Rollout logprob per token (0.0 on context tokens)."""
-    versions: list[str | None]
+    versions: list[Label]
     """Version per token, normalised (None on context tokens)."""
     finish_reason: str = "stop"
-
-    @field_validator("versions")
-    @classmethod
-    def _normalise_versions(cls, versions: list[str | None]) -> list[str | None]:
-        return _labels(versions)
 
 
 class Trajectory(BaseModel):

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from typing import Annotated
+
+from pydantic import BeforeValidator
 
 NOT_REAL = frozenset({"", "-1", "unknown", "none"})
 
@@ -30,6 +33,23 @@ def real_version(value: object) -> str | None:
     if text.lower() in NOT_REAL:
         return None
     return text
+
+
+def _label(value: object) -> object:
+    """A text label normalised (not real: None); any other value is left to the field's type check."""
+    return real_version(value) if isinstance(value, str) else value
+
+
+def _real_label(value: object) -> object:
+    if isinstance(value, str) and real_version(value) is None:
+        raise ValueError(f"{value!r} is not a real version label")
+    return _label(value)
+
+
+Label = Annotated[str | None, BeforeValidator(_label)]
+"""A record's version field: normalised where the record is built or decoded (None: no real version)."""
+RealLabel = Annotated[str, BeforeValidator(_real_label)]
+"""A record's version field that must name a real version (a published or applied weight version)."""
 
 
 def distinct_real(labels: Iterable[str | None]) -> list[str]:

@@ -140,7 +140,7 @@ def test_a_raw_label_in_a_chunk_decodes_to_none(raw_label: str | None) -> None:
     chunk = decode(_wire("chunk", data))
     assert isinstance(chunk, Chunk)
     assert chunk.version is None
-    assert chunk.token_versions == [("v1", 1), (None, 2)]  # runs that became one label are one run
+    assert chunk.token_versions == [("v1", 1), (None, 1), (None, 1)]
     assert chunk.output_versions() == ["v1", None, None]
 
 
