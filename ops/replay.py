@@ -5,6 +5,8 @@
 from a JSONL file (format in ``docs/replay.md``), and folds it through the same
 :func:`shared.staleness.window_step` the collector runs against Redis, with an
 in-memory :class:`shared.versions.VersionRegistry`. Nothing here touches live state.
+A JSONL file is where its labels enter, so :func:`parse_event` normalises them; the
+topics' records come normalised by their schema.
 
 A recorded group is turned into what the window judges by :mod:`shared.window_view`,
 the same code the live collector uses, so the live and the replayed rule cannot drift apart.
@@ -70,11 +72,11 @@ def parse_event(obj: object, lineno: int = 0) -> ReplayEvent:
         raise ReplayFormatError(f"line {lineno}: expected a JSON object")
     kind = obj.get("kind")
     if kind == "weight":
-        version = _require(obj, "version", (str, int), lineno)
+        label = real_version(_require(obj, "version", (str, int), lineno))
         seq = _require(obj, "seq", int, lineno)
-        if real_version(version) is None or seq < 0:
+        if label is None or seq < 0:
             raise ReplayFormatError(f"line {lineno}: weight needs a real version and seq >= 0")
-        return WeightEvent(str(real_version(version)), seq)
+        return WeightEvent(label, seq)
     if kind == "group":
         samples_raw = _require(obj, "samples", list, lineno)
         samples = []
@@ -85,7 +87,8 @@ def parse_event(obj: object, lineno: int = 0) -> ReplayEvent:
             seg = sample.get("segment_index", 0)
             if isinstance(seg, bool) or not isinstance(seg, int):
                 raise ReplayFormatError(f"line {lineno}: samples[{i}].segment_index must be an integer")
-            samples.append(SegmentEnd(None if traj is None else str(traj), seg, sample.get("end_version")))
+            end = real_version(sample.get("end_version"))
+            samples.append(SegmentEnd(None if traj is None else str(traj), seg, end))
         attempt = obj.get("attempt", 0)
         if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
             raise ReplayFormatError(f"line {lineno}: attempt must be an integer >= 0")

@@ -4,6 +4,10 @@ Wire form: a msgpack map ``{"schema": SCHEMA_VERSION, "type": <record type>,
 "data": {...fields}}``. :func:`decode` checks size, envelope, schema version and
 fields, and raises :class:`DecodeError` naming the problem; consumers count,
 log and skip such records (STYLE 7) instead of crashing.
+
+A record is where a version label enters its consumers: every version field is
+normalised on construction and decode (``Label``, ``RealLabel``), so a record from any
+producer carries real labels or None and the rules downstream take them as they are.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from shared.versions import decode_runs
+from shared.versions import Label, RealLabel, decode_runs
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
@@ -72,9 +76,9 @@ class Chunk(Record):
     context_ids: list[int] = Field(default_factory=list)
     output_ids: list[int] = Field(default_factory=list)
     logprobs: list[float] = Field(default_factory=list)
-    version: str | None = None
+    version: Label = None
     """Normalised ``weight_version`` the engine reported for the call (its version when it answered)."""
-    token_versions: list[tuple[str | None, int]] = Field(default_factory=list)
+    token_versions: list[tuple[Label, int]] = Field(default_factory=list)
     """The version of each output token as the engine reported it, run-length encoded
     (``[(label, count), ...]``, counts summing to ``len(output_ids)``): an engine may swap
     weights mid-request. Empty: every output token carries ``version``."""
@@ -172,8 +176,8 @@ class Segment(BaseModel):
     loss_mask: list[int]
     logprobs: list[float]
     """Rollout logprob per token (0.0 on context tokens)."""
-    versions: list[str | None]
-    """Version per token (None on context tokens)."""
+    versions: list[Label]
+    """Version per token, normalised (None on context tokens)."""
     finish_reason: str = "stop"
 
 
@@ -209,7 +213,7 @@ class CompletedGroup(Record):
 class WindowInfo(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     keep_versions: int
-    current_version: str | None
+    current_version: Label
     current_index: int | None
     cutoff_index: int | None
 
@@ -223,7 +227,7 @@ class DecisionRecord(Record):
     prompt_id: str
     attempt: int = Field(ge=0)
     decision: Literal["kept", "dropped_stale", "dropped_retroactive", "failed_retry", "failed_dropped"]
-    versions: list[str]
+    versions: list[RealLabel]
     window: WindowInfo
     collector: str = ""
     step: int | None = Field(default=None, ge=0)
@@ -277,7 +281,7 @@ class WeightPublished(Record):
 
     topic_attr: ClassVar[str] = "weights"
     type: Literal["weight_published"] = "weight_published"
-    version: str = Field(min_length=1)
+    version: RealLabel
     seq: int = Field(ge=0)
     path: str
     digest: str
@@ -292,7 +296,7 @@ class WeightApplied(Record):
 
     topic_attr: ClassVar[str] = "weights"
     type: Literal["weight_applied"] = "weight_applied"
-    version: str = Field(min_length=1)
+    version: RealLabel
     seq: int = Field(ge=0)
     digest: str
     engines: list[str] = Field(default_factory=list)

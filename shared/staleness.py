@@ -3,6 +3,7 @@
 No I/O here. The proxy applies :func:`check_span`, the collector folds groups
 through :func:`window_step`, the trainer applies :func:`mask_nonlast_version_tokens`,
 and ``rein replay`` reuses the same window so a what-if answer is the live rule.
+Version labels arrive normalised (``str | None``, see :mod:`shared.versions`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import enum
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from shared.versions import distinct_real, real_version
+from shared.versions import distinct_real
 
 # --------------------------------------------------------------------------- span cap (proxy)
 
@@ -54,8 +55,8 @@ class SpanRejection:
 
 
 def check_span(
-    session_versions: Iterable[object],
-    candidate_versions: Iterable[object],
+    session_versions: Iterable[str | None],
+    candidate_versions: Iterable[str | None],
     max_preempts: int | None,
     session_id: str,
 ) -> SpanRejection | None:
@@ -81,7 +82,7 @@ def check_span(
 # --------------------------------------------------------------------------- loss mask (trainer)
 
 
-def mask_nonlast_version_tokens(loss_mask: Sequence[int], versions: Sequence[object]) -> list[int]:
+def mask_nonlast_version_tokens(loss_mask: Sequence[int], versions: Sequence[str | None]) -> list[int]:
     """Keep only trainable tokens of the version of the last trainable real token.
 
     With zero or one distinct real version among trainable tokens (mask 1) the mask
@@ -92,7 +93,7 @@ def mask_nonlast_version_tokens(loss_mask: Sequence[int], versions: Sequence[obj
     """
     if len(loss_mask) != len(versions):
         raise ValueError(f"loss_mask has {len(loss_mask)} entries but versions has {len(versions)}")
-    trainable = [real_version(v) if m else None for m, v in zip(loss_mask, versions, strict=True)]
+    trainable = [v if m else None for m, v in zip(loss_mask, versions, strict=True)]
     real = [v for v in trainable if v is not None]
     if len(set(real)) < 2:
         return [1 if m else 0 for m in loss_mask]
@@ -109,7 +110,7 @@ class SegmentEnd:
 
     trajectory_id: str | None
     segment_index: int
-    end_version: object
+    end_version: str | None
 
 
 def trajectory_versions(samples: Sequence[SegmentEnd]) -> dict[str, str]:
@@ -120,7 +121,7 @@ def trajectory_versions(samples: Sequence[SegmentEnd]) -> dict[str, str]:
     """
     best: dict[str, tuple[int, int, str]] = {}
     for position, sample in enumerate(samples):
-        version = real_version(sample.end_version)
+        version = sample.end_version
         if version is None or sample.trajectory_id is None or sample.trajectory_id == "":
             continue
         key = str(sample.trajectory_id)

@@ -19,7 +19,6 @@ import redis
 from shared import log
 from shared.names import RedisKeys
 from shared.settings import RedisSettings
-from shared.versions import real_version
 
 _log = log.get(__name__)
 
@@ -101,13 +100,10 @@ class RedisRegistry:
         self._observe = client.register_script(_OBSERVE)
 
     def publish(self, label: str, seq: int) -> bool:
-        """Register ``label`` at ``seq``; idempotent for the same pair, an error for a conflict."""
-        name = real_version(label)
-        if name is None:
-            raise ValueError(f"cannot publish a non-real version label {label!r}")
+        """Register the real label ``label`` at ``seq``; idempotent for the same pair, an error for a conflict."""
         k = self.keys
         try:
-            created = self._publish(keys=[k.registry, k.registry_order, k.unregistered], args=[name, seq])
+            created = self._publish(keys=[k.registry, k.registry_order, k.unregistered], args=[label, seq])
         except redis.ResponseError as exc:
             raise ValueError(str(exc)) from None
         return bool(created)

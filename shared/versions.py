@@ -1,7 +1,9 @@
 """Weight-version labels and their order.
 
 A label is an opaque string. It is normalised once, where it enters the system
-(:func:`real_version`), and ordered by the sequence number the trainer published
+(:func:`real_version`: the record schemas, the proxy's engine client, the
+broadcaster's engine client, the replay file reader); everything after that takes
+``str | None`` as it is, None meaning "no real version". Labels are ordered by the sequence number the trainer published
 with it, never by text and never by when a collector first saw it (the
 reference's W1). Labels nobody published (an engine started with its own label)
 are placed after the published ones, in observation order, and counted.
@@ -11,6 +13,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from typing import Annotated
+
+from pydantic import BeforeValidator
 
 NOT_REAL = frozenset({"", "-1", "unknown", "none"})
 
@@ -30,14 +35,26 @@ def real_version(value: object) -> str | None:
     return text
 
 
-def distinct_real(values: Iterable[object]) -> list[str]:
-    """Distinct real labels of ``values`` in first-occurrence order."""
-    seen: dict[str, None] = {}
-    for value in values:
-        label = real_version(value)
-        if label is not None and label not in seen:
-            seen[label] = None
-    return list(seen)
+def _label(value: object) -> object:
+    """A text label normalised (not real: None); any other value is left to the field's type check."""
+    return real_version(value) if isinstance(value, str) else value
+
+
+def _real_label(value: object) -> object:
+    if isinstance(value, str) and real_version(value) is None:
+        raise ValueError(f"{value!r} is not a real version label")
+    return _label(value)
+
+
+Label = Annotated[str | None, BeforeValidator(_label)]
+"""A record's version field: normalised where the record is built or decoded (None: no real version)."""
+RealLabel = Annotated[str, BeforeValidator(_real_label)]
+"""A record's version field that must name a real version (a published or applied weight version)."""
+
+
+def distinct_real(labels: Iterable[str | None]) -> list[str]:
+    """Distinct real labels of normalised ``labels`` (None skipped) in first-occurrence order."""
+    return list(dict.fromkeys(label for label in labels if label is not None))
 
 
 VersionRuns = list[tuple[str | None, int]]
@@ -74,16 +91,13 @@ class VersionRegistry:
         self._sorted_seqs: list[int] = []
         self._unregistered: dict[str, int] = {}
 
-    def publish(self, label: object, seq: int) -> bool:
-        """Register ``label`` at sequence ``seq``; True when it was new.
+    def publish(self, name: str, seq: int) -> bool:
+        """Register the real label ``name`` at sequence ``seq``; True when it was new.
 
         Publishing the same label again with the same sequence is a no-op (events
         are replayed from Kafka); a different sequence for a known label, or a
         sequence already used by another label, is an error.
         """
-        name = real_version(label)
-        if name is None:
-            raise ValueError(f"cannot publish a non-real version label {label!r}")
         if seq < 0:
             raise ValueError(f"sequence number must be >= 0, got {seq}")
         known = self._seq.get(name)
@@ -99,12 +113,10 @@ class VersionRegistry:
         self._unregistered.pop(name, None)
         return True
 
-    def observe(self, label: object) -> str | None:
-        """Note a label seen in data; unknown real labels become unregistered. Returns the label."""
-        name = real_version(label)
-        if name is not None and name not in self._seq and name not in self._unregistered:
+    def observe(self, name: str) -> None:
+        """Note a real label seen in data; one never published becomes unregistered."""
+        if name not in self._seq and name not in self._unregistered:
             self._unregistered[name] = len(self._unregistered)
-        return name
 
     def is_registered(self, label: str) -> bool:
         return label in self._seq

@@ -14,14 +14,13 @@ from dataclasses import replace
 
 from shared.schemas import CompletedGroup
 from shared.staleness import UNCHARGED_ERRORS, SegmentEnd, WindowGroup, trajectory_versions
-from shared.versions import real_version
 
 
 def segment_end_version(loss_mask: Sequence[int], versions: Sequence[str | None]) -> str | None:
     """Version of the segment's last trainable (mask 1) token with a real version, else None."""
     for mask, version in zip(reversed(loss_mask), reversed(versions), strict=True):
-        if mask and real_version(version) is not None:
-            return real_version(version)
+        if mask and version is not None:
+            return version
     return None
 
 

@@ -41,7 +41,6 @@ from shared.schemas import (
     SessionRejected,
     Trajectory,
 )
-from shared.versions import real_version
 
 TopicPartition = tuple[str, int]
 
@@ -282,8 +281,7 @@ PARTIAL_ROLLOUT_STALENESS = "partial_rollout_staleness_exceeded"
 
 def trajectory_version_span(trajectory: Trajectory) -> int:
     """Distinct real versions over all tokens of a trajectory (context tokens carry none)."""
-    raw = {v for seg in trajectory.segments for v in seg.versions if v is not None}
-    return len({label for label in map(real_version, raw) if label is not None})
+    return len({v for seg in trajectory.segments for v in seg.versions if v is not None})
 
 
 def version_spans(group: CompletedGroup) -> list[int]:

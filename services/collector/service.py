@@ -318,7 +318,7 @@ class Collector:
 
     def _publish_outbox(self) -> None:
         before = self.store.conflicts
-        n = self.store.drain(self._send, timeout_s=max(30.0, 3 * self.settings.outbox_lock_ms / 1000))
+        n = self.store.outbox.drain(self._send, timeout_s=max(30.0, 3 * self.settings.outbox_lock_ms / 1000))
         if n:
             self.metrics.published.inc(n)
         self.metrics.conflicts.inc(self.store.conflicts - before)

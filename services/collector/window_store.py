@@ -1,4 +1,4 @@
-"""The one version window all collector replicas share, in Redis, and its outbox.
+"""The one version window all collector replicas share, in Redis.
 
 Each completed group goes through :meth:`WindowStore.step`: an optimistic
 WATCH/MULTI transaction that loads the window (current label, pending groups,
@@ -6,17 +6,9 @@ counters), gets every needed label's index from the :class:`RedisRegistry`, runs
 the pure :func:`shared.staleness.window_step` (the only copy of the rules), and
 writes back the new state, the ``decided`` mark of every group it decided, and the
 records to publish (decisions, a manifest, a retry request) onto the Redis outbox
-list, all in one EXEC. A concurrent step by another replica changes the watched
-window hash, so EXEC fails and the step is recomputed (bounded retries).
-
-:meth:`WindowStore.drain` publishes the outbox: under a lease lock, from the
-head, in step order (so manifests reach ``train.batches`` in index order), waits
-for the broker's acks, then trims exactly what it published (a fenced Lua
-script: only while it still holds the lease and the head is unchanged). A replica
-killed between the ack and the trim leaves entries that the next drainer
-publishes again: duplicates are possible only as the same bytes under the same
-key (same group decision, same manifest ``index``/``batch_id``), and consumers
-dedupe by key.
+list (:mod:`services.collector.outbox`, which also publishes it), all in one EXEC.
+A concurrent step by another replica changes the watched window hash, so EXEC fails
+and the step is recomputed (bounded retries).
 
 The keys' layout (what each hash field holds and how it is encoded) is
 :mod:`shared.window_layout`, which ``rein status`` reads through.
@@ -31,19 +23,15 @@ collide do not retry in lockstep.
 
 from __future__ import annotations
 
-import base64
 import json
 import random
 import time
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from shared import log
-from shared.bus import Delivered
+from services.collector.outbox import Outbox
 from shared.names import RedisKeys, Topics
 from shared.schemas import (
     BatchManifest,
@@ -53,8 +41,6 @@ from shared.schemas import (
     Record,
     RetryRequest,
     WindowInfo,
-    decode,
-    encode,
 )
 from shared.staleness import (
     Decision,
@@ -68,10 +54,6 @@ from shared.staleness import (
 )
 from shared.state import RedisRegistry
 from shared.window_layout import decode_window, drops_field, encode_config, encode_window
-
-_log = log.get(__name__)
-
-Publish = Callable[[list[tuple[str, Record]]], list[Delivered]]
 
 
 class WindowConflict(RuntimeError):
@@ -87,30 +69,6 @@ class WindowLost(RuntimeError):
 
     Going on would restart batch numbering at 0 and forget pending groups; the trainer would skip
     the renumbered manifests as already trained. Fatal with a clear message instead."""
-
-
-# KEYS: outbox, lock; ARGV: token, n, first entry, last entry
-_TRIM = """
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
-local n = tonumber(ARGV[2])
-if redis.call('LINDEX', KEYS[1], 0) ~= ARGV[3] or redis.call('LINDEX', KEYS[1], n - 1) ~= ARGV[4] then
-  return -2
-end
-redis.call('LTRIM', KEYS[1], n, -1)
-return n
-"""
-
-# KEYS: lock; ARGV: token
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-# KEYS: lock; ARGV: token, lease ms
-_EXTEND = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
 
 
 @dataclass(frozen=True)
@@ -174,11 +132,8 @@ class WindowStore:
         self.replica = replica
         self.registry = RedisRegistry(client, keys)
         self.max_attempts = max_attempts
-        self.lock_ms = lock_ms
         self.conflicts = 0
-        self._trim = client.register_script(_TRIM)
-        self._release = client.register_script(_RELEASE)
-        self._extend = client.register_script(_EXTEND)
+        self.outbox = Outbox(client, keys, replica=replica, lock_ms=lock_ms)
 
     # ------------------------------------------------------------------ config
 
@@ -372,13 +327,7 @@ class WindowStore:
             if d.decision is Decision.FAILED_DROPPED:
                 pipe.hincrby(k.prompt_drops, d.prompt_id, 1)
         if records:
-            pipe.rpush(k.outbox, *[self._entry(topic, record) for topic, record in records])
-
-    @staticmethod
-    def _entry(topic: str, record: Record) -> str:
-        return json.dumps(
-            {"id": uuid.uuid4().hex, "topic": topic, "record": base64.b64encode(encode(record)).decode("ascii")}
-        )
+            self.outbox.push(pipe, records)
 
     def trim_decided(self, ttl_s: float, now: float | None = None, limit: int = 1000) -> int:
         """Forget up to ``limit`` ``decided`` marks older than ``ttl_s``; returns how many went.
@@ -395,38 +344,3 @@ class WindowStore:
             pipe.zrem(k.decided_at, *old)
             pipe.execute()
         return len(old)
-
-    # ------------------------------------------------------------------ outbox
-
-    def drain(self, publish: Publish, timeout_s: float = 30.0, chunk: int = 500) -> int:
-        """Publish every outbox entry in order under the lease; returns how many this call published."""
-        token = uuid.uuid4().hex
-        k = self.keys
-        deadline = time.monotonic() + timeout_s
-        delay = 0.001
-        while not self.client.set(k.outbox_lock, token, nx=True, px=self.lock_ms):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"outbox lock {k.outbox_lock} still held after {timeout_s}s")
-            time.sleep(delay)  # polling a lease held by another replica: no event to wait on
-            delay = min(delay * 2, 0.05)
-        published = 0
-        try:
-            while True:
-                entries: list[str] = self.client.lrange(k.outbox, 0, chunk - 1)  # type: ignore[assignment]
-                if not entries:
-                    return published
-                items = []
-                for text in entries:
-                    obj = json.loads(text)
-                    items.append((str(obj["topic"]), decode(base64.b64decode(obj["record"]))))
-                publish(items)
-                trimmed = self._trim(
-                    keys=[k.outbox, k.outbox_lock], args=[token, len(entries), entries[0], entries[-1]]
-                )
-                if int(trimmed) < 0:
-                    _log.warning("outbox_lease_lost", replica=self.replica, entries=len(entries))
-                    return published
-                published += len(entries)
-                self._extend(keys=[k.outbox_lock], args=[token, self.lock_ms])
-        finally:
-            self._release(keys=[k.outbox_lock], args=[token])

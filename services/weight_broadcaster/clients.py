@@ -4,7 +4,8 @@ Every transport error, non-2xx answer or answer missing a field the broadcaster 
 becomes a result with ``ok=False`` and the reason, so the caller's decision logic sees one
 shape (:mod:`decide`). Engines are spoken to in SGLang's native API: ``POST
 /update_weights_from_disk`` (answer ``{success, message, num_paused_requests}``) and ``GET
-/get_model_info`` (``weight_version``; rein's engine adds ``digest``). Extra fields are ignored.
+/get_model_info`` (``weight_version``, normalised here where the engine's label enters; rein's
+engine adds ``digest``). Extra fields are ignored.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 
 from services.weight_broadcaster.decide import PauseAnswer
+from shared.versions import real_version
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class EngineAnswer:
     engine: str
     ok: bool
     weight_version: str | None = None
+    """The engine's label, normalised (None: it serves no real version)."""
     digest: str | None = None
     error: str = ""
 
@@ -106,7 +109,7 @@ class ControlClient:
             return EngineAnswer(engine=engine, ok=False,
                                 error=f"/get_model_info answered without weight_version: {str(data)[:300]}")
         version, digest = data["weight_version"], data.get("digest")
-        return EngineAnswer(engine=engine, ok=True, weight_version=None if version is None else str(version),
+        return EngineAnswer(engine=engine, ok=True, weight_version=real_version(version),
                             digest=None if digest is None else str(digest))
 
     def close(self) -> None:

@@ -13,18 +13,8 @@ import pytest
 
 from ops.cli import build_parser
 from ops.commands.status import targets_from_args
-from ops.status import (
-    StatusSettings,
-    Targets,
-    collect,
-    engine_part,
-    label_index,
-    lag_report,
-    parse_rejections,
-    proxy_part,
-    read_run_dir,
-    read_window,
-)
+from ops.status import StatusSettings, Targets, collect, read_run_dir
+from ops.status_parts import engine_part, label_index, lag_report, parse_rejections, proxy_part, read_window
 from ops.status_render import render
 from shared.names import RedisKeys
 

@@ -12,8 +12,11 @@ from shared import schemas
 from shared.schemas import (
     BatchManifest,
     Chunk,
+    CompletedGroup,
+    DecisionRecord,
     DecodeError,
     GroupRef,
+    WeightApplied,
     WeightPublished,
     WindowInfo,
     decode,
@@ -124,3 +127,69 @@ def test_chunk_carries_per_token_versions_across_the_wire() -> None:
 def test_chunk_version_runs_must_cover_the_output_exactly(runs: list[tuple[str, int]]) -> None:
     with pytest.raises(ValueError, match="token_versions cover"):
         _chunk(output_ids=[5, 6, 7], token_versions=runs)
+
+
+# --------------------------------------------------------------------------- labels enter normalised
+
+
+def _wire(kind: str, data: dict[str, object]) -> bytes:
+    """A record as another producer might write it: the envelope only, no schema on the way out."""
+    packed: bytes = msgpack.packb({"schema": schemas.SCHEMA_VERSION, "type": kind, "data": data})
+    return packed
+
+
+NOT_REAL = [None, "", "  ", "-1", " -1 ", "unknown", " UNKNOWN ", "none", "None"]
+
+
+@pytest.mark.parametrize("raw_label", NOT_REAL)
+def test_a_raw_label_in_a_chunk_decodes_to_none(raw_label: str | None) -> None:
+    data = {"session_id": "s", "group_id": "g", "seq": 0, "segment_index": 0, "chunk_index": 0,
+            "output_ids": [5, 6, 7], "finish_reason": "stop", "version": raw_label,
+            "token_versions": [[" v1 ", 1], [raw_label, 1], [None, 1]]}
+    chunk = decode(_wire("chunk", data))
+    assert isinstance(chunk, Chunk)
+    assert chunk.version is None
+    assert chunk.token_versions == [("v1", 1), (None, 1), (None, 1)]
+    assert chunk.output_versions() == ["v1", None, None]
+
+
+def test_labels_are_stripped_but_keep_their_case() -> None:
+    assert _chunk(output_ids=[5], version=" V2 ").version == "V2"
+
+
+def test_a_raw_label_in_a_group_decodes_to_none_token_by_token() -> None:
+    group = CompletedGroup.model_validate({
+        "group_id": "g", "prompt_id": "p", "failed": False,
+        "trajectories": [{"session_id": "s", "status": "completed", "segments": [{
+            "segment_index": 0, "token_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 1, 1, 1, 1],
+            "logprobs": [0.0] * 5, "versions": [None, " v1 ", "unknown", "-1", "v2"]}]}],
+    })
+    back = decode(encode(group))
+    assert isinstance(back, CompletedGroup)
+    assert back.trajectories[0].segments[0].versions == [None, "v1", None, None, "v2"]
+
+
+def test_window_versions_are_normalised() -> None:
+    empty = WindowInfo(keep_versions=2, current_version="-1", current_index=None, cutoff_index=None)
+    assert empty.current_version is None
+    assert WindowInfo(keep_versions=2, current_version=" v3", current_index=3, cutoff_index=2).current_version == "v3"
+    decision = DecisionRecord(group_id="g", prompt_id="p", attempt=0, decision="kept", versions=[" v1 "],
+                              window=WindowInfo(keep_versions=1, current_version="v1", current_index=0, cutoff_index=0))
+    assert decision.versions == ["v1"]
+    with pytest.raises(ValueError, match="not a real version label"):
+        DecisionRecord.model_validate({**decision.model_dump(), "versions": ["v1", "unknown"]})
+
+
+@pytest.mark.parametrize("raw_label", [label for label in NOT_REAL if label is not None])
+def test_a_weight_version_must_be_a_real_label(raw_label: str) -> None:
+    published = {"version": raw_label, "seq": 1, "path": "p", "digest": "d", "step": 1}
+    with pytest.raises(DecodeError, match="invalid_fields"):
+        decode(_wire("weight_published", published))
+    with pytest.raises(ValueError, match="not a real version label"):
+        WeightApplied(version=raw_label, seq=1, digest="d")
+
+
+def test_a_weight_version_is_stripped_once() -> None:
+    back = decode(_wire("weight_published", {"version": " v7 ", "seq": 7, "path": "p", "digest": "d", "step": 7}))
+    assert isinstance(back, WeightPublished) and back.version == "v7" and back.key() == "v7"
+    assert WeightApplied(version="v7 ", seq=7, digest="d").key() == "v7:applied"

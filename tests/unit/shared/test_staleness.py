@@ -28,7 +28,7 @@ from shared.versions import VersionRegistry
 
 
 def test_span_detail_matches_design_body() -> None:
-    rej = check_span(["v1", "-1", "v2"], ["v3"], max_preempts=1, session_id="s1")
+    rej = check_span(["v1", None, "v2"], ["v3"], max_preempts=1, session_id="s1")
     assert rej is not None
     assert rej.detail() == {
         "error": "partial_rollout_staleness_exceeded",
@@ -49,7 +49,7 @@ def test_span_zero_rejects_first_switch_and_unlimited_never() -> None:
 
 
 def test_span_ignores_unknown_versions_and_counts_distinct_not_events() -> None:
-    assert check_span(["v1", "unknown", None, "", " NONE "], ["-1", "v1", "v1"], 0, "s") is None
+    assert check_span(["v1", None, None], [None, "v1", "v1"], 0, "s") is None
     assert check_span(["v1", "v2", "v1", "v2"], ["v1"], 1, "s") is None
 
 
@@ -70,12 +70,12 @@ def test_mask_last_is_positional_not_newest() -> None:
 
 
 def test_mask_unknown_trainable_tokens_masked_only_in_mixed_case() -> None:
-    assert mask_nonlast_version_tokens([1, 1, 1], ["v1", "unknown", "v1"]) == [1, 1, 1]
-    assert mask_nonlast_version_tokens([1, 1, 1, 1], ["v1", "unknown", "v2", "v2"]) == [0, 0, 1, 1]
+    assert mask_nonlast_version_tokens([1, 1, 1], ["v1", None, "v1"]) == [1, 1, 1]
+    assert mask_nonlast_version_tokens([1, 1, 1, 1], ["v1", None, "v2", "v2"]) == [0, 0, 1, 1]
 
 
 def test_mask_versions_on_context_tokens_play_no_part() -> None:
-    assert mask_nonlast_version_tokens([0, 1, 0, 1], ["-1", "v1", "v2", "v1"]) == [0, 1, 0, 1]
+    assert mask_nonlast_version_tokens([0, 1, 0, 1], [None, "v1", "v2", "v1"]) == [0, 1, 0, 1]
 
 
 def test_mask_length_mismatch_is_an_error() -> None:
@@ -83,11 +83,11 @@ def test_mask_length_mismatch_is_an_error() -> None:
         mask_nonlast_version_tokens([1, 1], ["v1"])
 
 
-version_values = st.sampled_from(["A", "B", "C", "unknown", "-1", None, ""])
+version_values = st.sampled_from(["A", "B", "C", None])
 
 
 @given(st.lists(st.tuples(st.integers(0, 1), version_values), max_size=40))
-def test_mask_never_turns_zero_into_one_and_is_idempotent(pairs: list[tuple[int, object]]) -> None:
+def test_mask_never_turns_zero_into_one_and_is_idempotent(pairs: list[tuple[int, str | None]]) -> None:
     mask = [m for m, _ in pairs]
     versions = [v for _, v in pairs]
     once = mask_nonlast_version_tokens(mask, versions)
@@ -110,7 +110,7 @@ def test_segment_tie_goes_to_the_later_record() -> None:
 
 def test_unversioned_samples_and_missing_ids_are_ignored() -> None:
     samples = [
-        SegmentEnd("t1", 0, "unknown"),
+        SegmentEnd("t1", 0, None),
         SegmentEnd(None, 0, "v1"),
         SegmentEnd("", 3, "v1"),
         SegmentEnd("t2", 0, "v1"),

@@ -1,0 +1,66 @@
+"""The connection every Kafka client of the bus shares: brokers, bounded connect, result types."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kafka.errors import NoBrokersAvailable
+
+from shared import log
+from shared.offsets import TopicPartition as TP
+from shared.schemas import DecodeError, Record
+from shared.settings import KafkaSettings
+
+_log = log.get(__name__)
+
+
+class BusUnavailable(RuntimeError):
+    """The Kafka broker could not be reached within the configured bound."""
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """Where a produced record landed."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Polled:
+    """A decoded record with its position, for commit bookkeeping and references."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    record: Record
+    timestamp_ms: int
+
+
+DecodeHook = Callable[[str, int, int, DecodeError], None]
+RebalanceHook = Callable[[set[TP]], None]
+
+
+def servers(settings: KafkaSettings) -> list[str]:
+    return [s.strip() for s in settings.bootstrap_servers.split(",") if s.strip()]
+
+
+def connect(factory: Callable[[], object], what: str, settings: KafkaSettings, attempts: int = 5) -> object:
+    """Build a client, retrying a bounded number of times on an unreachable broker."""
+    delay = 0.5
+    for attempt in range(1, attempts + 1):
+        try:
+            return factory()
+        except NoBrokersAvailable as exc:
+            if attempt == attempts:
+                raise BusUnavailable(
+                    f"{what}: no Kafka broker answered at {settings.bootstrap_servers} after {attempts} attempts"
+                ) from exc
+            _log.warning("kafka_unavailable", what=what, attempt=attempt, retry_in_s=delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+    raise AssertionError("unreachable")

@@ -1,0 +1,66 @@
+"""The bus's producer: idempotent, acks=all, bounded waits for the broker's ack."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from kafka import KafkaProducer
+from kafka.errors import KafkaError
+
+from shared.bus.client import BusUnavailable, Delivered, connect, servers
+from shared.schemas import DEFAULT_MAX_BYTES, Record, encode
+from shared.settings import KafkaSettings
+
+
+class Producer:
+    """Idempotent producer (acks=all); ``send`` returns once the broker has the record."""
+
+    def __init__(self, settings: KafkaSettings, client_suffix: str = "producer") -> None:
+        self._settings = settings
+        self._timeout_s = settings.request_timeout_ms / 1000
+        self._producer: KafkaProducer = connect(
+            lambda: KafkaProducer(
+                bootstrap_servers=servers(settings),
+                client_id=f"{settings.client_id}-{client_suffix}",
+                acks="all",
+                enable_idempotence=True,
+                linger_ms=2,
+                request_timeout_ms=settings.request_timeout_ms,
+                max_request_size=min(settings.max_record_bytes, DEFAULT_MAX_BYTES),
+            ),
+            "producer",
+            settings,
+        )
+
+    def send(self, topic: str, record: Record, key: str | None = None) -> Delivered:
+        """Produce one record and wait for the broker's ack (bounded by request_timeout_ms)."""
+        future = self.send_async(topic, record, key)
+        return self.wait(future)
+
+    def send_async(self, topic: str, record: Record, key: str | None = None) -> object:
+        """Queue one record; pair with :meth:`wait` or :meth:`flush`."""
+        # keys are encoded here: kafka-python 3 deprecates plain callables as serializers
+        text = key if key is not None else record.key()
+        return self._producer.send(topic, value=encode(record), key=text.encode("utf-8"))
+
+    def wait(self, future: object, timeout_s: float | None = None) -> Delivered:
+        """The record's position once acked; BusUnavailable after ``timeout_s`` (default: request_timeout_ms)."""
+        try:
+            meta = future.get(timeout=self._timeout_s if timeout_s is None else timeout_s)  # type: ignore[attr-defined]
+        except KafkaError as exc:
+            raise BusUnavailable(f"producing to Kafka failed: {exc}") from exc
+        return Delivered(meta.topic, meta.partition, meta.offset)
+
+    def send_many(self, items: Iterable[tuple[str, Record]], timeout_s: float | None = None) -> list[Delivered]:
+        """Produce several records and wait for all acks, within one overall bound (default:
+        request_timeout_ms) however many there are; order per partition is kept."""
+        deadline = time.monotonic() + (self._timeout_s if timeout_s is None else timeout_s)
+        futures = [self.send_async(topic, record) for topic, record in items]
+        return [self.wait(f, max(0.0, deadline - time.monotonic())) for f in futures]
+
+    def flush(self) -> None:
+        self._producer.flush(timeout=self._timeout_s)
+
+    def close(self) -> None:
+        self._producer.close(timeout=self._timeout_s)
