@@ -145,8 +145,9 @@ class Session(Transcript):
         self._require("open")
         try:
             plan = self.plan(messages, self.tokenizer, tools)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), fields=[{"field": "messages", "message": str(exc)}]) from None
+        except ValueError as exc:  # UnrenderableMessages names the field
+            field = getattr(exc, "field", "messages")
+            raise InvalidRequest(str(exc), fields=[{"field": field, "message": str(exc)}]) from None
         self.phase, self._turn, self._turn_id, self._first_seq = "in_call", plan, turn_id, self.num_chunks
         return plan
 

@@ -18,7 +18,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shared.model.base import ChatTokenizer, CheckpointError, Loaded, ModelError, ModelFamily, Turn, state_digest
+from shared.model.base import (
+    ChatTokenizer,
+    CheckpointError,
+    Loaded,
+    ModelError,
+    ModelFamily,
+    Turn,
+    UnrenderableMessages,
+    state_digest,
+)
 from shared.model.tiny import TinyFamily
 from shared.policy import PolicyConfig, TinyPolicy
 
@@ -30,6 +39,7 @@ __all__ = [
     "ModelFamily",
     "TinyFamily",
     "Turn",
+    "UnrenderableMessages",
     "context_window_of",
     "load_family",
     "logits",

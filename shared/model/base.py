@@ -18,11 +18,22 @@ from torch import nn
 from shared.checkpoint import CheckpointError
 from shared.checkpoint import digest as checkpoint_digest
 
-__all__ = ["ChatTokenizer", "CheckpointError", "Loaded", "ModelError", "ModelFamily", "Turn", "state_digest"]
+__all__ = [
+    "ChatTokenizer", "CheckpointError", "Loaded", "ModelError", "ModelFamily", "Turn", "UnrenderableMessages",
+    "state_digest",
+]
 
 
 class ModelError(ValueError):
     """A model spec names nothing loadable (unknown family, missing directory, bad GGUF)."""
+
+
+class UnrenderableMessages(ValueError):
+    """Messages a chat template cannot render; ``field`` names the culprit as a request path (``messages.0.role``)."""
+
+    def __init__(self, message: str, field: str = "messages") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 Turn = tuple[Sequence[int], Sequence[int]]
@@ -51,7 +62,8 @@ class ChatTokenizer(Protocol):
         add_generation_prompt: bool,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        """Ids of ``messages`` rendered by the model's own chat template (ValueError for messages it cannot render)."""
+        """Ids of ``messages`` rendered by the model's own chat template (:class:`UnrenderableMessages`
+        for messages it cannot render)."""
         ...
 
     def continue_chat(
@@ -69,7 +81,7 @@ class ChatTokenizer(Protocol):
         :meth:`decode` of them, closed by the template's end of turn when they end with a stop id (any
         stop id: a reply cut by its budget has none, and the template closes it in the returned ids).
         None (the agent edited or dropped history, or the template now renders the earlier messages
-        differently) means: start over with :meth:`encode_chat`. ValueError as for :meth:`encode_chat`.
+        differently) means: start over with :meth:`encode_chat`. Raises as :meth:`encode_chat` does.
         """
         ...
 

@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.utils import logging as hf_logging
 
 from shared.checkpoint import CheckpointError
-from shared.model.base import ChatTokenizer, Loaded, ModelError, Turn, state_digest
+from shared.model.base import ChatTokenizer, Loaded, ModelError, Turn, UnrenderableMessages, state_digest
 
 hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # services log JSON lines; tqdm bars on every load are noise
 
@@ -121,7 +121,7 @@ class HFChatTokenizer:
         out = []
         for i, message in enumerate(messages):
             if "role" not in message:
-                raise ValueError(f"message {i} lacks field 'role'")
+                raise UnrenderableMessages(f"message {i} lacks field 'role'", f"messages.{i}.role")
             plain: dict[str, Any] = dict(message)
             plain["content"] = _text_of(message.get("content"))
             calls = message.get("tool_calls")
@@ -150,7 +150,7 @@ class HFChatTokenizer:
                 tokenize=False,
             )
         except TemplateError as exc:  # the template's own raise_exception(...), or a malformed message
-            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+            raise UnrenderableMessages(f"the chat template cannot render these messages: {exc}") from None
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected text")
         return text

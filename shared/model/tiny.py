@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from shared import checkpoint
-from shared.model.base import ChatTokenizer, Loaded, Turn
+from shared.model.base import ChatTokenizer, Loaded, Turn, UnrenderableMessages
 from shared.policy import PolicyConfig, TinyPolicy, init_policy
-from shared.tokenizer import TOKENIZER, Tokenizer
+from shared.tokenizer import ROLE_TOKENS, TOKENIZER, Tokenizer
 
 
 class TinyChatTokenizer:
@@ -49,7 +49,10 @@ class TinyChatTokenizer:
         for i, message in enumerate(messages):
             if "role" not in message or "content" not in message:
                 missing = "role" if "role" not in message else "content"
-                raise ValueError(f"message {i} lacks field {missing!r}")
+                raise UnrenderableMessages(f"message {i} lacks field {missing!r}", f"messages.{i}.{missing}")
+            if message["role"] not in ROLE_TOKENS:
+                raise UnrenderableMessages(f"messages.{i}.role: the tiny model's template has no role "
+                                           f"{message['role']!r}; it takes {sorted(ROLE_TOKENS)}", f"messages.{i}.role")
             content = message["content"]
             plain.append({"role": str(message["role"]), "content": "" if content is None else str(content)})
         return self.inner.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
