@@ -141,7 +141,7 @@ class HFChatTokenizer:
         add_generation_prompt: bool,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """The chat template's text for ``messages`` (ValueError when the template refuses them)."""
+        """The chat template's text for ``messages`` (:class:`UnrenderableMessages` when the template refuses them)."""
         try:
             text = self.inner.apply_chat_template(
                 self._plain(messages),
