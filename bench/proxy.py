@@ -30,13 +30,14 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ops.local.ports import free_port
 from shared import checkpoint
 from shared.bus import ensure_topology
 from shared.names import Topics
 from shared.policy import PolicyConfig, init_policy
 from shared.settings import KafkaSettings
 from shared.tokenizer import TOKENIZER
-from tests.procs import Proc, free_port, start_service
+from tests.support.procs import Proc, start_service
 
 ADMIN = "bench-admin-token"
 WORDS = ["guess", "higher", "lower", "number", "between", "and", "the", "is"]
@@ -184,7 +185,7 @@ def main() -> None:
     try:
         kafka = args.kafka
         if kafka is None:
-            from tests.infra import KAFKA, Infra
+            from tests.support.infra import KAFKA, Infra
 
             infra = Infra(work / "infra")
             kafka = infra.require(KAFKA).address

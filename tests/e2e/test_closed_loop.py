@@ -111,6 +111,7 @@ def test_every_trained_batch_respects_the_window(run: dict[str, object]) -> None
     groups = {g.group_id: g for g in run["groups"] if isinstance(g, CompletedGroup)}  # type: ignore[attr-defined]
     manifests = {m.index: m for m in run["batches"] if isinstance(m, BatchManifest)}  # type: ignore[attr-defined]
     assert set(range(STEPS)) <= set(manifests)
+    checked = 0
     for i in range(STEPS):
         m = manifests[i]
         assert m.window.keep_versions == 2 and m.window.cutoff_index is not None
@@ -122,6 +123,8 @@ def test_every_trained_batch_respects_the_window(run: dict[str, object]) -> None
                 end = _last_trainable_version(top.loss_mask, top.versions)
                 if end is not None:
                     assert index[end] >= m.window.cutoff_index, (i, ref.group_id, end, m.window)
+                    checked += 1
+    assert checked > 0, "no trained trajectory carried a real version: the window check checked nothing"
 
 
 def test_masked_tokens_are_exactly_the_non_last_version_ones(run: dict[str, object]) -> None:

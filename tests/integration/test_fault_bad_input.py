@@ -19,7 +19,7 @@ One engine and one proxy subprocess per module (real Kafka, fresh topics):
   schema version, an unknown record type, invalid fields and an oversize record are counted
   in ``rein_bus_decode_errors_total{topic,reason}``, skipped, the process stays alive and
   a valid record sent afterwards is processed. (The collector's topics are covered by
-  ``test_collector_window.py``.)
+  ``tests/integration/collector/test_window.py``.)
 
 Figures (inputs tried, statuses seen, records injected) are printed by each test
 (``pytest -s``) and summarised in ``docs/reliability.md``.
@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -48,10 +47,9 @@ from kafka.admin import KafkaAdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from ops.local.ports import free_port
-from shared import checkpoint
 from shared.bus import Consumer, Producer, create_topics
 from shared.names import Topics
-from shared.policy import PolicyConfig, init_policy
+from shared.policy import PolicyConfig
 from shared.schemas import (
     SCHEMA_VERSION,
     BatchManifest,
@@ -68,7 +66,9 @@ from shared.schemas import (
 )
 from shared.settings import KafkaSettings
 from shared.tokenizer import TOKENIZER
-from tests.procs import Proc, start_service
+from tests.support.procs import start_service
+from tests.support.stack import Engine, ProxyProcess, engine_and_proxy
+from tests.support.wait import wait_until
 
 pytestmark = [
     pytest.mark.integration,
@@ -84,21 +84,6 @@ MAX_RECORD = 64 * 1024
 STALENESS_502 = {"partial_rollout_staleness_exceeded", "trajectory_version_changed", "generation_preempted"}
 DEPENDENCY_503 = {"engine_unavailable", "kafka_unavailable"}
 PLAIN_OK = {200, 400, 401, 404, 409, 413, 422}
-
-
-def wait_until(cond: Callable[[], Any], timeout_s: float, what: str, proc: Proc | None = None) -> Any:
-    """Poll ``cond`` until truthy (bounded); fail with the process log tail if it died or time ran out."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if proc is not None and not proc.alive():
-            pytest.fail(f"{proc.module} died while waiting for {what}; log:\n{proc.tail()}")
-        if time.monotonic() > deadline:
-            tail = f"; log:\n{proc.tail()}" if proc is not None else ""
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}{tail}")
-        time.sleep(0.05)
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -165,19 +150,27 @@ INJECTED: Counter[str] = Counter()
 @dataclass
 class Stack:
     bootstrap: str
-    engine: str
-    proxy: str
-    weights_dir: Path
+    engine_proc: Engine
+    proxy_proc: ProxyProcess
     topics: Topics
-    procs: dict[str, Proc] = field(default_factory=dict)
+
+    @property
+    def engine(self) -> str:
+        return self.engine_proc.url
+
+    @property
+    def proxy(self) -> str:
+        return self.proxy_proc.url
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.engine_proc.weights_dir
 
     def healthy(self) -> bool:
-        return httpx.get(f"{self.proxy}/health", timeout=10).status_code == 200
+        return self.proxy_proc.healthy()
 
     def checkpoint(self, version: str, seed: int, where: Path | None = None) -> tuple[Path, str]:
-        path = ((where or self.weights_dir) / f"{version}-{uuid.uuid4().hex[:6]}.pt").resolve()
-        digest = checkpoint.save(path, init_policy(CFG, seed), CFG, version=version, step=seed)
-        return path, digest
+        return self.engine_proc.checkpoint(version, seed, where)
 
 
 @pytest.fixture(scope="module")
@@ -187,48 +180,11 @@ def stack(
     suffix = uuid.uuid4().hex[:8]
     topics = Topics(chunks=f"t.fault.chunks.{suffix}", events=f"t.fault.events.{suffix}")
     create_topics(kafka_admin, {topics.chunks: 4, topics.events: 4})
-    weights_dir = tmp_path_factory.mktemp("fault-weights")
-    logs = tmp_path_factory.mktemp("fault-logs")
-    engine_port, proxy_port = free_port(), free_port()
-    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    engine = start_service(
-        "services.engine",
-        {
-            "REIN_HOST": "127.0.0.1",
-            "REIN_PORT": str(engine_port),
-            "REIN_WEIGHTS_DIR": str(weights_dir),
-            "REIN_TORCH_THREADS": "1",
-            "REIN_LOG_LEVEL": "warning",
-        },
-        f"{engine_url}/health",
-        timeout_s=90,
-        log_dir=logs,
-    )
-    try:
-        proxy = start_service(
-            "services.proxy",
-            {
-                "REIN_PORT": str(proxy_port),
-                "REIN_ENGINE_URLS": json.dumps([engine_url]),
-                "REIN_ADMIN_TOKEN": ADMIN,
-                "REIN_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
-                "REIN_TOPICS__CHUNKS": topics.chunks,
-                "REIN_TOPICS__EVENTS": topics.events,
-                "REIN_MAX_BODY_BYTES": str(MAX_BODY),
-                "REIN_DEFAULT_MAX_TOKENS": "8",
-                "REIN_LOG_LEVEL": "warning",
-            },
-            f"{proxy_url}/health",
-            timeout_s=90,
-            log_dir=logs,
-        )
-        try:
-            yield Stack(kafka_bootstrap, engine_url, proxy_url, weights_dir, topics,
-                        {"engine": engine, "proxy": proxy})
-        finally:
-            proxy.stop()
-    finally:
-        engine.stop()
+    with engine_and_proxy(
+        kafka_bootstrap, topics, tmp_path_factory.mktemp("fault-weights"), tmp_path_factory.mktemp("fault-logs"),
+        admin_token=ADMIN, proxy_env={"REIN_MAX_BODY_BYTES": str(MAX_BODY), "REIN_DEFAULT_MAX_TOKENS": "8"},
+    ) as (engine, proxy):
+        yield Stack(kafka_bootstrap, engine, proxy, topics)
 
 
 # --------------------------------------------------------------------------- proxy fuzz: strategies
@@ -402,7 +358,7 @@ def test_fuzz_chat_completions_only_documented_statuses(stack: Stack) -> None:
             check_answer(client.post("/v1/chat/completions", headers=headers, content=body), seen)
 
         one()
-        assert stack.procs["proxy"].alive(), stack.procs["proxy"].tail()
+        assert stack.proxy_proc.proc.alive(), stack.proxy_proc.proc.tail()
         assert stack.healthy()
     print(f"\nchat fuzz: {sum(seen.values())} calls, statuses {dict(sorted(seen.items()))}")
     assert sum(seen.values()) >= 150
@@ -423,7 +379,7 @@ def test_fuzz_control_plane_only_documented_statuses(stack: Stack) -> None:
                 _unpause(client)
 
         one()
-        assert stack.procs["proxy"].alive(), stack.procs["proxy"].tail()
+        assert stack.proxy_proc.proc.alive(), stack.proxy_proc.proc.tail()
         assert stack.healthy() and not client.get("/health").json()["paused"]
     print(f"\ncontrol fuzz: {sum(seen.values())} calls, statuses {dict(sorted(seen.items()))}")
     assert sum(seen.values()) >= 150

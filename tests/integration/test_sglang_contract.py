@@ -34,7 +34,7 @@ from shared.schemas import Chunk, WeightApplied, WeightPublished
 from shared.settings import KafkaSettings, RedisSettings, load
 from shared.state import RedisRegistry, connect
 from shared.tokenizer import TOKENIZER
-from tests.integration.test_proxy_harness import (
+from tests.support.proxy import (
     ADMIN,
     Proxy,
     ProxyFactory,
@@ -42,9 +42,9 @@ from tests.integration.test_proxy_harness import (
     in_background,
     proxy_factory,
     rein,
-    wait_until,
 )
 from tests.support.sglang_engine import ScriptedSGLang
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration]
 __all__ = ["proxy_factory"]

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
-from services.collector.assembly import Assembler, Position
+from services.collector.assembly import (
+    PARTIAL_ROLLOUT_STALENESS,
+    Assembler,
+    Position,
+    RecentSpans,
+    SeenOnce,
+    partial_rollout_rejected_samples,
+    trajectory_version_span,
+    version_spans,
+)
 from shared.offsets import Offsets
-from shared.schemas import Chunk, CompletedGroup, GroupDispatched, Record, SessionFinished, SessionRejected
+from shared.schemas import (
+    Chunk,
+    CompletedGroup,
+    GroupDispatched,
+    Record,
+    Segment,
+    SessionFinished,
+    SessionRejected,
+    Trajectory,
+)
 from shared.window_view import window_group
 
 CHUNKS = "rollout.chunks"
@@ -306,3 +324,42 @@ def test_per_token_versions_reach_the_segment_and_the_window_view() -> None:
     [segment] = group.trajectories[0].segments
     assert segment.versions == [None, None, "v1", "v1", "v2"]
     assert window_group(group).versions == ("v2",)
+
+
+# --------------------------------------------------------------------------- staleness metrics helpers
+
+
+def _traj(versions: list[str | None], status: str = "completed", error: str = "") -> Trajectory:
+    n = len(versions)
+    seg = Segment(segment_index=0, token_ids=list(range(n)), loss_mask=[1] * n, logprobs=[0.0] * n, versions=versions)
+    return Trajectory(session_id="s", status=status, error=error, segments=[seg])  # type: ignore[arg-type]
+
+
+def _completed(trajectories: list[Trajectory], failed: bool) -> CompletedGroup:
+    return CompletedGroup(group_id="g", prompt_id="p", failed=failed, trajectories=trajectories)
+
+
+def test_span_counts_distinct_real_versions_over_all_tokens() -> None:
+    assert trajectory_version_span(_traj([None, "v0", "v0", None, "v1", " v1 ", "unknown", "-1"])) == 2
+    assert trajectory_version_span(_traj([None, None])) == 0
+    ok = _completed([_traj(["v0"]), _traj(["v0", "v1", "v2"]), _traj([None])], failed=False)
+    assert version_spans(ok) == [1, 3]  # a trajectory without a real version gives no span
+    assert version_spans(ok.model_copy(update={"failed": True})) == []
+
+
+def test_partial_rollout_rejections_count_the_whole_group() -> None:
+    hit = _traj(["v0"], "rejected", PARTIAL_ROLLOUT_STALENESS)
+    assert partial_rollout_rejected_samples(_completed([hit, _traj(["v0"]), _traj(["v0"])], failed=True)) == 3
+    other = _traj(["v0"], "rejected", "generation_preempted")
+    assert partial_rollout_rejected_samples(_completed([other, _traj(["v0"])], failed=True)) == 0
+
+
+def test_recent_spans_and_seen_once() -> None:
+    spans = RecentSpans(size=3)
+    assert spans.stats() is None
+    spans.add([5, 1, 2])
+    spans.add([3])  # 5 falls out
+    stats = spans.stats()
+    assert stats is not None and (stats.min, stats.max, stats.mean) == (1, 3, 2.0)
+    seen = SeenOnce(size=2)
+    assert [seen.add(k) for k in ("a", "a", "b", "c", "a")] == [True, False, True, True, True]

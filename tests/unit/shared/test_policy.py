@@ -78,4 +78,11 @@ def test_bad_config() -> None:
         PolicyConfig(vocab_size=10, width=30, heads=4)
     with pytest.raises(ValueError, match="vocab_size"):
         PolicyConfig(vocab_size=0)
-    assert isinstance(TinyPolicy(PolicyConfig.from_dict(CFG.to_dict())), TinyPolicy)
+
+
+def test_config_round_trips_through_a_dict() -> None:
+    """A checkpoint stores ``to_dict()``; ``from_dict`` must rebuild the same architecture."""
+    restored = PolicyConfig.from_dict(CFG.to_dict())
+    assert restored == CFG
+    shapes = {name: tuple(t.shape) for name, t in TinyPolicy(CFG).state_dict().items()}
+    assert {name: tuple(t.shape) for name, t in TinyPolicy(restored).state_dict().items()} == shapes

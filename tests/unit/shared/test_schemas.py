@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import msgpack
 import pytest
@@ -48,9 +49,14 @@ def test_manifest_round_trip() -> None:
 
 
 def test_each_record_has_its_own_timestamp() -> None:
+    """``ts`` is the wall clock when the record is made: not an import-time value, not shared."""
+    before = time.time()
     a = WeightPublished(version="v1", seq=1, path="p", digest="d", step=1)
+    while time.time() <= a.ts:  # the clock moves on within microseconds; no sleep needed
+        pass
     b = WeightPublished(version="v1", seq=1, path="p", digest="d", step=1)
-    assert a.ts <= b.ts and type(a).model_fields["ts"].default_factory is not None
+    after = time.time()
+    assert before <= a.ts < b.ts <= after
 
 
 @pytest.mark.parametrize(
@@ -99,7 +105,10 @@ def test_garbage_never_raises_anything_but_decode_error(raw: bytes) -> None:
 
 
 def test_ids_are_never_prefixes_of_each_other() -> None:
-    ids = [schemas.new_id("rid") for _ in range(200)]
+    """SGLang matches rids by prefix. Ids with a counter (``rid-1`` / ``rid-10``), an unpadded random
+    number or a prefix that extends another (``rid`` / ``rid-1``) would fail here."""
+    ids = [schemas.new_id(prefix) for prefix in ("rid", "rid-1", "r") for _ in range(100)]
+    assert len(set(ids)) == len(ids)
     assert not any(a != b and b.startswith(a) for a in ids for b in ids)
 
 

@@ -24,8 +24,7 @@ from starlette.routing import Route
 from ops.local.ports import free_port
 from shared.schemas import Chunk, SessionRejected
 from shared.staleness import check_span
-from tests.integration.test_proxy_harness import (
-    Engine,
+from tests.support.proxy import (
     Proxy,
     ProxyFactory,
     ServerThread,
@@ -33,9 +32,9 @@ from tests.integration.test_proxy_harness import (
     in_background,
     proxy_factory,
     rein,
-    start_engine,
-    wait_until,
 )
+from tests.support.stack import Engine, engine_process
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration]
 __all__ = ["proxy_factory"]
@@ -46,7 +45,10 @@ SLOW = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    yield from start_engine(tmp_path_factory, step_delay_s=0.03)
+    with engine_process(
+        tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"), step_delay_s=0.03
+    ) as engine:
+        yield engine
 
 
 def labels(n: int) -> list[str]:
@@ -350,7 +352,7 @@ def test_weights_swapped_mid_request_give_per_token_versions_on_the_chunk(
     engine reported it, not one label for all."""
     a, b = labels(2)
     engine.load(a)
-    b_path = engine.save(b)
+    b_path, _ = engine.checkpoint(b)
     proxy = proxy_factory([engine.url])
     client = proxy.client(f"s-{uuid.uuid4().hex}", "g")
     join = in_background(lambda: ask(client, USER, max_tokens=60))

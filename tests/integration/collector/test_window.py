@@ -15,7 +15,7 @@ from services.collector.synthetic import group_records
 from shared.bus import read_at
 from shared.names import RedisKeys
 from shared.schemas import CompletedGroup, DecisionRecord, RetryRequest, SessionFinished, encode
-from tests.integration.test_collector_support import (
+from tests.support.collector import (
     Running,
     Source,
     Tail,
@@ -24,9 +24,7 @@ from tests.integration.test_collector_support import (
     manifests_by_index,
 )
 
-# kafka-python 3.0 drops sockets it never connected without closing them; under "warnings are errors" the
-# ResourceWarning can fire inside a client's IO thread and kill the task a poll is waiting on.
-pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = [pytest.mark.integration]
 
 
 def decided(tail: Tail, group_ids: list[str]) -> dict[str, str]:

@@ -15,7 +15,7 @@ from shared.names import RedisKeys, Topics
 from shared.settings import KafkaSettings
 from shared.staleness import WindowConfig
 from shared.topology import DAY_MS, TopicSpec, topic_specs
-from tests.integration.test_collector_support import Running, Source, Tail, final_decisions, make_settings
+from tests.support.collector import Running, Source, Tail, final_decisions, make_settings
 
 pytestmark = [pytest.mark.integration]
 

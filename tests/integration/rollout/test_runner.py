@@ -40,8 +40,9 @@ from shared.schemas import (
     encode,
 )
 from shared.tokenizer import TOKENIZER
-from tests.procs import REPO_ROOT, start_service
+from tests.support.procs import REPO_ROOT
 from tests.support.rebalance import ForeignMember
+from tests.support.stack import engine_and_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -67,42 +68,11 @@ def stack(
     names = [topics.chunks, topics.events]
     create_topics(kafka_admin, dict.fromkeys(names, 4))
     logs = tmp_path_factory.mktemp("rollout-logs")
-    engine_port, proxy_port = free_port(), free_port()
-    engine = start_service(
-        "services.engine",
-        {
-            "REIN_PORT": str(engine_port),
-            "REIN_WEIGHTS_DIR": str(tmp_path_factory.mktemp("weights")),
-            "REIN_TORCH_THREADS": "1",
-            "REIN_LOG_LEVEL": "warning",
-            "REIN_SEED": "3",
-        },
-        f"http://127.0.0.1:{engine_port}/health",
-        timeout_s=90,
-        log_dir=logs,
-    )
-    try:
-        proxy = start_service(
-            "services.proxy",
-            {
-                "REIN_PORT": str(proxy_port),
-                "REIN_ENGINE_URLS": f'["http://127.0.0.1:{engine_port}"]',
-                "REIN_ADMIN_TOKEN": "rollout-test-token",
-                "REIN_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
-                "REIN_TOPICS__CHUNKS": topics.chunks,
-                "REIN_TOPICS__EVENTS": topics.events,
-                "REIN_LOG_LEVEL": "warning",
-            },
-            f"http://127.0.0.1:{proxy_port}/health",
-            timeout_s=90,
-            log_dir=logs,
-        )
-        try:
-            yield Stack(kafka_bootstrap, topics, f"http://127.0.0.1:{proxy_port}", logs, redis_url)
-        finally:
-            proxy.stop()
-    finally:
-        engine.stop()
+    with engine_and_proxy(
+        kafka_bootstrap, topics, tmp_path_factory.mktemp("weights"), logs,
+        admin_token="rollout-test-token", engine_env={"REIN_SEED": "3"},
+    ) as (_engine, proxy):
+        yield Stack(kafka_bootstrap, topics, proxy.url, logs, redis_url)
 
 
 def _runner_env(stack: Stack, group: str, retries: str, weights: str, **extra: str) -> dict[str, str]:

@@ -10,55 +10,29 @@ import asyncio
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 import pytest
 
-from ops.local.ports import free_port
 from shared import checkpoint
-from shared.policy import PolicyConfig, init_policy
+from shared.policy import init_policy
 from shared.tokenizer import TOKENIZER
-from tests.procs import start_service
+from tests.support.stack import CFG, Engine, engine_process
 
 pytestmark = pytest.mark.integration
 
 PROMPT = TOKENIZER.apply_chat_template([{"role": "user", "content": "guess"}], add_generation_prompt=True)
-CFG = PolicyConfig(vocab_size=TOKENIZER.vocab_size)
 T = TypeVar("T")
-
-
-@dataclass
-class Engine:
-    url: str
-    weights_dir: Path
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    weights_dir = tmp_path_factory.mktemp("weights")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_service(
-        "services.engine",
-        {
-            "REIN_HOST": "127.0.0.1",
-            "REIN_PORT": str(port),
-            "REIN_WEIGHTS_DIR": str(weights_dir),
-            "REIN_STEP_DELAY_S": "0.02",
-            "REIN_TORCH_THREADS": "1",
-            "REIN_LOG_LEVEL": "info",
-        },
-        f"{url}/health",
-        timeout_s=60,
-        log_dir=tmp_path_factory.mktemp("logs"),
-    )
-    try:
-        yield Engine(url=url, weights_dir=weights_dir)
-    finally:
-        proc.stop()
+    with engine_process(
+        tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"), step_delay_s=0.02, log_level="info"
+    ) as engine:
+        yield engine
 
 
 def run(body: Callable[[], Awaitable[T]], timeout_s: float = 60) -> T:

@@ -5,7 +5,6 @@ Covers TITO multi-turn reconstruction, streaming, finish, and every error status
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
@@ -18,19 +17,19 @@ import openai
 import pytest
 
 from ops.local.ports import free_port
+from shared.names import Topics
 from shared.schemas import Chunk, SessionFinished, SessionRejected
 from shared.tokenizer import TOKENIZER as TOK
-from tests.integration.test_proxy_harness import (
+from tests.support.procs import Proc
+from tests.support.proxy import (
     ADMIN,
-    Engine,
     ProxyFactory,
     count_records,
     proxy_factory,
     rein,
-    start_engine,
-    wait_until,
 )
-from tests.procs import start_service
+from tests.support.stack import Engine, engine_process, proxy_process
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration]
 __all__ = ["proxy_factory"]
@@ -38,7 +37,10 @@ __all__ = ["proxy_factory"]
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    yield from start_engine(tmp_path_factory, step_delay_s=0.0)
+    with engine_process(
+        tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"), step_delay_s=0.0
+    ) as engine:
+        yield engine
 
 
 def test_multi_turn_chunks_reconstruct_engine_tokens(engine: Engine, proxy_factory: ProxyFactory) -> None:
@@ -132,6 +134,14 @@ def test_session_without_group_is_served_but_not_published(engine: Engine, proxy
     assert proxy.finish(sid).json()["published"] is False
     assert count_records(proxy.bootstrap, proxy.settings.topics.chunks) == 0
     assert count_records(proxy.bootstrap, proxy.settings.topics.events) == 0
+    # positive control: the same call with a group id is counted on the same topics
+    grouped = f"s-{uuid.uuid4().hex}"
+    proxy.client(grouped, "g1").chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "guess"}], max_tokens=2
+    )
+    assert proxy.finish(grouped).json()["published"] is True
+    assert count_records(proxy.bootstrap, proxy.settings.topics.chunks) == 1
+    assert count_records(proxy.bootstrap, proxy.settings.topics.events) == 1
 
 
 def test_models_health_metrics(engine: Engine, proxy_factory: ProxyFactory) -> None:
@@ -245,17 +255,20 @@ def test_a_stopping_proxy_cancels_calls_held_by_a_pause_that_never_ends(
     engine: Engine, kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
 ) -> None:
     """The broadcaster died between pause and resume: SIGTERM must still stop the proxy, and promptly."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_service(
-        "services.proxy",
-        {
-            "REIN_PORT": str(port), "REIN_ENGINE_URLS": json.dumps([engine.url]), "REIN_ADMIN_TOKEN": ADMIN,
-            "REIN_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap, "REIN_TOPICS__CHUNKS": unique_topic(),
-            "REIN_TOPICS__EVENTS": unique_topic(), "REIN_SHUTDOWN_TIMEOUT_S": "2", "REIN_LOG_LEVEL": "info",
-        },
-        f"{url}/health", timeout_s=90, log_dir=tmp_path,
-    )
+    with proxy_process(
+        [engine.url], kafka_bootstrap, Topics(chunks=unique_topic(), events=unique_topic()), tmp_path,
+        admin_token=ADMIN, log_level="info", extra_env={"REIN_SHUTDOWN_TIMEOUT_S": "2"},
+    ) as proxy:
+        proc, url = proxy.proc, proxy.url
+        took, outcome = _stop_while_a_call_is_held(proc, url)
+    assert took < 2 + 5, f"the proxy took {took:.1f}s to stop"
+    assert proc.popen.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+    assert "error" in outcome, f"the held call was not failed: {outcome}"
+    assert "timeout graceful shutdown exceeded" in proc.log_path.read_text()
+
+
+def _stop_while_a_call_is_held(proc: Proc, url: str) -> tuple[float, dict[str, object]]:
+    """Pause the proxy (and never resume) while a call generates, then SIGTERM it: (seconds to exit, outcome)."""
     admin = httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {ADMIN}"})
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60,
                            default_headers={"X-Session-Id": f"s-{uuid.uuid4().hex}", "X-Group-Id": "g"})
@@ -282,8 +295,4 @@ def test_a_stopping_proxy_cancels_calls_held_by_a_pause_that_never_ends(
     finally:
         admin.close()
         client.close()
-        proc.stop()
-    assert took < 2 + 5, f"the proxy took {took:.1f}s to stop"
-    assert proc.popen.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
-    assert "error" in outcome, f"the held call was not failed: {outcome}"
-    assert "timeout graceful shutdown exceeded" in proc.log_path.read_text()
+    return took, outcome

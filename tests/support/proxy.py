@@ -1,21 +1,19 @@
-"""Shared harness of the proxy integration tests (no tests here; imported by test_proxy_*.py).
+"""Harness of the proxy integration tests (``tests/integration/proxy/``).
 
-- ``engine``: one real engine subprocess per test module (``python -m services.engine``),
-  slowed with ``REIN_STEP_DELAY_S`` so a generation is still running when a test pauses.
+- The engine is a real subprocess from ``tests.support.stack.engine_process`` (one per module),
+  slowed with ``step_delay_s`` so a generation is still running when a test pauses.
 - ``proxy_factory``: builds a real proxy app per test and serves it with uvicorn in a
   background thread, on fresh Kafka topics (``REIN_TOPICS__CHUNKS`` / ``__EVENTS``
   equivalents) of the session's real broker.
-- helpers to read the records back from Kafka and to await conditions (bounded).
+- helpers to read the records back from Kafka.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,73 +25,12 @@ from kafka import KafkaConsumer, TopicPartition
 from ops.local.ports import free_port
 from services.proxy.app import create_app
 from services.proxy.settings import ProxySettings
-from shared import checkpoint
 from shared.names import Topics
-from shared.policy import PolicyConfig, init_policy
 from shared.schemas import Record, decode
 from shared.settings import KafkaSettings
-from shared.tokenizer import TOKENIZER
-from tests.procs import start_service
+from tests.support.stack import Engine
 
 ADMIN = "test-admin-token-0123"
-CFG = PolicyConfig(vocab_size=TOKENIZER.vocab_size)
-
-
-@dataclass
-class Engine:
-    url: str
-    weights_dir: Path
-
-    def save(self, version: str, seed: int = 1) -> Path:
-        """Write a checkpoint labelled ``version`` into the engine's weights dir."""
-        path = self.weights_dir / f"{version}-{uuid.uuid4().hex[:6]}.pt"
-        checkpoint.save(path, init_policy(CFG, seed), CFG, version=version, step=seed)
-        return path
-
-    def load(self, version: str, seed: int = 1, path: Path | None = None) -> None:
-        """Make the engine serve ``version`` (from ``path``, else a new checkpoint), engine idle or not."""
-        path = path or self.save(version, seed)
-        r = httpx.post(
-            f"{self.url}/update_weights_from_disk",
-            json={"model_path": str(path), "weight_version": version},
-            timeout=30,
-        )
-        assert r.status_code == 200, r.text
-
-    def requests_total(self) -> float:
-        """Finished /generate requests (the engine's own counter)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return sum(
-            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("rein_engine_requests_total")
-        )
-
-    def active(self) -> list[dict[str, Any]]:
-        requests: list[dict[str, Any]] = httpx.get(f"{self.url}/debug/active", timeout=10).json()["requests"]
-        return requests
-
-
-def start_engine(tmp_path_factory: pytest.TempPathFactory, step_delay_s: float = 0.03) -> Iterator[Engine]:
-    weights_dir = tmp_path_factory.mktemp("weights")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_service(
-        "services.engine",
-        {
-            "REIN_HOST": "127.0.0.1",
-            "REIN_PORT": str(port),
-            "REIN_WEIGHTS_DIR": str(weights_dir),
-            "REIN_STEP_DELAY_S": str(step_delay_s),
-            "REIN_TORCH_THREADS": "1",
-            "REIN_LOG_LEVEL": "warning",
-        },
-        f"{url}/health",
-        timeout_s=90,
-        log_dir=tmp_path_factory.mktemp("logs"),
-    )
-    try:
-        yield Engine(url=url, weights_dir=weights_dir)
-    finally:
-        proc.stop()
 
 
 class ServerThread:
@@ -227,22 +164,17 @@ def read_records(bootstrap: str, topic: str, n: int, timeout_s: float = 30) -> l
 
 
 def count_records(bootstrap: str, topic: str) -> int:
-    """Records currently on ``topic`` (end offsets; records are acked before the proxy answers)."""
+    """Records currently on ``topic`` (end offsets; records are acked before the proxy answers).
+
+    A topic the broker does not know fails the test: a wrong name must not read as "nothing published"."""
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
     try:
-        parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or []]
+        known = consumer.partitions_for_topic(topic)
+        assert known, f"no topic {topic!r} on {bootstrap}"
+        parts = [TopicPartition(topic, p) for p in known]
         return sum(consumer.end_offsets(parts).values())
     finally:
         consumer.close()
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = 30, what: str = "condition") -> None:
-    """Await a condition with a bound (checks every 10 ms); fails the test with ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def in_background(fn: Callable[[], Any]) -> Callable[[], Any]:

@@ -12,15 +12,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from kafka import KafkaProducer
 
 from ops.local.ports import free_port
-from services.trainer.loop import run
+from services.trainer.loop import RunResult, run
 from services.trainer.settings import TrainerSettings
 from shared import checkpoint
 from shared.bus import Consumer, Delivered, Producer
@@ -35,10 +37,13 @@ from shared.schemas import (
     Trajectory,
     WeightPublished,
     WindowInfo,
+    encode,
 )
 from shared.settings import KafkaSettings, load
 from shared.tokenizer import TOKENIZER
-from tests.procs import REPO_ROOT, start_service
+from tests.support.procs import REPO_ROOT, start_service
+from tests.support.rebalance import ForeignMember
+from tests.support.wait import wait_until
 
 pytestmark = [
     pytest.mark.integration,
@@ -244,3 +249,56 @@ def test_hf_model_trains_resumes_and_prunes_directory_checkpoints(env: Env, tiny
         loaded = family.load(Path(e.path), torch.device("cpu"))
         assert Path(e.path).is_dir() and (loaded.digest, loaded.version, loaded.step) == (e.digest, e.version, e.step)
     assert events[3].digest != events[2].digest
+
+
+def _produce_to(bootstrap: str, topic: str, partition: int, record: object) -> None:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    try:
+        producer.send(topic, value=encode(record), partition=partition).get(timeout=30)  # type: ignore[arg-type]
+    finally:
+        producer.close(timeout=10)
+
+
+def test_trainer_member_joins_and_leaves(env: Env) -> None:
+    """A foreign member joins the trainer's group mid-run, holds the next index, and leaves again:
+    the trainer stays alive and trains every manifest once, in index order."""
+    kafka_bootstrap, topics, unique_group = env.kafka.bootstrap_servers, env.topics, env.group
+    refs = env.groups(16)
+    manifests = [_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(8)]
+    env.manifests(manifests[:2])
+    stop = threading.Event()
+    results: list[RunResult] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            results.append(run(env.settings(max_steps=8, publish_every=1), stop))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name="trainer-under-test", daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: len(env.lines()) >= 2 or errors, 90, "the first two steps")
+        with ForeignMember(kafka_bootstrap, unique_group, [topics.batches]) as member:
+            theirs = sorted(p for _, p in member.partitions)
+            ours = sorted(set(range(4)) - set(theirs))
+            assert theirs and ours
+            # index 2 on the member's partition, 3 and 4 on the trainer's: it buffers them and waits
+            _produce_to(kafka_bootstrap, topics.batches, theirs[0], manifests[2])
+            for m in manifests[3:5]:
+                _produce_to(kafka_bootstrap, topics.batches, ours[0], m)
+            wait_until(lambda: member.records > 0, 30, "the foreign member to read index 2")
+            assert len(env.lines()) == 2 and not errors, "index 2 is held by the member: no step can follow"
+        env.manifests(manifests[5:])
+        thread.join(120)
+        assert not thread.is_alive(), "the trainer did not finish its 8 steps"
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not errors, errors
+    [result] = results
+    assert result.trained_indices == list(range(8))
+    lines = env.lines()
+    assert [x["manifest_index"] for x in lines] == list(range(8))
+    assert [x["step"] for x in lines] == list(range(1, 9))

@@ -8,11 +8,9 @@ from pathlib import Path
 import pytest
 
 from ops.cli import main as rein
-from tests.integration.test_collector_support import Running, Source, Tail, final_decisions, make_settings
+from tests.support.collector import Running, Source, Tail, final_decisions, make_settings
 
-# kafka-python 3.0 drops sockets it never connected without closing them; under "warnings are errors" the
-# ResourceWarning can fire inside a client's IO thread and kill the task a poll is waiting on.
-pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = [pytest.mark.integration]
 
 STREAM: list[tuple[str, list[list[str | None]], dict[str, object]]] = [
     ("a", [["v1"], ["v1"]], {}),

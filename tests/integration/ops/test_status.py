@@ -20,11 +20,11 @@ import pytest
 
 from ops.cli import main
 from services.collector.synthetic import group_records
-from tests.integration.test_collector_support import Running, Source, Tail, final_decisions, make_settings
+from tests.support.collector import Running, Source, Tail, final_decisions, make_settings
 
-pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+pytestmark = [pytest.mark.integration]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def status(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
