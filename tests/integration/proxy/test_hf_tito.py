@@ -18,12 +18,11 @@ import httpx
 import pytest
 import torch
 
-from ops.local.ports import free_port
 from shared.model import load_family, token_logprobs
 from shared.model.hf import HFChatTokenizer
 from shared.schemas import Chunk, SessionFinished
-from tests.integration.test_proxy_harness import Engine, ProxyFactory, proxy_factory, rein
-from tests.procs import start_service
+from tests.support.proxy import ProxyFactory, proxy_factory, rein
+from tests.support.stack import Engine, engine_process
 
 pytestmark = [pytest.mark.integration]
 __all__ = ["proxy_factory"]
@@ -34,19 +33,9 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def hf_engine(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    weights_dir = tmp_path_factory.mktemp("weights")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_service(
-        "services.engine",
-        {"REIN_HOST": "127.0.0.1", "REIN_PORT": str(port), "REIN_WEIGHTS_DIR": str(weights_dir),
-         "REIN_MODEL": str(tiny_llama_dir), "REIN_TORCH_THREADS": "1", "REIN_LOG_LEVEL": "warning"},
-        f"{url}/health", timeout_s=180, log_dir=tmp_path_factory.mktemp("logs"),
-    )
-    try:
-        yield Engine(url=url, weights_dir=weights_dir)
-    finally:
-        proc.stop()
+    with engine_process(tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"),
+                        extra_env={"REIN_MODEL": str(tiny_llama_dir)}) as engine:
+        yield engine
 
 
 def test_multi_turn_non_ascii_keeps_sampled_ids_and_appends_template_deltas(
