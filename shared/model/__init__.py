@@ -18,7 +18,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shared.model.base import ChatTokenizer, CheckpointError, Loaded, ModelError, ModelFamily, state_digest
+from shared.model.base import (
+    ChatTokenizer,
+    CheckpointError,
+    Loaded,
+    ModelError,
+    ModelFamily,
+    Turn,
+    UnrenderableMessages,
+    state_digest,
+)
 from shared.model.tiny import TinyFamily
 from shared.policy import PolicyConfig, TinyPolicy
 
@@ -29,6 +38,8 @@ __all__ = [
     "ModelError",
     "ModelFamily",
     "TinyFamily",
+    "Turn",
+    "UnrenderableMessages",
     "context_window_of",
     "load_family",
     "logits",

@@ -18,11 +18,27 @@ from torch import nn
 from shared.checkpoint import CheckpointError
 from shared.checkpoint import digest as checkpoint_digest
 
-__all__ = ["ChatTokenizer", "CheckpointError", "Loaded", "ModelError", "ModelFamily", "state_digest"]
+__all__ = [
+    "ChatTokenizer", "CheckpointError", "Loaded", "ModelError", "ModelFamily", "Turn", "UnrenderableMessages",
+    "state_digest",
+]
 
 
 class ModelError(ValueError):
     """A model spec names nothing loadable (unknown family, missing directory, bad GGUF)."""
+
+
+class UnrenderableMessages(ValueError):
+    """Messages a chat template cannot render; ``field`` names the culprit as a request path (``messages.0.role``)."""
+
+    def __init__(self, message: str, field: str = "messages") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+Turn = tuple[Sequence[int], Sequence[int]]
+"""One call of a conversation as the engine saw it: the ids a tokenizer rendered (``context``), then
+the ids the engine sampled after them, verbatim (``sampled``; a stop id at the end included)."""
 
 
 class ChatTokenizer(Protocol):
@@ -46,11 +62,31 @@ class ChatTokenizer(Protocol):
         add_generation_prompt: bool,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        """Ids of ``messages`` rendered by the model's own chat template."""
+        """Ids of ``messages`` rendered by the model's own chat template (:class:`UnrenderableMessages`
+        for messages it cannot render)."""
+        ...
+
+    def continue_chat(
+        self,
+        turns: Sequence[Turn],
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int] | None:
+        """The ids to append to ``turns`` (their ids in order) so that the whole stands for ``messages``
+        followed by the generation prompt; None when ``messages`` do not extend what ``turns`` stand for.
+
+        ``turns`` is a conversation this tokenizer rendered plus what the engine sampled, never
+        re-tokenized. Each turn's sampled ids stand for the assistant message an agent was answered:
+        :meth:`decode` of them, closed by the template's end of turn when they end with a stop id (any
+        stop id: a reply cut by its budget has none, and the template closes it in the returned ids).
+        None (the agent edited or dropped history, or the template now renders the earlier messages
+        differently) means: start over with :meth:`encode_chat`. Raises as :meth:`encode_chat` does.
+        """
         ...
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids`` without special tokens."""
+        """Text of ``ids`` without special tokens: what an agent is answered for sampled ids."""
         ...
 
 
