@@ -51,6 +51,12 @@ class BadRequest(ReinError):
     code = "bad_request"
 
 
+class UnsupportedContent(BadRequest):
+    """A message holds what the served model cannot take (an image or audio part for a text model)."""
+
+    code = "unsupported_content"
+
+
 class MissingHeader(BadRequest):
     """A required header (``X-Session-Id``) is absent or empty."""
 

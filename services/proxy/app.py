@@ -53,7 +53,7 @@ from shared.errors import (
     http_body,
 )
 from shared.http_server import BodyLimit
-from shared.tokenizer import TOKENIZER
+from shared.model import load_family
 
 _log = log.get(__name__)
 B = TypeVar("B", bound=BaseModel)
@@ -61,6 +61,8 @@ _TRUE = {"1", "true", "yes", "on"}
 
 
 def create_app(settings: ProxySettings) -> FastAPI:
+    tokenizer = load_family(settings.model).tokenizer  # REIN_MODEL's tokenizer and chat template; no weights
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, Any]]:
         registry = CollectorRegistry(auto_describe=True)
@@ -77,7 +79,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
                     _log.warning("engine_info_unavailable_at_start", engine=engine.url, error=str(exc))
             publisher = Publisher(settings.kafka)
             await publisher.start()
-            service = ProxyService(settings, engines, publisher, PauseController(), proxy_metrics, TOKENIZER)
+            service = ProxyService(settings, engines, publisher, PauseController(), proxy_metrics, tokenizer)
             _log.info("proxy ready", engines=[(e.url, e.version) for e in engines],
                       partial_rollout=settings.partial_rollout, max_preempts=settings.max_preempts)
             sweeper = asyncio.create_task(_expire_idle_sessions(service))
@@ -106,7 +108,8 @@ def create_app(settings: ProxySettings) -> FastAPI:
             ignore_eos=body.ignore_eos,
         )
         outcome = await service.chat(
-            ids, body.pairs(), budget=body.budget(settings.default_max_tokens), sampling=sampling, soft_reject=soft
+            ids, body.template_messages(), tools=body.template_tools(), budget=body.budget(settings.default_max_tokens),
+            sampling=sampling, soft_reject=soft,
         )
         model = body.model or settings.model_name
         if outcome.soft_rejected:

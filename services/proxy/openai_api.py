@@ -1,9 +1,13 @@
 """The OpenAI chat-completions subset the proxy speaks: request model, response bodies, SSE frames.
 
-Pure functions of their inputs. Unknown request fields (``tools``, ``stop``, ...)
-are accepted and ignored, as the tiny policy has no use for them; fields the proxy
-does use are validated and a bad one is a 422 naming it. ``n`` must be 1 (one
-session is one trajectory).
+Pure functions of their inputs. Messages reach the model's chat template as plain
+dicts in OpenAI's shape (roles system, user, assistant, tool; an assistant's
+``tool_calls``; a tool message's ``tool_call_id``), and ``tools`` go to the template
+too; what the template does with them is the model family's business. Content is text:
+a string or a list of text parts (joined by newlines); any other part (images, audio)
+is a 400 ``unsupported_content``, as the proxy serves text models. Unknown request
+fields (``stop``, ...) are accepted and ignored; fields the proxy does use are validated
+and a bad one is a 422 naming it. ``n`` must be 1 (one session is one trajectory).
 """
 
 from __future__ import annotations
@@ -15,32 +19,92 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared.errors import InvalidRequest, UnsupportedContent
 from shared.schemas import new_id
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``text`` parts can be served (see :meth:`ChatMessage.template`)."""
+
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] = ""
+    """OpenAI sends a JSON string; a dict is taken as well (what chat templates expect)."""
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """Assistant messages only."""
+    tool_call_id: str | None = None
+    """Tool messages: the call this is the result of."""
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return " ".join(part.text for part in self.content)
+    def template(self, index: int) -> dict[str, Any]:
+        """This message as the chat template takes it: content as one string (None is empty), the
+        other fields as OpenAI spells them. 400 ``unsupported_content`` for a part that is not text."""
+        out: dict[str, Any] = {"role": self.role, "content": self._text(index)}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+    def _text(self, index: int) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        texts = []
+        for j, part in enumerate(self.content):
+            field = f"messages.{index}.content.{j}"
+            if part.type == "text" and part.text is None:
+                fields = [{"field": field, "message": "a text part needs 'text'"}]
+                raise InvalidRequest(f"{field}: a text part needs 'text'", fields=fields)
+            if part.text is None or part.type != "text":
+                raise UnsupportedContent(
+                    f"{field}: content part of type {part.type!r} is not supported; this proxy serves a text model "
+                    "(send text parts or a string)", field=field, part_type=part.type,
+                )
+            texts.append(part.text)
+        return "\n".join(texts)
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(BaseModel):
+    """A tool the agent offers (``{"type": "function", "function": {...}}``); rendered by the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionSpec
 
 
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str = ""
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -57,8 +121,13 @@ class ChatRequest(BaseModel):
             return self.max_completion_tokens
         return self.max_tokens if self.max_tokens is not None else default
 
-    def pairs(self) -> list[tuple[str, str]]:
-        return [(m.role, m.text()) for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (400 ``unsupported_content`` for non-text parts)."""
+        return [m.template(i) for i, m in enumerate(self.messages)]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them; None when the request offers none."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class FinishBody(BaseModel):

@@ -48,8 +48,8 @@ from shared.errors import (
     SessionBusy,
     StalePause,
 )
+from shared.model.base import ChatTokenizer
 from shared.schemas import Chunk, Record, new_id
-from shared.tokenizer import Tokenizer
 from shared.versions import real_version
 
 __all__ = ["CallIds", "ChatOutcome", "ProxyService"]
@@ -76,7 +76,7 @@ class ProxyService:
         publisher: Publisher,
         controller: PauseController,
         metrics: ProxyMetrics,
-        tokenizer: Tokenizer,
+        tokenizer: ChatTokenizer,
         new_rid: Callable[[], str] = lambda: new_id("rein"),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -94,8 +94,9 @@ class ProxyService:
     async def chat(
         self,
         ids: CallIds,
-        messages: list[tuple[str, str]],
+        messages: list[dict[str, Any]],
         *,
+        tools: list[dict[str, Any]] | None = None,
         budget: int,
         sampling: Sampling,
         soft_reject: bool,
@@ -107,7 +108,7 @@ class ProxyService:
         session = self.sessions.acquire(ids.session_id, ids.group_id, ids.prompt_id, ids.attempt)
         self.metrics.sessions.set(len(self.sessions))
         try:
-            plan = session.begin(messages, ids.turn_id)
+            plan = session.begin(messages, ids.turn_id, tools)
             engine = pick_engine(ids.session_id, self.engines)
             request = self._request(plan, await engine.window(), ids, budget, sampling)
             gen = await generate_preemptible(

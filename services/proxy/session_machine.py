@@ -16,7 +16,7 @@ Lifecycle::
 Events and what they return:
 
 ================  ==================================================================
-``begin``         turn planned: the :class:`TurnPlan` (400 for a role the template lacks)
+``begin``         turn planned: the :class:`TurnPlan` (422 for messages the template cannot render)
 ``check_engine``  before each engine call: the rejection the engine's version would cause
 ``chunk``         chunk received: the records to publish before going on (none untracked)
 ``chunk_acked``   the chunk's records are on Kafka: recorded; the rejection it causes
@@ -28,8 +28,8 @@ Events and what they return:
 ================  ==================================================================
 
 Tokens are kept token-in-token-out by :class:`~services.proxy.transcript.Transcript`;
-tokenisation happens only there and in :meth:`Session.complete`, through the injected
-:class:`~services.proxy.transcript.ChatTokenizer`.
+tokenisation happens only there and in :meth:`Session.complete` (decoding the answer), through
+the model family's :class:`~shared.model.base.ChatTokenizer` the shell injects.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from services.proxy.transcript import ChatTokenizer, SegmentState, Transcript, TurnPlan
+from services.proxy.transcript import Messages, SegmentState, Tools, Transcript, TurnPlan
 from shared.errors import (
     InvalidRequest,
     KafkaUnavailable,
@@ -50,15 +50,16 @@ from shared.errors import (
     SessionIdle,
     TrajectoryVersionChanged,
 )
+from shared.model.base import ChatTokenizer
+from shared.model.tiny import TinyChatTokenizer
 from shared.schemas import Chunk, Record, SessionFinished, SessionRejected
 from shared.staleness import check_span
-from shared.tokenizer import TOKENIZER
 from shared.versions import distinct_real, encode_runs
 
 if TYPE_CHECKING:
     from services.proxy.generation import ChunkOutcome, Generation
 
-__all__ = ["ChatOutcome", "ChatTokenizer", "SegmentState", "Session", "Step", "TurnPlan", "VersionRules"]
+__all__ = ["ChatOutcome", "SegmentState", "Session", "Step", "TurnPlan", "VersionRules"]
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ class Session(Transcript):
     group_id: str
     prompt_id: str = ""
     attempt: int = 0
-    tokenizer: ChatTokenizer = field(default=TOKENIZER, repr=False, compare=False)
+    tokenizer: ChatTokenizer = field(default_factory=TinyChatTokenizer, repr=False, compare=False)
+    """The served model family's (the service passes it; the default serves tests of the machine alone)."""
     rules: VersionRules = field(default_factory=VersionRules)
     segments: list[SegmentState] = field(default_factory=list)
     num_chunks: int = 0
@@ -138,11 +140,11 @@ class Session(Transcript):
 
     # ------------------------------------------------------------------ events of a chat call
 
-    def begin(self, messages: Sequence[tuple[str, str]], turn_id: str = "") -> TurnPlan:
+    def begin(self, messages: Messages, turn_id: str = "", tools: Tools = None) -> TurnPlan:
         """Turn planned: the session is in a call until ``complete``, ``fail`` or ``cancel``."""
         self._require("open")
         try:
-            plan = self.plan(messages, self.tokenizer)
+            plan = self.plan(messages, self.tokenizer, tools)
         except ValueError as exc:
             raise InvalidRequest(str(exc), fields=[{"field": "messages", "message": str(exc)}]) from None
         self.phase, self._turn, self._turn_id, self._first_seq = "in_call", plan, turn_id, self.num_chunks
@@ -181,10 +183,9 @@ class Session(Transcript):
         return rejection
 
     def complete(self, gen: Generation) -> ChatOutcome:
-        """The generation ended: the returned assistant message joins the segment's history."""
+        """The generation ended: the answer is the text of the sampled ids (a final stop id is no text)."""
         plan = self._call()
         content = self.tokenizer.decode(gen.output_ids)
-        self.complete_turn(plan, tuple(self.tokenizer.render_message("assistant", content)))
         self._leave_call()
         rein = {
             "session_id": self.session_id, "segment_index": plan.segment_index, "new_segment": plan.new_segment,

@@ -16,9 +16,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from services.proxy.session_machine import Session, VersionRules
-from services.proxy.transcript import ChatTokenizer, SegmentState, TurnPlan
+from services.proxy.transcript import SegmentState, TurnPlan
 from shared.errors import BadRequest, SessionBusy, SessionFinalized, SessionNotFound
-from shared.tokenizer import TOKENIZER
+from shared.model.base import ChatTokenizer
+from shared.model.tiny import TinyChatTokenizer
 
 __all__ = ["SegmentState", "Session", "SessionStore", "TurnPlan"]
 
@@ -28,9 +29,9 @@ class SessionStore:
 
     def __init__(
         self, finalized_memory: int = 100_000, clock: Callable[[], float] = time.monotonic, *,
-        tokenizer: ChatTokenizer = TOKENIZER, rules: VersionRules | None = None,
+        tokenizer: ChatTokenizer | None = None, rules: VersionRules | None = None,
     ) -> None:
-        self._tokenizer = tokenizer
+        self._tokenizer = tokenizer or TinyChatTokenizer()
         self._rules = rules or VersionRules()
         self._live: dict[str, Session] = {}
         self._final: OrderedDict[str, str] = OrderedDict()

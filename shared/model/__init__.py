@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shared.model.base import ChatTokenizer, CheckpointError, Loaded, ModelError, ModelFamily, state_digest
+from shared.model.base import ChatTokenizer, CheckpointError, Loaded, ModelError, ModelFamily, Turn, state_digest
 from shared.model.tiny import TinyFamily
 from shared.policy import PolicyConfig, TinyPolicy
 
@@ -29,6 +29,7 @@ __all__ = [
     "ModelError",
     "ModelFamily",
     "TinyFamily",
+    "Turn",
     "context_window_of",
     "load_family",
     "logits",

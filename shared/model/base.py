@@ -18,11 +18,16 @@ from torch import nn
 from shared.checkpoint import CheckpointError
 from shared.checkpoint import digest as checkpoint_digest
 
-__all__ = ["ChatTokenizer", "CheckpointError", "Loaded", "ModelError", "ModelFamily", "state_digest"]
+__all__ = ["ChatTokenizer", "CheckpointError", "Loaded", "ModelError", "ModelFamily", "Turn", "state_digest"]
 
 
 class ModelError(ValueError):
     """A model spec names nothing loadable (unknown family, missing directory, bad GGUF)."""
+
+
+Turn = tuple[Sequence[int], Sequence[int]]
+"""One call of a conversation as the engine saw it: the ids a tokenizer rendered (``context``), then
+the ids the engine sampled after them, verbatim (``sampled``; a stop id at the end included)."""
 
 
 class ChatTokenizer(Protocol):
@@ -46,11 +51,30 @@ class ChatTokenizer(Protocol):
         add_generation_prompt: bool,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        """Ids of ``messages`` rendered by the model's own chat template."""
+        """Ids of ``messages`` rendered by the model's own chat template (ValueError for messages it cannot render)."""
+        ...
+
+    def continue_chat(
+        self,
+        turns: Sequence[Turn],
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int] | None:
+        """The ids to append to ``turns`` (their ids in order) so that the whole stands for ``messages``
+        followed by the generation prompt; None when ``messages`` do not extend what ``turns`` stand for.
+
+        ``turns`` is a conversation this tokenizer rendered plus what the engine sampled, never
+        re-tokenized. Each turn's sampled ids stand for the assistant message an agent was answered:
+        :meth:`decode` of them, closed by the template's end of turn when they end with a stop id (any
+        stop id: a reply cut by its budget has none, and the template closes it in the returned ids).
+        None (the agent edited or dropped history, or the template now renders the earlier messages
+        differently) means: start over with :meth:`encode_chat`. ValueError as for :meth:`encode_chat`.
+        """
         ...
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids`` without special tokens."""
+        """Text of ``ids`` without special tokens: what an agent is answered for sampled ids."""
         ...
 
 

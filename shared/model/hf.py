@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from jinja2 import TemplateError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from shared.checkpoint import CheckpointError
-from shared.model.base import ChatTokenizer, Loaded, ModelError, state_digest
+from shared.model.base import ChatTokenizer, Loaded, ModelError, Turn, state_digest
 
 hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # services log JSON lines; tqdm bars on every load are noise
 
@@ -64,6 +65,15 @@ def _tool_call_text(call: Mapping[str, Any]) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
 
 
+def _with_parsed_arguments(call: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(call)
+    fn = call.get("function")
+    if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
+        with contextlib.suppress(ValueError):
+            out["function"] = {**fn, "arguments": json.loads(fn["arguments"])}
+    return out
+
+
 class HFChatTokenizer:
     """A Hugging Face tokenizer and its chat template behind the :class:`ChatTokenizer` protocol.
 
@@ -89,6 +99,9 @@ class HFChatTokenizer:
         if not stops:
             raise ModelError(f"tokenizer {tokenizer.name_or_path!r} has no EOS or end-of-turn token")
         self._stop_ids = frozenset(stops)
+        texts = {self._text([i]) for i in stops}
+        self._stop_texts = tuple(sorted((t for t in texts if t), key=len, reverse=True))
+        """Spellings of the stop tokens, longest first: what a final stop id may stand for in the template."""
         pad = tokenizer.pad_token_id
         self._pad_id = pad if isinstance(pad, int) else eos if isinstance(eos, int) else min(stops)
 
@@ -116,8 +129,31 @@ class HFChatTokenizer:
                 texts = [_tool_call_text(c) for c in calls if isinstance(c, Mapping)]
                 plain["content"] = "\n".join([plain["content"], *texts] if plain["content"] else texts)
                 del plain["tool_calls"]
+            elif calls:  # OpenAI sends arguments as a JSON string; templates expect the object
+                plain["tool_calls"] = [_with_parsed_arguments(c) for c in calls if isinstance(c, Mapping)]
             out.append(plain)
         return out
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The chat template's text for ``messages`` (ValueError when the template refuses them)."""
+        try:
+            text = self.inner.apply_chat_template(
+                self._plain(messages),
+                tools=[dict(t) for t in tools] if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+        except TemplateError as exc:  # the template's own raise_exception(...), or a malformed message
+            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected text")
+        return text
 
     def encode_chat(
         self,
@@ -126,18 +162,54 @@ class HFChatTokenizer:
         add_generation_prompt: bool,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        ids = self.inner.apply_chat_template(
-            self._plain(messages),
-            tools=[dict(t) for t in tools] if tools else None,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-        )
-        if not isinstance(ids, list):
-            raise TypeError(f"apply_chat_template returned {type(ids).__name__}, expected a list of ids")
+        """The template's text, tokenized the way ``apply_chat_template(tokenize=True)`` does: no added
+        BOS/EOS, special tokens in the text parsed as specials. :meth:`continue_chat` encodes its deltas
+        the same way, so both paths give the same ids for the same span."""
+        return self._encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools))
+
+    def continue_chat(
+        self,
+        turns: Sequence[Turn],
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int] | None:
+        """In text space: the template's text for ``messages`` must start with what ``turns`` stand for;
+        the rest is encoded. Contexts are compared by their exact text (special tokens spelled out),
+        sampled ids by :meth:`decode` of them (the answer the agent got; specials it never saw are
+        dropped), and a final stop id matches whichever end-of-turn token the template writes there.
+        Comparing text, not ids, is what lets the sampled ids stay verbatim: BPE would often split the
+        assistant's text differently than the model sampled it."""
+        if not turns:
+            return None
+        full = self.render_chat(messages, add_generation_prompt=True, tools=tools)
+        pos = 0
+        for context, sampled in turns:
+            text = self._text(context)
+            if not full.startswith(text, pos):
+                return None
+            pos += len(text)
+            stopped = bool(sampled) and sampled[-1] in self._stop_ids
+            answer = self.decode(sampled[:-1] if stopped else sampled)
+            if not full.startswith(answer, pos):
+                return None
+            pos += len(answer)
+            if stopped:
+                end = next((t for t in self._stop_texts if full.startswith(t, pos)), None)
+                if end is None:
+                    return None
+                pos += len(end)
+        return self._encode(full[pos:]) if pos < len(full) else None
+
+    def _text(self, ids: Sequence[int]) -> str:
+        """Exact text of rendered ids: special tokens spelled out, no space clean-up."""
+        return str(self.inner.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+    def _encode(self, text: str) -> list[int]:
+        ids = self.inner.encode(text, add_special_tokens=False)
         out = [i for i in ids if isinstance(i, int)]
         if len(out) != len(ids):
-            raise TypeError("apply_chat_template returned something other than token ids")
+            raise TypeError("encode returned something other than token ids")
         return out
 
     def decode(self, ids: Sequence[int]) -> str:

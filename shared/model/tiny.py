@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from shared import checkpoint
-from shared.model.base import ChatTokenizer, Loaded
+from shared.model.base import ChatTokenizer, Loaded, Turn
 from shared.policy import PolicyConfig, TinyPolicy, init_policy
 from shared.tokenizer import TOKENIZER, Tokenizer
 
@@ -53,6 +53,33 @@ class TinyChatTokenizer:
             content = message["content"]
             plain.append({"role": str(message["role"]), "content": "" if content is None else str(content)})
         return self.inner.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+
+    def continue_chat(
+        self,
+        turns: Sequence[Turn],
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int] | None:
+        """In id space: the tiny template renders each message on its own, so ``turns`` must equal
+        the rendering of ``messages`` up to some point and the rest is the delta. Sampled ids stand
+        for their text (special ids dropped, as :meth:`decode` drops them) plus ``<|end|>`` when the
+        engine stopped on it; a reply cut by its budget gets ``<|end|>`` first in the delta."""
+        full = self.encode_chat(messages, add_generation_prompt=True, tools=tools)
+        pos = 0
+        for context, sampled in turns:
+            expected = [*context, *self._answer_ids(sampled)]
+            if full[pos : pos + len(expected)] != expected:
+                return None
+            pos += len(expected)
+        return full[pos:] if turns and pos < len(full) else None
+
+    def _answer_ids(self, sampled: Sequence[int]) -> list[int]:
+        """The ids the template renders for the assistant message :meth:`decode` makes of ``sampled``."""
+        end = self.inner.end_id
+        stopped = bool(sampled) and sampled[-1] == end
+        words = [i for i in sampled if not self.inner.is_special(i)]
+        return [*words, end] if stopped else words
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.inner.decode(ids)

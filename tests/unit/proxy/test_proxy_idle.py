@@ -12,8 +12,8 @@ from services.proxy.metrics import ProxyMetrics
 from services.proxy.service import ProxyService
 from services.proxy.settings import ProxySettings
 from shared.errors import KafkaUnavailable
+from shared.model.tiny import TinyChatTokenizer
 from shared.schemas import SessionRejected
-from shared.tokenizer import TOKENIZER
 
 
 class Clock:
@@ -40,7 +40,7 @@ class FlakyPublisher:
 def service(publisher: FlakyPublisher, clock: Clock, timeout_s: float = 10.0) -> ProxyService:
     settings = ProxySettings(admin_token="x" * 16, session_idle_timeout_s=timeout_s)
     return ProxyService(
-        settings, [], publisher, PauseController(), ProxyMetrics(CollectorRegistry()), TOKENIZER,  # type: ignore[arg-type]
+        settings, [], publisher, PauseController(), ProxyMetrics(CollectorRegistry()), TinyChatTokenizer(),  # type: ignore[arg-type]
         clock=clock,
     )
 

@@ -6,7 +6,10 @@ import pytest
 
 from services.proxy.sessions import Session, SessionStore
 from shared.errors import BadRequest, SessionBusy, SessionFinalized, SessionNotFound
+from shared.model.tiny import TinyChatTokenizer
 from shared.tokenizer import TOKENIZER as TOK
+
+CHAT = TinyChatTokenizer(TOK)
 
 SYSTEM = ("system", "guess the number")
 USER1 = ("user", "guess")
@@ -15,15 +18,18 @@ USER2 = ("user", "higher")
 
 def run_turn(session: Session, messages: list[tuple[str, str]], output: list[int], version: str = "v1") -> list[int]:
     """Plan a call, record one chunk with ``output``, complete it; returns the chunk's context ids."""
-    plan = session.plan(messages, TOK)
+    plan = session.plan(dicts(messages), CHAT)
     session.record_chunk(plan, plan.context_ids, output, [version] * len(output))
-    session.complete_turn(plan, tuple(TOK.render_message("assistant", TOK.decode(output))))
     return list(plan.context_ids)
+
+
+def dicts(messages: list[tuple[str, str]]) -> list[dict[str, str]]:
+    return [{"role": role, "content": content} for role, content in messages]
 
 
 def test_first_call_renders_full_template() -> None:
     session = Session("s", "g")
-    plan = session.plan([SYSTEM, USER1], TOK)
+    plan = session.plan(dicts([SYSTEM, USER1]), CHAT)
     expected = TOK.apply_chat_template([{"role": r, "content": c} for r, c in (SYSTEM, USER1)], True)
     assert plan.new_segment and plan.segment_index == 0
     assert list(plan.context_ids) == expected == list(plan.prompt_ids)
@@ -34,7 +40,7 @@ def test_extension_appends_only_new_messages_and_header() -> None:
     out = [TOK.token_id("5"), TOK.end_id]
     first_ctx = run_turn(session, [SYSTEM, USER1], out)
     assistant = ("assistant", TOK.decode(out))
-    plan = session.plan([SYSTEM, USER1, assistant, USER2], TOK)
+    plan = session.plan(dicts([SYSTEM, USER1, assistant, USER2]), CHAT)
     assert not plan.new_segment and plan.segment_index == 0
     assert list(plan.context_ids) == [*TOK.render_message(*USER2), TOK.assistant_id]
     assert list(plan.prompt_ids) == [*first_ctx, *out, *plan.context_ids]
@@ -45,7 +51,7 @@ def test_engine_tokens_are_kept_not_retokenised() -> None:
     session = Session("s", "g")
     out = [TOK.token_id("5"), TOK.pad_id, TOK.end_id]  # <pad> vanishes from the text
     first_ctx = run_turn(session, [USER1], out)
-    plan = session.plan([USER1, ("assistant", "5"), USER2], TOK)
+    plan = session.plan(dicts([USER1, ("assistant", "5"), USER2]), CHAT)
     assert not plan.new_segment
     assert list(plan.prompt_ids[: len(first_ctx) + len(out)]) == [*first_ctx, *out]
 
@@ -54,14 +60,14 @@ def test_output_cut_by_length_gets_end_token_in_next_context() -> None:
     session = Session("s", "g")
     out = [TOK.token_id("5"), TOK.token_id("6")]  # no <|end|>: budget ran out
     run_turn(session, [USER1], out)
-    plan = session.plan([USER1, ("assistant", "5 6"), USER2], TOK)
+    plan = session.plan(dicts([USER1, ("assistant", "5 6"), USER2]), CHAT)
     assert list(plan.context_ids) == [TOK.end_id, *TOK.render_message(*USER2), TOK.assistant_id]
 
 
 def test_rewritten_history_starts_new_segment() -> None:
     session = Session("s", "g")
     run_turn(session, [SYSTEM, USER1], [TOK.token_id("5"), TOK.end_id])
-    plan = session.plan([SYSTEM, ("user", "lower")], TOK)
+    plan = session.plan(dicts([SYSTEM, ("user", "lower")]), CHAT)
     assert plan.new_segment and plan.segment_index == 1
     assert list(plan.context_ids) == TOK.apply_chat_template(
         [{"role": "system", "content": SYSTEM[1]}, {"role": "user", "content": "lower"}], True
@@ -71,14 +77,14 @@ def test_rewritten_history_starts_new_segment() -> None:
 def test_assistant_message_must_match_what_was_returned() -> None:
     session = Session("s", "g")
     run_turn(session, [USER1], [TOK.token_id("5"), TOK.end_id])
-    plan = session.plan([USER1, ("assistant", "7"), USER2], TOK)
+    plan = session.plan(dicts([USER1, ("assistant", "7"), USER2]), CHAT)
     assert plan.new_segment
 
 
 def test_new_segment_opens_only_with_first_chunk() -> None:
     session = Session("s", "g")
     run_turn(session, [USER1], [TOK.end_id])
-    plan = session.plan([USER2], TOK)
+    plan = session.plan(dicts([USER2]), CHAT)
     assert plan.new_segment and len(session.segments) == 1  # planning changes nothing
     seq = session.record_chunk(plan, plan.context_ids, [TOK.end_id], ["v2"])
     assert seq == 1 and len(session.segments) == 2 and session.num_chunks == 2
@@ -86,7 +92,7 @@ def test_new_segment_opens_only_with_first_chunk() -> None:
 
 def test_continuation_chunks_and_versions() -> None:
     session = Session("s", "g")
-    plan = session.plan([USER1], TOK)
+    plan = session.plan(dicts([USER1]), CHAT)
     session.record_chunk(plan, plan.context_ids, [10, 11], ["v1", "v1"])
     session.record_chunk(plan, (), [12, 13, TOK.end_id], ["v1", "v2", "v2"])  # the engine swapped mid-request
     seg = session.segments[0]
@@ -99,7 +105,7 @@ def test_continuation_chunks_and_versions() -> None:
 
 def test_unknown_versions_are_not_recorded_as_real() -> None:
     session = Session("s", "g")
-    plan = session.plan([USER1], TOK)
+    plan = session.plan(dicts([USER1]), CHAT)
     session.record_chunk(plan, plan.context_ids, [10], [None])  # labels arrive normalised: None is "not real"
     session.record_chunk(plan, (), [11], [None])
     assert session.versions() == []
@@ -109,16 +115,16 @@ def test_closed_segment_is_never_extended() -> None:
     session = Session("s", "g")
     out = [TOK.token_id("5"), TOK.end_id]
     run_turn(session, [USER1], out)
-    plan = session.plan([USER1, ("assistant", "5"), USER2], TOK)
+    plan = session.plan(dicts([USER1, ("assistant", "5"), USER2]), CHAT)
     session.record_chunk(plan, plan.context_ids, [10], ["v1"])
     session.close_segment(plan)
-    again = session.plan([USER1, ("assistant", "5"), USER2], TOK)
+    again = session.plan(dicts([USER1, ("assistant", "5"), USER2]), CHAT)
     assert again.new_segment and again.segment_index == 1
 
 
 def test_unknown_role_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="tool"):
-        Session("s", "g").plan([("tool", "x")], TOK)
+        Session("s", "g").plan(dicts([("tool", "x")]), CHAT)
 
 
 def test_store_lifecycle() -> None:

@@ -51,7 +51,7 @@ class Driver:
             self.messages = {"rewrite": [USER2], "bad": [("tool", "x")]}.get(str(args[0]), [USER1])
             if args[0] == "extend":
                 self.messages = [USER1, ("assistant", "5"), USER2]
-            plan = s.begin(self.messages, "t")
+            plan = s.begin([{"role": role, "content": content} for role, content in self.messages], "t")
             self.outputs, self.plan_context = [], plan.context_ids
             return f"plan s{plan.segment_index} {'new' if plan.new_segment else 'extend'}"
         if name == "check":  # ("check", version)

@@ -75,7 +75,7 @@ class Shell:
         user = ("user", str(len(self.broker) % 7))
         messages = [*self.history, user] if call.extend and self.history else [user]
         try:
-            plan = s.begin(messages)
+            plan = s.begin([{"role": role, "content": content} for role, content in messages])
             outputs: list[ChunkOutcome] = []
             for index, piece in enumerate(call.pieces):
                 _raise(s.check_engine(piece.version))
