@@ -36,9 +36,10 @@ from shared.versions import real_version
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
 STEPS = 2
-MAX_ABS_DIFF = 0.05
+MAX_ABS_DIFF = 1e-3
 """Bound on the mean |trainer - engine| logprob of trained tokens: both run the same fp32 weights
-on CPU, the engine with a KV cache one token at a time, the trainer in one padded forward."""
+on CPU, the engine with a KV cache one token at a time, the trainer in one padded forward.
+Measured: ~3.5e-6 per step; a shifted token, a wrong temperature or a stale weight is far above 1e-3."""
 
 
 def _wait(what: str, cond: Callable[[], bool], timeout_s: float, local: LocalStack) -> None:
