@@ -12,6 +12,10 @@ PY := $(VENV)/bin/python
 TEST_TIMEOUT ?= 70m
 TESTS ?= tests
 PYTEST_ARGS ?=
+# What `make demo` trains: tiny (the built-in policy), smollm2 (converted once by deploy/smollm2.sh),
+# or a path to a Hugging Face directory or a .gguf file. DEMO_ARGS: more flags (python -m ops.demo --help).
+MODEL ?= tiny
+DEMO_ARGS ?=
 
 .PHONY: venv infra test lint demo clean clean-cache
 
@@ -36,7 +40,7 @@ lint: venv
 	fi
 
 demo: venv infra
-	$(PY) -m ops.demo
+	$(PY) -m ops.demo --model "$(MODEL)" $(DEMO_ARGS)
 
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist *.egg-info

@@ -1,21 +1,29 @@
-"""``make demo``: the whole pipeline learning the built-in task on CPU, with progress.
+"""``make demo``: the whole pipeline learning a task on CPU, with progress.
 
 Starts Kafka, Redis and every service as local processes (``ops.local.stack``), runs
-a fixed number of trainer steps with ``keep_versions=2``, partial rollout on and
-``max_preempts=2``, shows one progress line per step (reward, version gap, drops,
-rejections), stops every process it started (also on Ctrl-C), and writes
-``runs/<id>/summary.json`` and ``runs/<id>/plot.png``.
+trainer steps with ``keep_versions=2``, partial rollout on and ``max_preempts=2``
+until a step count (and, for a real model, a wall-time budget) is reached, shows one
+progress line per step (reward, version gap, drops, rejections), stops every process
+it started (also on Ctrl-C), and writes ``runs/<id>/summary.json`` and ``runs/<id>/plot.png``.
+
+``--model`` picks what trains: ``tiny`` (default; the built-in policy on number guessing),
+``smollm2`` (SmolLM2-135M-Instruct, converted once by ``deploy/smollm2.sh``, on the
+arithmetic task) or a path to a Hugging Face directory or a ``.gguf`` file (arithmetic too).
+Each has its own defaults (:data:`PRESETS`); every flag overrides them.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +34,119 @@ from ops.local.stack import LocalStack, StackConfig, start
 from ops.report import plot_run, rows_so_far
 
 _REJECTIONS = re.compile(r"^rein_proxy_rejections_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+_ENGINE_ACTIVE = re.compile(r"^rein_engine_active_requests\s+([0-9.eE+-]+)$", re.M)
+_ENGINE_TOKENS = re.compile(r"^rein_engine_generated_tokens_total\s+([0-9.eE+-]+)$", re.M)
+REPO = Path(__file__).resolve().parent.parent
+SMOLLM2 = "smollm2"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model's demo defaults; a flag given on the command line overrides its field."""
+
+    steps: int
+    minutes: float
+    """Training wall-time budget, counted from when every service is up (0: steps only)."""
+    collectors: int
+    batch_groups: int
+    group_size: int
+    concurrent_groups: int
+    task: str
+    max_tokens: int | None
+    lr: float | None
+    weight_decay: float | None
+    keep_checkpoints: int
+
+
+PRESETS: dict[str, Preset] = {
+    # the built-in policy: number guessing, about 10 minutes for 80 steps (docs/demo.md)
+    "tiny": Preset(
+        steps=80,
+        minutes=0,
+        collectors=2,
+        batch_groups=8,
+        group_size=8,
+        concurrent_groups=16,
+        task="guess_number",
+        max_tokens=None,
+        lr=None,
+        weight_decay=None,
+        keep_checkpoints=0,
+    ),
+    # a Hugging Face model on 2 cores (docs/models.md): 8 episodes per step, replies of up to 48 tokens,
+    # a fine-tuning learning rate with no weight decay (the pretrained weights are the prior), and only
+    # the two newest checkpoints kept (an HF step is ~0.5 GB of weights plus ~1 GB of AdamW state)
+    "hf": Preset(
+        steps=500,
+        minutes=20,
+        collectors=1,
+        batch_groups=2,
+        group_size=4,
+        concurrent_groups=4,
+        task="arithmetic",
+        max_tokens=48,
+        lr=1e-5,
+        weight_decay=0.0,
+        keep_checkpoints=2,
+    ),
+}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="make demo", description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--steps", type=int, default=80, help="trainer steps to run (default 80, about 10 minutes)")
+    p.add_argument(
+        "--model", default="tiny", help="tiny (default), smollm2, or a path to a Hugging Face directory or a .gguf file"
+    )
+    p.add_argument("--steps", type=int, help="trainer steps to run (tiny: 80, about 10 minutes; HF: 500)")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        help="stop training after this many minutes once the stack is up (tiny: 0 = steps only; HF: 20)",
+    )
     p.add_argument("--keep-versions", type=int, default=2)
     p.add_argument("--max-preempts", type=int, default=2)
-    p.add_argument("--collectors", type=int, default=2)
-    p.add_argument("--batch-groups", type=int, default=8, help="GRPO groups per training batch")
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--concurrent-groups", type=int, default=16)
+    p.add_argument("--collectors", type=int, help="collector replicas (tiny: 2, HF: 1)")
+    p.add_argument("--batch-groups", type=int, help="GRPO groups per training batch (tiny: 8, HF: 2)")
+    p.add_argument("--group-size", type=int, help="episodes per group (tiny: 8, HF: 4)")
+    p.add_argument("--concurrent-groups", type=int, help="groups in flight (tiny: 16, HF: 4)")
+    p.add_argument("--task", help="rollout task (tiny: guess_number, HF: arithmetic)")
+    p.add_argument("--max-tokens", type=int, help="output budget of each reply (tiny: the runner's 1, HF: 48)")
+    p.add_argument("--lr", type=float, help="trainer learning rate (tiny: the trainer's 1e-3, HF: 1e-5)")
+    p.add_argument("--weight-decay", type=float, help="AdamW weight decay (tiny: the trainer's 0.01, HF: 0)")
+    p.add_argument("--keep-checkpoints", type=int, help="newest trainer steps kept on disk (tiny: 0 = all, HF: 2)")
     p.add_argument("--mode", choices=["async", "sync"], default="async")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs-dir", type=Path, default=Path("runs"))
-    p.add_argument("--timeout-min", type=float, default=30.0, help="give up after this many minutes")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--timeout-min",
+        type=float,
+        help="give up (an error) after this many minutes (default 30, or the budget + 15 for HF)",
+    )
+    args = p.parse_args(argv)
+    preset = PRESETS["tiny" if args.model == "tiny" else "hf"]
+    for f in fields(preset):
+        if getattr(args, f.name) is None:
+            setattr(args, f.name, getattr(preset, f.name))
+    if args.timeout_min is None:
+        args.timeout_min = max(30.0, args.minutes + 15.0)
+    return args
+
+
+def resolve_model(spec: str) -> str:
+    """``REIN_MODEL`` for ``--model``: ``smollm2`` is converted once by ``deploy/smollm2.sh`` (which
+    prints its directory); ``tiny`` and paths pass through (the model layer converts a GGUF itself)."""
+    if spec != SMOLLM2:
+        if spec != "tiny" and not Path(spec).expanduser().exists():
+            raise ValueError(f"--model {spec!r}: expected tiny, {SMOLLM2}, or an existing HF directory or .gguf file")
+        return spec if spec == "tiny" else str(Path(spec).expanduser().resolve())
+    print("preparing SmolLM2-135M-Instruct (deploy/smollm2.sh: download and convert once) ...", flush=True)
+    proc = subprocess.run(
+        ["bash", str(REPO / "deploy" / "smollm2.sh")], stdout=subprocess.PIPE, text=True, timeout=1800, check=False
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise ValueError(f"deploy/smollm2.sh failed (exit {proc.returncode}); see its messages above")
+    return lines[-1]
 
 
 def proxy_rejections(url: str) -> int:
@@ -52,11 +157,66 @@ def proxy_rejections(url: str) -> int:
     return int(sum(float(v) for v in _REJECTIONS.findall(text)))
 
 
+@dataclass
+class EngineUsage:
+    """The engine's generation load, sampled from its ``/metrics`` while the demo runs."""
+
+    samples: int = 0
+    busy_samples: int = 0
+    tokens: float = 0.0
+
+    def sample(self, url: str) -> None:
+        try:
+            text = httpx.get(f"{url}/metrics", timeout=2.0).text
+        except httpx.HTTPError:
+            return
+        active, tokens = _ENGINE_ACTIVE.search(text), _ENGINE_TOKENS.search(text)
+        if active is None:
+            return
+        self.samples += 1
+        self.busy_samples += float(active.group(1)) > 0
+        if tokens is not None:
+            self.tokens = float(tokens.group(1))
+
+    @property
+    def busy_fraction(self) -> float | None:
+        return self.busy_samples / self.samples if self.samples else None
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarize(rows: list[dict[str, Any]], rejections: int, wall_s: float, config: StackConfig) -> dict[str, Any]:
+def timing(rows: list[dict[str, Any]], usage: EngineUsage | None, train_wall_s: float | None) -> dict[str, Any]:
+    """Seconds per step, split: ``train_s`` is the trainer's forward/backward/optimizer time
+    (``step_time_s`` less the fetch), ``step_wall_s`` the interval between steps, and
+    ``generation_s`` the time the engine had a request decoding, per step (async mode overlaps
+    the two, so they may add up to more than the interval)."""
+    ts = [float(r["ts"]) for r in rows if r.get("ts") is not None]
+    intervals = [b - a for a, b in itertools.pairwise(ts)]
+    train = [
+        float(r["step_time_s"]) - float(r.get("fetch_time_s") or 0.0) for r in rows if r.get("step_time_s") is not None
+    ]
+    out: dict[str, Any] = {"step_wall_s": _mean(intervals), "train_s": _mean(train)}
+    busy = usage.busy_fraction if usage is not None else None
+    if busy is not None and train_wall_s and rows:
+        out["generation_s"] = busy * train_wall_s / len(rows)
+        out["engine_busy_fraction"] = busy
+        out["generated_tokens"] = usage.tokens if usage is not None else None
+        out["generated_tokens_per_s"] = usage.tokens / train_wall_s if usage is not None else None
+    return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+def summarize(
+    rows: list[dict[str, Any]],
+    rejections: int,
+    wall_s: float,
+    config: StackConfig,
+    *,
+    stopped_by: str = "steps",
+    usage: EngineUsage | None = None,
+    train_wall_s: float | None = None,
+) -> dict[str, Any]:
     rewards = [float(r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]
     k = max(1, min(5, len(rewards) // 4 or 1))
     gaps = [float(r["version_gap_mean"]) for r in rows if r.get("version_gap_mean") is not None]
@@ -66,8 +226,13 @@ def summarize(rows: list[dict[str, Any]], rejections: int, wall_s: float, config
     masked = [float(r["masked_token_fraction"]) for r in rows if r.get("masked_token_fraction") is not None]
     start_reward, end_reward = _mean(rewards[:k]), _mean(rewards[-k:])
     return {
+        "model": config.model,
+        "task": config.task,
         "steps": len(rows),
+        "stopped_by": stopped_by,
         "wall_s": round(wall_s, 1),
+        "train_wall_s": None if train_wall_s is None else round(train_wall_s, 1),
+        "seconds_per_step": timing(rows, usage, train_wall_s),
         "reward_start": start_reward,
         "reward_end": end_reward,
         "reward_window_steps": k,
@@ -89,14 +254,24 @@ def summarize(rows: list[dict[str, Any]], rejections: int, wall_s: float, config
             "group_size": config.group_size,
             "mode": config.mode,
             "seed": config.seed,
+            "max_tokens": config.max_tokens,
+            "lr": config.lr,
+            "weight_decay": config.weight_decay,
+            "keep_checkpoints": config.keep_checkpoints,
         },
     }
 
 
-def progress_line(row: dict[str, Any], total: int, rejections: int, started: float) -> str:
+def progress_line(
+    row: dict[str, Any], total: int, rejections: int, started: float, budget: tuple[float, float] | None = None
+) -> str:
+    """One line per step; the bar fills by steps, or by the time budget ``(since, seconds)`` if that ends first."""
     step = int(row.get("step", 0))
     width = 24
-    done = min(width, int(width * step / max(total, 1)))
+    fraction = step / max(total, 1)
+    if budget is not None and budget[1] > 0:
+        fraction = max(fraction, (time.monotonic() - budget[0]) / budget[1])
+    done = min(width, int(width * fraction))
     gap = row.get("version_gap_mean")
     reward = row.get("reward_mean")
     return (
@@ -110,6 +285,12 @@ def progress_line(row: dict[str, Any], total: int, rejections: int, started: flo
 
 def run(args: argparse.Namespace) -> int:
     run_id = time.strftime("%Y%m%d-%H%M%S")
+    try:
+        model = resolve_model(args.model)
+    except (ValueError, OSError, subprocess.TimeoutExpired) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    hf = model != "tiny"
     config = StackConfig(
         run_dir=args.runs_dir / run_id,
         steps=args.steps,
@@ -121,28 +302,47 @@ def run(args: argparse.Namespace) -> int:
         max_concurrent_groups=args.concurrent_groups,
         mode=args.mode,
         seed=args.seed,
+        model=model,
+        task=args.task,
+        max_tokens=args.max_tokens,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        keep_checkpoints=args.keep_checkpoints,
+        startup_timeout_s=600.0 if hf else 120.0,
+        stop_timeout_s=120.0 if hf else 20.0,
     )
-    print(f"rein demo: run {run_id} -> {config.run_dir}", flush=True)
+    print(f"rein demo: run {run_id} -> {config.run_dir} (model {model}, task {config.task})", flush=True)
     print("starting Kafka, Redis, trainer, engine, proxy, broadcaster, collectors, rollout ...", flush=True)
     started = time.monotonic()
     local: LocalStack | None = None
     rows: list[dict[str, Any]] = []
     rejections = 0
     code = 0
+    stopped_by = "steps"
+    usage = EngineUsage() if hf else None
+    up_at: float | None = None
     try:
         local = start(config)
+        up_at = time.monotonic()
         versions = ", ".join(f"{k} {v}" for k, v in local.infra.versions.items())
-        print(f"up in {time.monotonic() - started:.0f}s ({versions}); logs in {config.run_dir / 'logs'}", flush=True)
+        print(f"up in {up_at - started:.0f}s ({versions}); logs in {config.run_dir / 'logs'}", flush=True)
+        if args.minutes:
+            print(f"training for at most {config.steps} steps or {args.minutes:g} minutes", flush=True)
         deadline = started + args.timeout_min * 60
+        budget = (up_at, args.minutes * 60) if args.minutes else None
         shown = 0
         while True:
             rows = rows_so_far(local.trainer_metrics)
             if len(rows) > shown:
                 rejections = proxy_rejections(local.urls["proxy"])
                 for row in rows[shown:]:
-                    print(progress_line(row, config.steps, rejections, started), flush=True)
+                    print(progress_line(row, config.steps, rejections, started, budget), flush=True)
                 shown = len(rows)
             if config.steps and len(rows) >= config.steps:
+                break
+            if budget is not None and time.monotonic() - budget[0] >= budget[1]:
+                stopped_by = "time"
+                print(f"time budget of {args.minutes:g} minutes reached at step {len(rows)}", flush=True)
                 break
             dead = [s for s in local.stack.dead() if s.name != "trainer"]
             trainer_gone = any(s.name == "trainer" for s in local.stack.dead())
@@ -155,45 +355,55 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: timed out after {args.timeout_min} min at step {len(rows)}", file=sys.stderr)
                 code = 1
                 break
+            if usage is not None:
+                usage.sample(local.urls["engine"])
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every process ...", file=sys.stderr)
         code = 130
+        stopped_by = "interrupt"
     except LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 1
     finally:
+        train_wall = None if up_at is None else time.monotonic() - up_at
         if local is not None:
             rejections = max(rejections, proxy_rejections(local.urls["proxy"]))
             local.stop()
             print("stopped every process the demo started", flush=True)
     wall = time.monotonic() - started
+    rows = rows_so_far(config.run_dir / "trainer" / "metrics.jsonl") or rows  # a stopping trainer adds its last step
     if rows:
-        write_outputs(config, rows, rejections, wall)
+        write_outputs(config, rows, rejections, wall, stopped_by=stopped_by, usage=usage, train_wall_s=train_wall)
     return code
 
 
-def write_outputs(config: StackConfig, rows: list[dict[str, Any]], rejections: int, wall_s: float) -> None:
-    summary = summarize(rows, rejections, wall_s, config)
+def write_outputs(
+    config: StackConfig,
+    rows: list[dict[str, Any]],
+    rejections: int,
+    wall_s: float,
+    *,
+    stopped_by: str = "steps",
+    usage: EngineUsage | None = None,
+    train_wall_s: float | None = None,
+) -> None:
+    summary = summarize(rows, rejections, wall_s, config, stopped_by=stopped_by, usage=usage, train_wall_s=train_wall_s)
     (config.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     png = plot_run(rows, config.run_dir / "plot.png", title=f"rein demo {config.run_dir.name}")
-    print(
-        json.dumps(
-            {
-                k: summary[k]
-                for k in (
-                    "steps",
-                    "reward_start",
-                    "reward_end",
-                    "learned",
-                    "version_gap_mean",
-                    "dropped_groups",
-                    "rejected_sessions",
-                    "wall_s",
-                )
-            }
-        )
-    )
+    keys = [
+        "steps",
+        "reward_start",
+        "reward_end",
+        "learned",
+        "version_gap_mean",
+        "dropped_groups",
+        "rejected_sessions",
+        "wall_s",
+    ]
+    if config.model != "tiny":
+        keys += ["stopped_by", "seconds_per_step"]
+    print(json.dumps({k: summary[k] for k in keys}))
     print(f"summary: {config.run_dir / 'summary.json'}\nplot:    {png}")
 
 

@@ -45,6 +45,22 @@ class StackConfig:
     base_port: int = 0
     """First of a block of ports for the services; 0 picks free ports."""
     partitions: int = 4
+    model: str = "tiny"
+    """``REIN_MODEL`` of the trainer, engine and proxy: ``tiny``, a Hugging Face directory or a ``.gguf`` file."""
+    task: str = "guess_number"
+    """``REIN_TASK`` of the rollout runner (``arithmetic`` for an instruct model)."""
+    max_tokens: int | None = None
+    """Output budget of each assistant reply (``REIN_MAX_TOKENS``); None: the runner's default."""
+    lr: float | None = None
+    """Trainer learning rate; None: the trainer's default (tuned for the tiny policy)."""
+    weight_decay: float | None = None
+    """Trainer AdamW weight decay; None: the trainer's default."""
+    keep_checkpoints: int = 0
+    """Trainer keeps the newest N durable steps (0: all); an HF step is ~0.5 GB of weights plus optimizer state."""
+    startup_timeout_s: float = 120.0
+    """Bound on each service's start (an HF trainer writes ``v0`` and an HF engine loads it first)."""
+    stop_timeout_s: float = 20.0
+    """How long stopping services get before SIGKILL (a stopping HF trainer writes its last checkpoint)."""
     extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
     """Per-service extra ``REIN_*`` variables (service name -> variables)."""
 
@@ -61,7 +77,7 @@ class LocalStack:
 
     def stop(self) -> None:
         try:
-            self.stack.stop()
+            self.stack.stop(self.config.stop_timeout_s)
         finally:
             self.infra.stop()
 
@@ -106,6 +122,11 @@ def start(config: StackConfig) -> LocalStack:
         def port_of(name: str) -> str:
             return urls[name].rsplit(":", 1)[1]
 
+        def optional(values: dict[str, object | None]) -> dict[str, str]:
+            return {k: str(v) for k, v in values.items() if v is not None}
+
+        model = {"REIN_MODEL": config.model}
+
         stack.add(
             Service(
                 "trainer",
@@ -120,14 +141,17 @@ def start(config: StackConfig) -> LocalStack:
                         "REIN_TORCH_THREADS": "1",
                         "REIN_MASK_NONLAST_VERSION": str(config.mask_nonlast_version).lower(),
                         "REIN_METRICS_PORT": port_of("trainer"),
+                        "REIN_KEEP_CHECKPOINTS": str(config.keep_checkpoints),
+                        **model,
+                        **optional({"REIN_LR": config.lr, "REIN_WEIGHT_DECAY": config.weight_decay}),
                     },
                 ),
                 f"{urls['trainer']}/health",
                 logs / "trainer.log",
             ),
-            timeout_s=120,
+            timeout_s=config.startup_timeout_s,
         )
-        _wait_for_file(weights / "v0.pt", stack, timeout_s=60)
+        v0 = _first_checkpoint(weights, stack, timeout_s=config.startup_timeout_s)
         stack.add(
             Service(
                 "engine",
@@ -137,26 +161,30 @@ def start(config: StackConfig) -> LocalStack:
                     {
                         "REIN_PORT": port_of("engine"),
                         "REIN_WEIGHTS_DIR": str(weights),
-                        "REIN_MODEL_PATH": str(weights / "v0.pt"),
+                        "REIN_MODEL_PATH": str(v0),
                         "REIN_SEED": str(config.seed),
                         "REIN_TORCH_THREADS": "1",
                         "REIN_STEP_DELAY_S": str(config.engine_step_delay_s),
+                        **model,
                     },
                 ),
                 f"{urls['engine']}/health",
                 logs / "engine.log",
-            )
+            ),
+            timeout_s=config.startup_timeout_s,
         )
         proxy_env = {
             "REIN_PORT": port_of("proxy"),
             "REIN_ENGINE_URLS": json.dumps([urls["engine"]]),
             "REIN_ADMIN_TOKEN": token,
             "REIN_PARTIAL_ROLLOUT": str(config.partial_rollout).lower(),
+            **model,
         }
         if config.max_preempts is not None:
             proxy_env["REIN_MAX_PREEMPTS"] = str(config.max_preempts)
         stack.add(
-            Service("proxy", "services.proxy", env("proxy", proxy_env), f"{urls['proxy']}/health", logs / "proxy.log")
+            Service("proxy", "services.proxy", env("proxy", proxy_env), f"{urls['proxy']}/health", logs / "proxy.log"),
+            timeout_s=config.startup_timeout_s,
         )
         stack.add(
             Service(
@@ -208,6 +236,8 @@ def start(config: StackConfig) -> LocalStack:
                         "REIN_MODE": config.mode,
                         "REIN_GROUPS_PER_STEP": str(config.batch_groups),
                         "REIN_METRICS_PORT": port_of("rollout"),
+                        "REIN_TASK": config.task,
+                        **optional({"REIN_MAX_TOKENS": config.max_tokens}),
                     },
                 ),
                 f"{urls['rollout']}/health",
@@ -237,13 +267,22 @@ def _port_allocator(base: int) -> Callable[[], int]:
     return next_port
 
 
-def _wait_for_file(path: Path, stack: Stack, timeout_s: float) -> None:
+def _first_checkpoint(weights: Path, stack: Stack, timeout_s: float) -> Path:
+    """The trainer's step-0 checkpoint, once its sidecar ``v0.json`` (the commit point) exists.
+
+    The sidecar names the checkpoint (``v0.pt`` for the tiny policy, the directory ``v0`` for an
+    HF model), so the engine starts on exactly what the trainer wrote, whatever the family.
+    """
+    sidecar = weights / "v0.json"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if path.exists():
-            return
+        if sidecar.exists():
+            try:
+                return Path(json.loads(sidecar.read_text())["path"])
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise LaunchError(f"{sidecar} names no checkpoint: {exc}") from exc
         dead = stack.dead()
         if dead:
-            raise LaunchError(f"{dead[0].name} exited before {path.name} appeared; see {dead[0].log_path}")
+            raise LaunchError(f"{dead[0].name} exited before {sidecar.name} appeared; see {dead[0].log_path}")
         time.sleep(0.2)
-    raise LaunchError(f"{path} did not appear within {timeout_s}s")
+    raise LaunchError(f"{sidecar} did not appear within {timeout_s}s")

@@ -1,0 +1,70 @@
+"""The demo's per-model defaults, its time budget and its seconds-per-step split."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from ops.demo import PRESETS, EngineUsage, parse_args, progress_line, resolve_model, summarize, timing
+from ops.local.stack import StackConfig
+
+
+def test_tiny_demo_keeps_its_defaults() -> None:
+    args = parse_args([])
+    assert (args.model, args.steps, args.minutes, args.group_size, args.batch_groups) == ("tiny", 80, 0, 8, 8)
+    assert (args.task, args.max_tokens, args.lr, args.keep_checkpoints, args.timeout_min) == (
+        "guess_number",
+        None,
+        None,
+        0,
+        30.0,
+    )
+
+
+def test_a_real_model_gets_the_hf_preset_and_flags_override_it() -> None:
+    args = parse_args(["--model", "smollm2", "--group-size", "2"])
+    hf = PRESETS["hf"]
+    assert args.task == "arithmetic" and args.max_tokens == hf.max_tokens and args.lr == hf.lr
+    assert args.minutes == 20 and args.keep_checkpoints == 2 and args.group_size == 2
+    assert args.timeout_min >= args.minutes + 10  # the error timeout never cuts the time budget short
+
+
+def test_resolve_model_refuses_a_missing_path_and_passes_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="expected tiny"):
+        resolve_model(str(tmp_path / "nope"))
+    assert resolve_model(str(tmp_path)) == str(tmp_path.resolve())
+    assert resolve_model("tiny") == "tiny"
+
+
+def test_progress_bar_fills_by_time_when_the_budget_ends_first() -> None:
+    row = {"step": 1, "reward_mean": 0.5}
+    by_steps = progress_line(row, 100, 0, time.monotonic())
+    by_time = progress_line(row, 100, 0, time.monotonic(), budget=(time.monotonic() - 50, 100))
+    assert by_steps.count("#") == 0
+    assert by_time.count("#") == 12
+
+
+def test_timing_splits_train_from_generation() -> None:
+    rows = [
+        {"step": 1, "ts": 100.0, "step_time_s": 12.0, "fetch_time_s": 2.0},
+        {"step": 2, "ts": 120.0, "step_time_s": 14.0, "fetch_time_s": 2.0},
+        {"step": 3, "ts": 150.0, "step_time_s": 13.0, "fetch_time_s": 1.0},
+    ]
+    usage = EngineUsage(samples=10, busy_samples=6, tokens=900.0)
+    out = timing(rows, usage, train_wall_s=90.0)
+    assert out["step_wall_s"] == 25.0
+    assert out["train_s"] == 11.333
+    assert out["generation_s"] == 18.0  # 60 % of 90 s over 3 steps
+    assert out["generated_tokens_per_s"] == 10.0
+    assert "generation_s" not in timing(rows, None, None)
+
+
+def test_summary_names_the_model_task_and_why_it_stopped(tmp_path: Path) -> None:
+    config = StackConfig(run_dir=tmp_path, model="/m/smollm2", task="arithmetic", max_tokens=48, lr=1e-5)
+    rows = [{"step": i, "reward_mean": 0.1 * i, "ts": float(i), "step_time_s": 1.0} for i in range(1, 9)]
+    summary = summarize(rows, 0, 60.0, config, stopped_by="time", train_wall_s=50.0)
+    assert summary["model"] == "/m/smollm2" and summary["task"] == "arithmetic"
+    assert summary["stopped_by"] == "time" and summary["learned"] is True
+    assert summary["settings"]["max_tokens"] == 48 and summary["settings"]["lr"] == 1e-5
