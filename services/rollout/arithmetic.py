@@ -1,12 +1,12 @@
 """Arithmetic for instruct models: a question, a required answer format, an exact grade.
 
 Pure code like :mod:`services.rollout.task`: no I/O, randomness only from the seed.
-The user asks ``What is 17 + 25?`` and says how to answer: a last line ``Answer: <integer>``.
-The reply is graded from its text alone:
+The user asks ``Compute 17 + 5.`` and says how to answer, with one worked example: end the
+reply with ``Answer: <integer>``. The reply is graded from its text alone:
 
-- the format is kept when the reply's last non-empty line is ``Answer: <integer>`` (case and
-  surrounding spaces ignored, a leading minus allowed);
-- reward ``1`` for the right number in that format, ``FORMAT_REWARD`` (0.1) for a wrong number in
+- the format is kept when the reply's last non-empty line ends with ``Answer: <integer>`` (case,
+  spaces, quotes and a final period ignored, a leading minus allowed);
+- reward ``1`` for the right number in that format, ``FORMAT_REWARD`` (0.2) for a wrong number in
   that format, ``0`` without the format.
 
 Multi-turn where the task needs it: a reply without the format gets one reminder of it (the
@@ -14,9 +14,11 @@ environment's second user message), and the second reply is graded with its rewa
 ``RETRY_SCALE`` (0.5); so the best return needs the format the first time. A reply in the format
 ends the episode whether right or wrong, so the grade cannot be searched turn by turn.
 
-Small numbers on purpose (operands 0..``MAX_OPERAND``, ``+`` and ``-``): SmolLM2-135M-Instruct
-answers such questions fluently but often wrongly and often ignores the format, which leaves room
-for RL to raise both.
+Small numbers on purpose (operands 0..``MAX_OPERAND``, ``+`` and ``-``). Measured with
+SmolLM2-135M-Instruct sampled at temperature 1 (docs/models.md): without the worked example it
+kept the format in 0 of 16 replies, so every group had the same reward and no gradient; with it,
+about a quarter of replies keep the format, so most groups of 4 carry a signal, and few are right,
+which leaves room for RL to raise both.
 """
 
 from __future__ import annotations
@@ -29,24 +31,26 @@ from typing import Any
 
 from services.rollout.task import EpisodeStatus, Message, Prompt
 
-MAX_OPERAND = 50
+MAX_OPERAND = 20
 MAX_TURNS = 2
-FORMAT_REWARD = 0.1
+FORMAT_REWARD = 0.2
 RETRY_SCALE = 0.5
 OPS = ("+", "-")
 
-INSTRUCTION = "Think briefly if you need to, then give the result on a last line of the form: Answer: <number>"
-REMINDER = "Please end with a last line of the form: Answer: <number>"
+INSTRUCTION = (
+    "End your reply with 'Answer: ' followed by the number. For example, for 2 + 3 you would end with: Answer: 5"
+)
+REMINDER = "End your reply with 'Answer: ' followed by the number, for example: Answer: 5"
 
-_ANSWER = re.compile(r"answer\s*:\s*(-?\d+)\s*\.?", re.IGNORECASE)
+_ANSWER = re.compile(r"answer\s*:\s*[\"']?(-?\d+)[\"']?\s*\.?\s*$", re.IGNORECASE)
 
 
 def parse_answer(text: str) -> int | None:
-    """The integer of a last non-empty line ``Answer: <integer>``, else None (format not kept)."""
+    """The integer of a last non-empty line ending with ``Answer: <integer>``, else None (format not kept)."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     if not lines:
         return None
-    match = _ANSWER.fullmatch(lines[-1].strip("*` "))
+    match = _ANSWER.search(lines[-1].strip("*` "))
     return int(match.group(1)) if match else None
 
 
@@ -95,7 +99,7 @@ class ArithmeticEpisode:
         if self.max_turns < 1:
             raise ValueError(f"bad arithmetic payload {payload!r}: max_turns must be at least 1")
         self.turns, self.done, self.score, self.replies = 0, False, 0.0, []
-        return [{"role": "user", "content": f"What is {self.a} {self.op} {self.b}? {INSTRUCTION}"}]
+        return [{"role": "user", "content": f"Compute {self.a} {self.op} {self.b}. {INSTRUCTION}"}]
 
     def step(self, assistant_text: str) -> list[Message] | None:
         if self.done:

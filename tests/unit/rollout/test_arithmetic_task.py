@@ -31,6 +31,9 @@ from services.rollout.tasks import TASKS
         ("ANSWER :  7 \n\n", 7),
         ("**Answer: 12**", 12),
         ("Answer: 12.", 12),
+        ('A good one. "Answer: 8', 8),
+        ("2 + 3, Answer: 5", 5),
+        ("Answer: '7'", 7),
         ("The answer is 42", None),
         ("Answer: 42\nI hope this helps", None),
         ("Answer: forty-two", None),
@@ -57,7 +60,7 @@ def _episode(a: int = 17, op: str = "+", b: int = 25) -> tuple[ArithmeticEpisode
 def test_right_answer_first_turn_ends_with_full_reward() -> None:
     episode, messages = _episode()
     assert messages == [{"role": "user", "content": messages[0]["content"]}]
-    assert messages[0]["content"].startswith("What is 17 + 25?")
+    assert messages[0]["content"].startswith("Compute 17 + 25. End your reply with 'Answer: '")
     assert episode.step("17 + 25 = 42\nAnswer: 42") is None
     assert episode.reward() == 1.0
     assert episode.turns == 1
@@ -105,7 +108,7 @@ def test_prompt_stream_is_seed_determined_with_unique_ids() -> None:
     assert [p.payload for p in first] != [p.payload for p in other]
     assert len({p.prompt_id for p in first}) == 200
     assert {p.payload["op"] for p in first} == {"+", "-"}
-    assert all(0 <= p.payload["a"] <= 50 and 0 <= p.payload["b"] <= 50 for p in first)
+    assert all(0 <= p.payload["a"] <= 20 and 0 <= p.payload["b"] <= 20 for p in first)
 
 
 @given(st.integers(0, 50), st.sampled_from(["+", "-"]), st.integers(0, 50), st.booleans())
