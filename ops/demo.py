@@ -85,7 +85,7 @@ PRESETS: dict[str, Preset] = {
         concurrent_groups=4,
         task="arithmetic",
         max_tokens=48,
-        lr=1e-5,
+        lr=2e-5,
         weight_decay=0.0,
         keep_checkpoints=2,
     ),
@@ -111,7 +111,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrent-groups", type=int, help="groups in flight (tiny: 16, HF: 4)")
     p.add_argument("--task", help="rollout task (tiny: guess_number, HF: arithmetic)")
     p.add_argument("--max-tokens", type=int, help="output budget of each reply (tiny: the runner's 1, HF: 48)")
-    p.add_argument("--lr", type=float, help="trainer learning rate (tiny: the trainer's 1e-3, HF: 1e-5)")
+    p.add_argument("--lr", type=float, help="trainer learning rate (tiny: the trainer's 1e-3, HF: 2e-5)")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay (tiny: the trainer's 0.01, HF: 0)")
     p.add_argument("--keep-checkpoints", type=int, help="newest trainer steps kept on disk (tiny: 0 = all, HF: 2)")
     p.add_argument("--mode", choices=["async", "sync"], default="async")
