@@ -9,7 +9,7 @@ it started (also on Ctrl-C), and writes ``runs/<id>/summary.json`` and ``runs/<i
 ``--model`` picks what trains: ``tiny`` (default; the built-in policy on number guessing),
 ``smollm2`` (SmolLM2-135M-Instruct, converted once by ``deploy/smollm2.sh``, on the
 arithmetic task) or a path to a Hugging Face directory or a ``.gguf`` file (arithmetic too).
-Each has its own defaults (:data:`PRESETS`); every flag overrides them.
+Each has its own defaults (``ops.demo_presets.PRESETS``); every flag overrides them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from ops.demo_presets import PRESETS
 from ops.local.launcher import LaunchError
 from ops.local.stack import LocalStack, StackConfig, start
 from ops.report import plot_run, rows_so_far
@@ -38,58 +39,6 @@ _ENGINE_ACTIVE = re.compile(r"^rein_engine_active_requests\s+([0-9.eE+-]+)$", re
 _ENGINE_TOKENS = re.compile(r"^rein_engine_generated_tokens_total\s+([0-9.eE+-]+)$", re.M)
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2 = "smollm2"
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A model's demo defaults; a flag given on the command line overrides its field."""
-
-    steps: int
-    minutes: float
-    """Training wall-time budget, counted from when every service is up (0: steps only)."""
-    collectors: int
-    batch_groups: int
-    group_size: int
-    concurrent_groups: int
-    task: str
-    max_tokens: int | None
-    lr: float | None
-    weight_decay: float | None
-    keep_checkpoints: int
-
-
-PRESETS: dict[str, Preset] = {
-    # the built-in policy: number guessing, about 10 minutes for 80 steps (docs/demo.md)
-    "tiny": Preset(
-        steps=80,
-        minutes=0,
-        collectors=2,
-        batch_groups=8,
-        group_size=8,
-        concurrent_groups=16,
-        task="guess_number",
-        max_tokens=None,
-        lr=None,
-        weight_decay=None,
-        keep_checkpoints=0,
-    ),
-    # a Hugging Face model on 2 cores (docs/models.md): 8 episodes per step, replies of up to 48 tokens,
-    # a fine-tuning learning rate with no weight decay (the pretrained weights are the prior), and only
-    # the two newest checkpoints kept (an HF step is ~0.5 GB of weights plus ~1 GB of AdamW state)
-    "hf": Preset(
-        steps=500,
-        minutes=20,
-        collectors=1,
-        batch_groups=2,
-        group_size=4,
-        concurrent_groups=4,
-        task="arithmetic",
-        max_tokens=48,
-        lr=2e-5,
-        weight_decay=0.0,
-        keep_checkpoints=2,
-    ),
-}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.demo import PRESETS, EngineUsage, parse_args, progress_line, resolve_model, summarize, timing
+from ops.demo import EngineUsage, parse_args, progress_line, resolve_model, summarize, timing
+from ops.demo_presets import PRESETS
 from ops.local.stack import StackConfig
 
 

@@ -1,0 +1,57 @@
+"""The demo's defaults per kind of model: the tiny policy, and a Hugging Face model on 2 cores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model's demo defaults; a flag given on the command line overrides its field."""
+
+    steps: int
+    minutes: float
+    """Training wall-time budget, counted from when every service is up (0: steps only)."""
+    collectors: int
+    batch_groups: int
+    group_size: int
+    concurrent_groups: int
+    task: str
+    max_tokens: int | None
+    lr: float | None
+    weight_decay: float | None
+    keep_checkpoints: int
+
+
+PRESETS: dict[str, Preset] = {
+    # the built-in policy: number guessing, about 10 minutes for 80 steps (docs/demo.md)
+    "tiny": Preset(
+        steps=80,
+        minutes=0,
+        collectors=2,
+        batch_groups=8,
+        group_size=8,
+        concurrent_groups=16,
+        task="guess_number",
+        max_tokens=None,
+        lr=None,
+        weight_decay=None,
+        keep_checkpoints=0,
+    ),
+    # a Hugging Face model on 2 cores (docs/models.md): 8 episodes per step, replies of up to 48 tokens,
+    # a fine-tuning learning rate with no weight decay (the pretrained weights are the prior), and only
+    # the two newest checkpoints kept (an HF step is ~0.5 GB of weights plus ~1 GB of AdamW state)
+    "hf": Preset(
+        steps=500,
+        minutes=20,
+        collectors=1,
+        batch_groups=2,
+        group_size=4,
+        concurrent_groups=4,
+        task="arithmetic",
+        max_tokens=48,
+        lr=2e-5,
+        weight_decay=0.0,
+        keep_checkpoints=2,
+    ),
+}
