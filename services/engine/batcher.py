@@ -370,6 +370,14 @@ def sample_next(
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / temp[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
+    if bool(greedy.all()):
+        tokens = logits.argmax(dim=-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    if not bool(((top_k > 0) & (top_k < v)).any() or (top_p < 1.0).any()):
+        # No filtering anywhere (RL samples this way): skip the sort of the whole vocabulary.
+        tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
     sorted_vals, sorted_idx = torch.sort(scaled, dim=-1, descending=True)
     ranks = torch.arange(v).expand(b, v)

@@ -265,3 +265,33 @@ def test_sample_next_top_k_excludes_tail() -> None:
     )
     # all logits tie: sort keeps two of them; only those two may ever be drawn
     assert len(set(tokens.tolist())) == 2
+
+
+@pytest.mark.parametrize("mixed_greedy", [False, True])
+def test_sample_next_unfiltered_draws_follow_the_tempered_softmax(mixed_greedy: bool) -> None:
+    """The path without top-k/top-p (no sort) samples softmax(logits / T); greedy rows stay argmax."""
+    gen = torch.Generator().manual_seed(1)
+    n = 20_000
+    logits = torch.tensor([[1.0, 0.0, -1.0, 0.5]]).expand(n, 4).contiguous()
+    temp = torch.full((n,), 0.7)
+    if mixed_greedy:
+        temp[::2] = 0.0
+    tokens, lps = sample_next(logits, temperature=temp, top_k=torch.full((n,), -1), top_p=torch.ones(n),
+                              generator=gen)
+    sampled = tokens[1::2] if mixed_greedy else tokens
+    freq = torch.bincount(sampled, minlength=4).float() / len(sampled)
+    assert torch.allclose(freq, torch.softmax(logits[0] / 0.7, -1), atol=0.015)
+    if mixed_greedy:
+        assert bool((tokens[::2] == 0).all())
+    expected = torch.log_softmax(logits / torch.where(temp > 0, temp, 1.0)[:, None], -1)
+    assert torch.allclose(lps, expected.gather(-1, tokens[:, None]).squeeze(-1))
+
+
+def test_sample_next_all_greedy_is_argmax_without_drawing() -> None:
+    gen = torch.Generator().manual_seed(2)
+    state = gen.get_state()
+    logits = torch.randn(8, 50)
+    tokens, _ = sample_next(logits, temperature=torch.zeros(8), top_k=torch.full((8,), -1), top_p=torch.ones(8),
+                            generator=gen)
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert torch.equal(gen.get_state(), state)  # no random draw spent on greedy rows
