@@ -185,8 +185,9 @@ class TrainerLoop:
                     self.metrics.duplicates.inc()
                     _log.info("manifest_duplicate", index=index, next_index=order.next_index)
                 for _, manifest in offered.ready:
-                    if done:
-                        break  # not trained, so never durable: read again next run
+                    if done or self.stop.is_set():
+                        break  # not trained, so never durable: read again next run (a backlog
+                        # of ready manifests must not hold a SIGTERM for minutes with a real model)
                     self._train(manifest, fetcher)
                     self._last_trained = manifest.index
                     result.trained_indices.append(manifest.index)

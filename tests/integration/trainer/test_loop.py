@@ -22,7 +22,7 @@ import torch
 from kafka import KafkaProducer
 
 from ops.local.ports import free_port
-from services.trainer.loop import RunResult, run
+from services.trainer.loop import RunResult, TrainerLoop, run
 from services.trainer.settings import TrainerSettings
 from shared import checkpoint
 from shared.bus import Consumer, Delivered, Producer
@@ -302,3 +302,29 @@ def test_trainer_member_joins_and_leaves(env: Env) -> None:
     lines = env.lines()
     assert [x["manifest_index"] for x in lines] == list(range(8))
     assert [x["step"] for x in lines] == list(range(1, 9))
+
+
+def test_stop_during_a_backlog_ends_after_the_current_step(env: Env) -> None:
+    """Eight manifests become ready in one offer (indices 1..7 first, then 0, on one partition); a stop
+    that arrives during the first step ends the run after that step instead of training the backlog
+    (with a real model that is minutes past a SIGTERM). The untrained seven are read again next run."""
+    bootstrap = env.kafka.bootstrap_servers
+    refs = env.groups(16)
+    manifests = [_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(8)]
+    for m in [*manifests[1:], manifests[0]]:
+        _produce_to(bootstrap, env.topics.batches, 0, m)
+    stop = threading.Event()
+    loop = TrainerLoop(env.settings(max_steps=8, publish_every=1), stop)
+    train = loop._train
+
+    def train_then_stop(manifest: BatchManifest, fetcher: object) -> None:
+        train(manifest, fetcher)  # type: ignore[arg-type]
+        stop.set()  # as the SIGTERM handler does, while the backlog is still ready
+
+    loop._train = train_then_stop  # type: ignore[method-assign]
+    first = loop.run()
+    assert first.trained_indices == [0]
+    assert [x["manifest_index"] for x in env.lines()] == [0]
+    second = run(env.settings(max_steps=8, publish_every=1), threading.Event())
+    assert second.trained_indices == list(range(1, 8))
+    assert [x["step"] for x in env.lines()] == list(range(1, 9))
