@@ -9,7 +9,6 @@ back and checked independently of the services' own bookkeeping.
 from __future__ import annotations
 
 import itertools
-import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -24,6 +23,7 @@ from shared.names import Topics
 from shared.schemas import BatchManifest, Chunk, CompletedGroup, WeightApplied, WeightPublished
 from shared.settings import KafkaSettings
 from shared.versions import real_version
+from tests.support.wait import wait_on_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -32,14 +32,7 @@ RESTART_AT = 3
 
 
 def _wait(what: str, cond: Callable[[], bool], timeout_s: float, local: LocalStack) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        dead = [s.name for s in local.stack.dead() if s.name != "trainer"]
-        assert not dead, f"{dead} died while waiting for {what}; logs in {local.config.run_dir / 'logs'}"
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; logs in {local.config.run_dir / 'logs'}")
+    wait_on_stack(what, cond, timeout_s, local, allow_dead=("trainer",))  # the trainer exits at max_steps
 
 
 def _last_trainable_version(mask: list[int], versions: list[str | None]) -> str | None:

@@ -32,6 +32,7 @@ from shared.names import RedisKeys, Topics
 from shared.schemas import BatchManifest, DecisionRecord, GroupDispatched, SessionRejected, WeightPublished
 from shared.settings import KafkaSettings
 from tests.support.rebalance import ForeignMember
+from tests.support.wait import wait_on_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]
 
@@ -55,19 +56,6 @@ SESSION_IDLE_S = 3.0
 INCOMPLETE_S = 60.0
 """The collectors' incomplete timeout here: a group of the killed runner that never reached the proxy
 is failed (and retried) after it. Above the Kafka crash's recovery time, so no live group is cut."""
-
-
-def _wait(
-    what: str, cond: Callable[[], bool], timeout_s: float, local: LocalStack, allow_dead: tuple[str, ...] = ()
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        dead = [s.name for s in local.stack.dead() if s.name not in allow_dead]
-        assert not dead, f"{dead} died while waiting for {what}; logs in {local.config.run_dir / 'logs'}"
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; logs in {local.config.run_dir / 'logs'}")
 
 
 def _service(local: LocalStack, name: str) -> Service:
@@ -135,7 +123,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     faults: list[dict[str, Any]] = []
     open_at: dict[str, set[str]] = {}
     try:
-        _wait("trainer step 1", lambda: _steps(local) >= 1, PROGRESS_TIMEOUT_S, local)
+        wait_on_stack("trainer step 1", lambda: _steps(local) >= 1, PROGRESS_TIMEOUT_S, local)
         for fault in FAULTS:
             before = _steps(local)
             made = _batches_made(local, keys)  # manifests 0..made-1 exist; index `made` comes after the fault
@@ -153,7 +141,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 client = redis.Redis.from_url(local.infra.redis_url, decode_responses=True)
                 deleted = client.delete(keys.registry, keys.registry_order)
                 assert deleted == 2
-                _wait("registry rebuilt from the weights topic",
+                wait_on_stack("registry rebuilt from the weights topic",
                       lambda c=client: bool(c.zcard(keys.registry_order) > 0), 60, local)
                 client.close()
             elif fault == "rollout":
@@ -167,14 +155,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             else:
                 _kill_and_restart(local, fault)
             injected_s = time.monotonic() - started
-            _wait(f"a batch made after the {fault} fault trained",
+            wait_on_stack(f"a batch made after the {fault} fault trained",
                   lambda m=made: _trained_index(local) >= m, PROGRESS_TIMEOUT_S, local)
             faults.append({"fault": fault, "steps_before": before, "fault_s": round(injected_s, 1),
                            "new_batch_trained_after_s": round(time.monotonic() - started, 1)})
         last = _steps(local) + EXTRA_STEPS
-        _wait(f"trainer step {last}", lambda: _steps(local) >= last, PROGRESS_TIMEOUT_S, local)
+        wait_on_stack(f"trainer step {last}", lambda: _steps(local) >= last, PROGRESS_TIMEOUT_S, local)
         # Groups of the killed runner that never reached the proxy end only after the incomplete timeout.
-        _wait("the groups open at the runner's kill decided", lambda: open_at["rollout"] <= _decided(kafka),
+        wait_on_stack("the groups open at the runner's kill decided", lambda: open_at["rollout"] <= _decided(kafka),
               INCOMPLETE_S + PROGRESS_TIMEOUT_S, local)
         metrics = {
             name: httpx.get(f"{local.urls[name]}/metrics", timeout=5).text
@@ -188,10 +176,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         assert trainer.proc is not None and trainer.proc.returncode == 0, "the trainer did not stop cleanly"
         client = redis.Redis.from_url(local.infra.redis_url, decode_responses=True)
         outbox_empty = lambda: client.llen(keys.outbox) == 0  # noqa: E731
-        _wait("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer"))
+        wait_on_stack("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer"))
         decisions = read_topic(kafka, Topics().decisions, 60)
         pending = set(client.lrange(keys.pending_order, 0, -1))
-        _wait("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer"))
+        wait_on_stack("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer"))
         batches = read_topic(kafka, Topics().batches, 60)
         registry = client.zrange(keys.registry_order, 0, -1, withscores=True)
         client.close()

@@ -15,7 +15,6 @@ sampled tokens is close to the engine's (``train_rollout_logprob_abs_diff``, pri
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from shared.names import Topics
 from shared.schemas import BatchManifest, Chunk, CompletedGroup, WeightApplied
 from shared.settings import KafkaSettings
 from shared.versions import real_version
+from tests.support.wait import wait_on_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -43,14 +43,7 @@ Measured: ~3.5e-6 per step; a shifted token, a wrong temperature or a stale weig
 
 
 def _wait(what: str, cond: Callable[[], bool], timeout_s: float, local: LocalStack) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        dead = [s.name for s in local.stack.dead() if s.name != "trainer"]
-        assert not dead, f"{dead} died while waiting for {what}; logs in {local.config.run_dir / 'logs'}"
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; logs in {local.config.run_dir / 'logs'}")
+    wait_on_stack(what, cond, timeout_s, local, allow_dead=("trainer",))  # the trainer exits at max_steps
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from typing import TypeVar
 
 import pytest
 
+from ops.local.stack import LocalStack
 from tests.support.procs import Proc
 
 T = TypeVar("T")
@@ -33,3 +34,24 @@ def wait_until(
             tail = f"; log:\n{proc.tail()}" if proc is not None else ""
             pytest.fail(f"timed out after {timeout_s}s waiting for {what}{tail}")
         time.sleep(interval_s)
+
+
+def wait_on_stack(
+    what: str,
+    cond: Callable[[], bool],
+    timeout_s: float,
+    local: LocalStack,
+    allow_dead: tuple[str, ...] = (),
+    interval_s: float = 0.25,
+) -> None:
+    """:func:`wait_until` for an ``ops.local`` stack: also fails as soon as a service not in
+    ``allow_dead`` has died (naming it and where its log is)."""
+    logs = local.config.run_dir / "logs"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        dead = [s.name for s in local.stack.dead() if s.name not in allow_dead]
+        assert not dead, f"{dead} died while waiting for {what}; logs in {logs}"
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; logs in {logs}")
