@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from shared.durable import atomic_write
 from shared.policy import PolicyConfig, TinyPolicy
 
 FORMAT = 1
@@ -80,16 +80,7 @@ def save(path: str | os.PathLike[str], model: TinyPolicy, config: PolicyConfig, 
         "step": int(step),
         "digest": dig,
     }
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    atomic_write(target, lambda fh: torch.save(payload, fh))
     return dig
 
 

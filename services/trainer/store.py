@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 from shared import log
+from shared.durable import atomic_write, fsync_path
 from shared.model import CheckpointError, Loaded, ModelFamily
 
 _log = log.get(__name__)
@@ -75,29 +75,6 @@ class Resumed:
     optimizer_state: dict[str, Any] | None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(target: Path, write: Any) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(target.parent)
-
-
 def save_step(
     weights_dir: Path,
     family: ModelFamily,
@@ -111,14 +88,14 @@ def save_step(
     path = checkpoint_path(weights_dir, step, family.checkpoint_suffix).resolve()
     version = version_label(step)
     digest = family.save(model, path, version=version, step=step)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
     if optimizer_state is not None:
-        _atomic_write(optimizer_path(weights_dir, step), lambda fh: torch.save(optimizer_state, fh))
+        atomic_write(optimizer_path(weights_dir, step), lambda fh: torch.save(optimizer_state, fh))
     sidecar = Sidecar(
         version=version, step=step, digest=digest, last_index=last_index, path=str(path), metrics=list(metrics)
     )
     body = json.dumps(asdict(sidecar), sort_keys=True).encode()
-    _atomic_write(sidecar_path(weights_dir, step), lambda fh: fh.write(body))
+    atomic_write(sidecar_path(weights_dir, step), lambda fh: fh.write(body))
     return sidecar
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import uuid
 from collections.abc import Mapping, Sequence
@@ -30,6 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.utils import logging as hf_logging
 
 from shared.checkpoint import CheckpointError
+from shared.durable import fsync_path, fsync_tree
 from shared.model.base import ChatTokenizer, Loaded, ModelError, Turn, UnrenderableMessages, state_digest
 
 hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # services log JSON lines; tqdm bars on every load are noise
@@ -238,15 +238,6 @@ def finish_directory(directory: Path) -> None:
             path.chmod(0o644)
 
 
-def _fsync_tree(root: Path) -> None:
-    for path in [*root.rglob("*"), root]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _swap_in(tmp: Path, target: Path) -> None:
     """Rename ``tmp`` to ``target``; an existing ``target`` (a retrained step) is moved aside first."""
     old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
@@ -254,11 +245,7 @@ def _swap_in(tmp: Path, target: Path) -> None:
         target.rename(old)
     tmp.rename(target)
     shutil.rmtree(old, ignore_errors=True)
-    fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(target.parent)
 
 
 class HFFamily:
@@ -322,7 +309,7 @@ class HFFamily:
             digest = self.digest(model)
             body = {"format": FORMAT, "version": str(version), "step": int(step), "digest": digest}
             (tmp / SIDECAR).write_text(json.dumps(body, sort_keys=True))
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             _swap_in(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
