@@ -1,6 +1,7 @@
 """HTTP client of the engines (the SGLang native subset in DESIGN).
 
-One :class:`EngineHandle` per engine URL, sharing one ``httpx.AsyncClient``. A
+One :class:`EngineHandle` per engine URL; the handles share a :class:`~shared.lender.Lender` of
+``httpx.AsyncClient``s, one lent to each call in flight (the module says why). A
 handle remembers *its* engine's last known weight version (from ``GET /get_model_info``,
 every ``/generate`` answer, ``resume {version}``, and ``/get_model_info`` again on a
 resume without a version) — the candidate of the span
@@ -21,6 +22,7 @@ from typing import Any, Literal, cast
 import httpx
 
 from shared.errors import EngineError, EngineUnavailable
+from shared.lender import Lender
 from shared.versions import real_version
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -63,11 +65,17 @@ class EngineHandle:
     """One engine: its URL, last known version and context window."""
 
     def __init__(
-        self, url: str, client: httpx.AsyncClient, context_window: int | None = None, info_timeout_s: float = 5.0
+        self,
+        url: str,
+        clients: Lender[httpx.AsyncClient],
+        context_window: int | None = None,
+        info_timeout_s: float = 5.0,
     ) -> None:
         self.url = url
         self._info_timeout_s = info_timeout_s
-        self._client = client
+        self._clients = clients
+        self._urls: dict[str, httpx.URL] = {}
+        """Parsed once per path: httpx parses a URL string (regular expressions) on every request."""
         self.version: str | None = None
         self.context_window: int | None = context_window
         """Tokens of prompt + output a generation may reach: the settings', else the engine's."""
@@ -135,7 +143,11 @@ class EngineHandle:
         if timeout is not None:
             kwargs["timeout"] = httpx.Timeout(timeout)
         try:
-            resp = await self._client.request(method, self.url + path, **kwargs)
+            url = self._urls.get(path)
+            if url is None:
+                url = self._urls[path] = httpx.URL(self.url + path)
+            with self._clients.use() as client:
+                resp = await client.request(method, url, **kwargs)
         except httpx.TransportError as exc:
             raise EngineUnavailable(
                 f"engine {self.url} unreachable on {path}: {type(exc).__name__}: {exc}", engine=self.url

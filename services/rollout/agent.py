@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import httpx
 import openai
 
 from services.rollout.task import Episode, Message
 from shared import log
+from shared.lender import Lender
 
 STALENESS_ERRORS = frozenset(
     {"partial_rollout_staleness_exceeded", "trajectory_version_changed", "generation_preempted"}
@@ -130,13 +131,20 @@ def classify(exc: openai.APIError) -> CallError:
     return CallError("failed", type(exc).__name__)
 
 
+class ProxyClients(NamedTuple):
+    """The clients of one episode: chat calls through ``chat``, the finish call through ``finish``."""
+
+    chat: openai.AsyncOpenAI
+    finish: httpx.AsyncClient
+
+
 class Agent:
-    """Plays episodes through one proxy. Shares one openai client and one httpx client."""
+    """Plays episodes through one proxy; each episode borrows its own :class:`ProxyClients` from a
+    :class:`~shared.lender.Lender` (one connection each; the module says why)."""
 
     def __init__(
         self,
-        client: openai.AsyncOpenAI,
-        http: httpx.AsyncClient,
+        clients: Lender[ProxyClients],
         *,
         proxy_url: str,
         model: str,
@@ -144,8 +152,7 @@ class Agent:
         temperature: float,
         finish_attempts: int = 3,
     ) -> None:
-        self._client = client
-        self._http = http
+        self._clients = clients
         self._proxy_url = proxy_url.rstrip("/")
         self._model = model
         self._max_tokens = max_tokens
@@ -154,12 +161,18 @@ class Agent:
 
     async def run(self, episode: Episode, payload: dict[str, Any], ids: SessionIds) -> EpisodeResult:
         """Play one episode to its end; never raises for proxy or network errors."""
+        with self._clients.use() as clients:
+            return await self._play(clients, episode, payload, ids)
+
+    async def _play(
+        self, clients: ProxyClients, episode: Episode, payload: dict[str, Any], ids: SessionIds
+    ) -> EpisodeResult:
         logger = log.get(__name__).bind(session_id=ids.session_id, group_id=ids.group_id, prompt_id=ids.prompt_id)
         messages: list[Message] = episode.reset(payload)
         turn = 0
         while True:
             try:
-                response = await self._client.chat.completions.create(
+                response = await clients.chat.chat.completions.create(
                     model=self._model,
                     messages=messages,  # type: ignore[arg-type]
                     max_tokens=self._max_tokens,
@@ -175,7 +188,7 @@ class Agent:
                     return result
                 if call.outcome == "truncated":
                     result.reward = episode.reward()
-                return await self._report(result, logger)
+                return await self._report(clients.finish, result, logger)
             turn += 1
             text = (response.choices[0].message.content or "") if response.choices else ""
             messages.append({"role": "assistant", "content": text})
@@ -184,12 +197,12 @@ class Agent:
                 break
             messages.extend(feedback)
         result = EpisodeResult(ids.session_id, episode.status, reward=episode.reward(), turns=turn, messages=messages)
-        return await self._report(result, logger)
+        return await self._report(clients.finish, result, logger)
 
-    async def _report(self, result: EpisodeResult, logger: Any) -> EpisodeResult:
+    async def _report(self, http: httpx.AsyncClient, result: EpisodeResult, logger: Any) -> EpisodeResult:
         status = "failed" if result.outcome == "failed" else result.outcome
         error = (result.error or "")[:200] if status == "failed" else ""
-        delivered = await self.finish(result.session_id, result.reward, status, error)
+        delivered = await self.finish(http, result.session_id, result.reward, status, error)
         if delivered == "conflict_first":
             # The proxy had already closed the session (it rejected it, e.g. a soft reject).
             result.outcome, result.error = "rejected", result.error or "session_closed"
@@ -200,7 +213,9 @@ class Agent:
             result.error = result.error or f"finish_{delivered}"
         return result
 
-    async def finish(self, session_id: str, reward: float, status: str, error: str = "") -> str:
+    async def finish(
+        self, http: httpx.AsyncClient, session_id: str, reward: float, status: str, error: str = ""
+    ) -> str:
         """POST the finish call; bounded retries while the proxy cannot take it yet.
 
         Retried: transport errors, 503 (the proxy could not write to Kafka; the session
@@ -221,7 +236,7 @@ class Agent:
                 body: dict[str, Any] = {"reward": reward, "status": status}
                 if error:
                     body["error"] = error
-                response = await self._http.post(url, json=body)
+                response = await http.post(url, json=body)
             except httpx.TransportError:
                 last, sent = "unreachable", True
                 continue

@@ -33,7 +33,7 @@ import redis
 from kafka.errors import KafkaError
 from prometheus_client import CollectorRegistry
 
-from services.rollout.agent import Agent
+from services.rollout.agent import Agent, ProxyClients
 from services.rollout.feeds import Feeds
 from services.rollout.groups import Groups
 from services.rollout.observe import RolloutMetrics
@@ -43,6 +43,7 @@ from services.rollout.task import Task
 from services.rollout.tasks import TASKS
 from shared import log
 from shared.bus import BusUnavailable, Producer, ensure_topology
+from shared.lender import Lender
 from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.schemas import GroupDispatched, new_id
@@ -125,10 +126,19 @@ class Runner:
         timeout = httpx.Timeout(s.request_timeout_s, connect=min(5.0, s.request_timeout_s))
         producer: Producer | None = None
         try:
-            async with httpx.AsyncClient(timeout=timeout) as http, openai.AsyncOpenAI(
-                base_url=f"{s.proxy_url}/v1", api_key=s.api_key, max_retries=0, timeout=s.request_timeout_s
-            ) as client:
-                agent = Agent(client, http, proxy_url=s.proxy_url, model=s.model, max_tokens=s.max_tokens,
+            tls = httpx.create_ssl_context()  # one for every client: each would load the CA bundle (~50 ms)
+
+            def episode_clients() -> ProxyClients:
+                chat = openai.AsyncOpenAI(base_url=f"{s.proxy_url}/v1", api_key=s.api_key, max_retries=0,
+                                          timeout=s.request_timeout_s,
+                                          http_client=openai.DefaultAsyncHttpxClient(verify=tls))
+                return ProxyClients(chat, httpx.AsyncClient(timeout=timeout, verify=tls))
+
+            clients = Lender(episode_clients)
+            async with contextlib.AsyncExitStack() as opened:
+                http = await opened.enter_async_context(httpx.AsyncClient(timeout=timeout, verify=tls))
+                opened.push_async_callback(_close_all, clients)
+                agent = Agent(clients, proxy_url=s.proxy_url, model=s.model, max_tokens=s.max_tokens,
                               temperature=s.temperature, finish_attempts=s.finish_attempts)
                 await self._wait_proxy(http)
                 self._redis = await asyncio.to_thread(connect, s.redis)
@@ -275,3 +285,9 @@ class Runner:
         self.metrics.in_flight.set(self.scheduler.in_flight)
         self.log.info("group_dispatched", group_id=group_id, prompt_id=work.prompt_id, attempt=work.attempt)
         groups.start(work, group_id, session_ids, probe)
+
+
+async def _close_all(clients: Lender[ProxyClients]) -> None:
+    for pair in clients.items:
+        await pair.chat.close()
+        await pair.finish.aclose()

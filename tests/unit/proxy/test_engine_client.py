@@ -11,6 +11,7 @@ import pytest
 
 from services.proxy.engine_client import EngineHandle, context_window_of
 from shared.errors import EngineError
+from shared.lender import Lender
 
 SGLANG_MODEL_INFO = {"model_path": "/m", "tokenizer_path": "/m", "is_generation": True,
                      "preferred_sampling_params": None, "weight_version": "default"}
@@ -27,7 +28,7 @@ def handle(routes: dict[str, Any], window: int | None = None) -> tuple[EngineHan
         return httpx.Response(200, json=routes[request.url.path])
 
     client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
-    return EngineHandle("http://e", client, window), seen
+    return EngineHandle("http://e", Lender(lambda: client), window), seen
 
 
 @pytest.mark.parametrize(

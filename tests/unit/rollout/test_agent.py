@@ -18,8 +18,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from services.rollout.agent import Agent, EpisodeResult, SessionIds, classify, error_name
+from services.rollout.agent import Agent, EpisodeResult, ProxyClients, SessionIds, classify, error_name
 from services.rollout.task import GuessEpisode, binary_search_policy
+from shared.lender import Lender
 
 Replier = Callable[[list[dict[str, str]], int], tuple[int, Any]]
 """(messages, call index) -> (status, body or assistant text)."""
@@ -68,8 +69,8 @@ def _run(proxy: FakeProxy, payload: dict[str, Any] = PAYLOAD) -> EpisodeResult:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as http, \
                 openai.AsyncOpenAI(base_url="http://proxy/v1", api_key="k", max_retries=0, timeout=5.0,
                                    http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app))) as client:
-            agent = Agent(client, http, proxy_url="http://proxy", model="rein-tiny", max_tokens=3, temperature=1.0,
-                          finish_attempts=2)
+            agent = Agent(Lender(lambda: ProxyClients(client, http)), proxy_url="http://proxy", model="rein-tiny",
+                          max_tokens=3, temperature=1.0, finish_attempts=2)
             return await agent.run(GuessEpisode(), dict(payload), IDS)
 
     return asyncio.run(asyncio.wait_for(go(), 30))
@@ -168,8 +169,8 @@ def test_unreachable_proxy_fails_fast_without_hanging() -> None:
             base_url="http://proxy/v1", api_key="k", max_retries=0, timeout=5.0,
             http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(refuse2)),
         ) as client:
-            agent = Agent(client, http, proxy_url="http://proxy", model="m", max_tokens=3, temperature=1.0,
-                          finish_attempts=2)
+            agent = Agent(Lender(lambda: ProxyClients(client, http)), proxy_url="http://proxy", model="m", max_tokens=3,
+                          temperature=1.0, finish_attempts=2)
             return await agent.run(GuessEpisode(), dict(PAYLOAD), IDS)
 
     result = asyncio.run(asyncio.wait_for(go(), 30))
