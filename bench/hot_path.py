@@ -1,0 +1,174 @@
+"""CPU per chat call of each process of the demo pipeline, and (optionally) py-spy profiles.
+
+Starts the local stack in the tiny demo's configuration (number guessing, one-token
+replies, 8 groups x 8 episodes per step, 16 groups in flight, 2 collectors), lets
+``--warmup`` trainer steps pass, then measures a window of ``--steps`` trainer steps:
+
+* CPU seconds of every process (``utime + stime`` from ``/proc/<pid>/stat``, children
+  excluded), its share of the busy CPU, and CPU milliseconds per chat call;
+* chat calls and episodes per second (the proxy's and the runner's ``/metrics``);
+* with ``--profile proxy rollout ...``: a ``py-spy record`` of each named process over
+  the window (raw collapsed stacks, no line numbers), summarised as the top entries by
+  self and by cumulative samples.
+
+The script runs the services of the checkout it is in, so two checkouts can be compared
+back to back with identical settings::
+
+    $V/bin/python bench/hot_path.py --steps 10 --out /tmp/hot-after.json
+    (cd ../base && $V/bin/python bench/hot_path.py --steps 10 --out /tmp/hot-before.json)
+    $V/bin/python bench/hot_path.py --profile proxy rollout --steps 10 --out /tmp/hot-prof.json
+
+py-spy is not a project dependency (``pip install py-spy``) and needs ptrace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ops.local.stack import StackConfig, start
+from ops.report import rows_so_far
+
+_TICK = os.sysconf("SC_CLK_TCK")
+_CHAT = re.compile(r'^rein_proxy_requests_total\{route="/v1/chat/completions",status="200"\}\s+(\S+)$', re.M)
+_EPISODES = re.compile(r"^rein_rollout_episodes_total\{[^}]*\}\s+(\S+)$", re.M)
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14 and 15 of stat)
+
+
+def total(pattern: re.Pattern[str], url: str) -> float:
+    return sum(float(v) for v in pattern.findall(httpx.get(url, timeout=5).text))
+
+
+def pids_of(local: Any) -> dict[str, int]:
+    pids = {s.name: s.pid for s in local.stack.services}
+    infra = local.config.run_dir.resolve() / "infra"
+    for name, path in (("kafka", infra / "kafka" / "pid"), ("redis", infra / "redis" / "redis.pid")):
+        if path.exists():
+            pids[name] = int(path.read_text().strip())
+    return pids
+
+
+def summarise(raw: Path, top: int) -> dict[str, list[tuple[str, float]]]:
+    """Top functions of a py-spy raw file by self samples and by cumulative samples (in % of all)."""
+    own: Counter[str] = Counter()
+    cumulative: Counter[str] = Counter()
+    samples = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(count_text)
+        frames = [f for f in stack.split(";") if not f.startswith("process ") and not f.startswith("thread ")]
+        if not frames:
+            continue
+        samples += count
+        own[frames[-1]] += count
+        for frame in set(frames):
+            cumulative[frame] += count
+
+    def pct(counter: Counter[str]) -> list[tuple[str, float]]:
+        return [(name, round(100 * n / samples, 1)) for name, n in counter.most_common(top)]
+
+    return {"self": pct(own), "cumulative": pct(cumulative), "samples": [("all", float(samples))]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--warmup", type=int, default=3, help="trainer steps before the window")
+    p.add_argument("--steps", type=int, default=10, help="trainer steps in the measured window")
+    p.add_argument("--profile", nargs="*", default=[], help="services to record with py-spy (proxy, rollout, engine)")
+    p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--timeout-s", type=float, default=900)
+    p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "rein-hot-path.json")
+    args = p.parse_args()
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    run_dir = Path(tempfile.mkdtemp(prefix="rein-hot-path-"))
+    config = StackConfig(run_dir=run_dir, steps=args.warmup + args.steps + 2, collectors=2, batch_groups=8,
+                         group_size=8, max_concurrent_groups=16, mode="async", seed=0)
+    local = start(config)
+    spies: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+    try:
+        deadline = time.monotonic() + args.timeout_s
+
+        def wait_steps(n: int) -> None:
+            while len(rows_so_far(local.trainer_metrics)) < n:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(rows_so_far(local.trainer_metrics))}/{n} steps in {args.timeout_s}s")
+                dead = [s.name for s in local.stack.dead()]
+                if dead:
+                    raise RuntimeError(f"{dead} died; logs in {run_dir / 'logs'}")
+                time.sleep(0.2)
+
+        wait_steps(args.warmup)
+        pids = pids_of(local)
+        for name in args.profile:
+            out = run_dir / f"{name}.pyspy.txt"
+            spies[name] = (subprocess.Popen(
+                [py_spy, "record", "-p", str(pids[name]), "-r", str(args.rate), "-f", "raw", "--nolineno",
+                 "--nonblocking", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), out)
+        proxy_metrics, rollout_metrics = f"{local.urls['proxy']}/metrics", f"{local.urls['rollout']}/metrics"
+        t0, cpu0 = time.monotonic(), {n: cpu_s(pid) for n, pid in pids.items()}
+        chat0, ep0 = total(_CHAT, proxy_metrics), total(_EPISODES, rollout_metrics)
+        wait_steps(args.warmup + args.steps)
+        t1, cpu1 = time.monotonic(), {n: cpu_s(pid) for n, pid in pids.items()}
+        chat1, ep1 = total(_CHAT, proxy_metrics), total(_EPISODES, rollout_metrics)
+        for proc, _ in spies.values():
+            proc.send_signal(signal.SIGINT)
+        for proc, _ in spies.values():
+            proc.wait(60)
+    finally:
+        for proc, _ in spies.values():
+            if proc.poll() is None:
+                proc.kill()
+        local.stop()
+    wall, chats, episodes = t1 - t0, chat1 - chat0, ep1 - ep0
+    used = {n: cpu1[n] - cpu0[n] for n in pids}
+    busy = sum(used.values())
+    rows = [{"process": n, "cpu_s": round(c, 2), "share": round(c / busy, 3),
+             "cpu_ms_per_chat": round(1e3 * c / chats, 3) if chats else None}
+            for n, c in sorted(used.items(), key=lambda kv: -kv[1])]
+    profiles = {name: summarise(out, args.top) for name, (_, out) in spies.items() if out.exists()}
+    result = {"wall_s": wall, "chat_calls": chats, "episodes": episodes, "chat_per_s": chats / wall,
+              "episodes_per_s": episodes / wall, "busy_cpu_s": busy, "processes": rows, "profiles": profiles,
+              "profiled": args.profile, "rate": args.rate, "run_dir": str(run_dir)}
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"window: {args.steps} steps, {wall:.1f} s, {chats:.0f} chat calls ({chats / wall:.1f}/s), "
+          f"{episodes:.0f} episodes ({episodes / wall:.2f}/s), busy CPU {busy:.1f} s")
+    print(f"{'process':<12} {'cpu s':>7} {'share':>6} {'cpu ms/chat':>11}")
+    for r in rows:
+        print(f"{r['process']:<12} {r['cpu_s']:>7.2f} {r['share']:>6.1%} {r['cpu_ms_per_chat'] or 0:>11.3f}")
+    for name, prof in profiles.items():
+        for kind in ("self", "cumulative"):
+            print(f"\n{name}: top by {kind} (% of {prof['samples'][0][1]:.0f} samples)")
+            for frame, share in prof[kind]:
+                print(f"{share:>6.1f}  {frame}")
+    print(f"\nwritten {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
