@@ -191,3 +191,35 @@ def test_error_name(body: object, name: str) -> None:
 def test_classify_timeout() -> None:
     request = httpx2.Request("POST", "http://proxy/v1/chat/completions")
     assert classify(openai.APITimeoutError(request)).error == "timeout"
+
+
+def test_concurrent_episodes_borrow_their_own_clients_and_give_them_back() -> None:
+    """Each episode in flight has its own client pair (one connection each); later episodes reuse them."""
+    proxy = FakeProxy(_binary)
+    app = proxy.app()
+    made: list[ProxyClients] = []
+
+    def make() -> ProxyClients:
+        made.append(ProxyClients(
+            openai.AsyncOpenAI(base_url="http://proxy/v1", api_key="k", max_retries=0, timeout=5.0,
+                               http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app))),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy"),
+        ))
+        return made[-1]
+
+    async def go() -> list[EpisodeResult]:
+        clients = Lender(make)
+        agent = Agent(clients, proxy_url="http://proxy", model="m", max_tokens=3, temperature=1.0)
+        ids = [SessionIds(f"s-{i}", "g-1", "p-1", 0) for i in range(3)]
+        results = list(await asyncio.gather(*(agent.run(GuessEpisode(), dict(PAYLOAD), i) for i in ids)))
+        assert (len(made), clients.lent) == (3, 0)
+        results.append(await agent.run(GuessEpisode(), dict(PAYLOAD), SessionIds("s-3", "g-2", "p-2", 0)))
+        assert len(made) == 3  # the fourth, alone, reused one
+        for pair in made:
+            await pair.chat.close()
+            await pair.finish.aclose()
+        return results
+
+    results = asyncio.run(asyncio.wait_for(go(), 30))
+    assert [r.outcome for r in results] == ["completed"] * 4 and all(r.reported for r in results)
+    assert sorted(sid for sid, _ in proxy.finishes) == ["s-0", "s-1", "s-2", "s-3"]
