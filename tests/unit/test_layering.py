@@ -25,6 +25,7 @@ PURE: dict[str, frozenset[str]] = {
     "shared/schemas.py": IO_CLIENTS,
     "shared/names.py": IO_CLIENTS,
     "shared/window_view.py": IO_CLIENTS,
+    "shared/lender.py": IO_CLIENTS,
     "services/collector/assembly.py": IO_CLIENTS,
     "services/trainer/ordering.py": IO_CLIENTS,
     "services/trainer/samples.py": IO_CLIENTS,
