@@ -202,9 +202,12 @@ def stall(engine: str, proxy: str, weights: Path, rounds: int, inflight: int) ->
                 calls.append(threading.Thread(target=agent, args=(k,)))
                 calls[-1].start()
             deadline = time.monotonic() + 30
-            while http.get(f"{proxy}/v1/rollout/state", headers=admin).json()["active"] < inflight:
+            while True:  # every generation started (on a loaded machine the first may already be done)
+                active = http.get(f"{proxy}/v1/rollout/state", headers=admin).json()["active"]
+                if active >= 1 and active + len(answers) >= inflight:
+                    break
                 if time.monotonic() > deadline:
-                    raise RuntimeError("generations did not start")
+                    raise RuntimeError(f"generations did not start: {active} active, {len(answers)} answered")
                 time.sleep(0.005)
             t0 = time.perf_counter()
             paused = http.post(f"{proxy}/v1/rollout/pause", json={"reason": "bench", "timeout_s": 30},
