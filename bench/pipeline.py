@@ -386,7 +386,8 @@ def demo_config(steps: int, seed: int, run_dir: Path) -> StackConfig:
 
 
 def run_demo(steps: int, seed: int, root: Path, timeout_s: float) -> dict[str, Any]:
-    """The demo stack for ``steps`` steps; throughput, CPU split and stalls from the end of step 1 to step N."""
+    """The demo stack for ``steps`` steps: throughput and CPU split from the end of step 1 to the end of
+    step N, and the stall of every weight update of the run (v1..vN; it waits, bounded, for vN to be served)."""
     config = demo_config(steps, seed, root / "demo")
     local = start(config)
     before: dict[str, float] | None = None
@@ -409,6 +410,8 @@ def run_demo(steps: int, seed: int, root: Path, timeout_s: float) -> dict[str, A
             if dead:
                 raise RuntimeError(f"demo: {dead} died; logs in {config.run_dir / 'logs'}")
             time.sleep(0.1)
+        proxy_log = config.run_dir / "logs" / "proxy.log"
+        served = _wait_served(proxy_log, f"v{steps}", timeout_s=30)
     finally:
         local.stop()
     assert before is not None
@@ -416,8 +419,7 @@ def run_demo(steps: int, seed: int, root: Path, timeout_s: float) -> dict[str, A
     ts = [float(r["ts"]) for r in rows]
     bench_cpu = after.pop("bench") - before.pop("bench")
     split = cpu_split(before, after)
-    log = (config.run_dir / "logs" / "proxy.log").read_text(errors="replace").splitlines()
-    stalls = [s for s in pause_stalls(log) if ts[0] <= s["closed_at"] <= ts[-1]] if len(ts) > 1 else []
+    stalls = pause_stalls(proxy_log.read_text(errors="replace").splitlines())
     rewards = [float(r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]
     return {
         "steps": len(rows),
@@ -432,8 +434,19 @@ def run_demo(steps: int, seed: int, root: Path, timeout_s: float) -> dict[str, A
         "bench_cpu_s": round(bench_cpu, 3),
         "stall": stall_summary(stalls),
         "stalls": stalls,
+        "last_version_served": served,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(config).items()},
     }
+
+
+def _wait_served(proxy_log: Path, version: str, timeout_s: float) -> bool:
+    """Until the proxy resumed on ``version`` (so every update of the run is in its log), bounded."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(s["version"] == version for s in pause_stalls(proxy_log.read_text(errors="replace").splitlines())):
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def _self_cpu() -> float:
