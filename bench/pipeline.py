@@ -15,12 +15,13 @@ Prints a table and writes JSON. Usage::
     $(bash deploy/venv.sh --path)/bin/python bench/pipeline.py --steps 20 --out bench/pipeline.json
 
 ``--compare demo``: the demo configuration (``make demo``'s tiny preset) for ``--steps`` steps
-against the in-process reference (``bench/inprocess.py``: same policy, task, batch, sampler
-and optimizer, no HTTP, Kafka or Redis) in the same invocation, one after the other. Reports
-trained episodes/s of each and their ratio, the CPU time (utime + stime, ``/proc/<pid>/stat``)
-of every service process, Kafka and Redis over the measured interval with each one's share of
-their sum, and the proxy's pause stall per weight update (from its ``paused``/``resumed`` log
-lines: admission closed at ``paused.timestamp - waited_s``, reopened at ``resumed``)::
+against the in-process reference (``bench/inprocess.py``: same policy, task, batch, sampler and
+optimizer, no HTTP, Kafka or Redis), run just before and just after it in the same invocation
+(the ratio uses the mean of the two). Reports trained episodes/s of each and their ratio, the CPU
+time (utime + stime, ``/proc/<pid>/stat``) of every service process, Kafka and Redis over the
+measured interval with each one's share of their sum, and the proxy's pause stall per weight
+update (from its ``paused``/``resumed`` log lines: admission closed at ``paused.timestamp -
+waited_s``, reopened at ``resumed``)::
 
     $(bash deploy/venv.sh --path)/bin/python bench/pipeline.py --compare demo --steps 20 \\
         --out /tmp/rein-bench-demo.json
@@ -455,17 +456,25 @@ def _self_cpu() -> float:
 
 
 def compare_demo(args: argparse.Namespace) -> int:
-    reference = inprocess.run(steps=args.steps, seed=args.seed)
+    """The reference runs just before and just after the pipeline (a shared machine's load drifts);
+    the ratio uses the mean of its two rates."""
+    before = inprocess.run(steps=args.steps, seed=args.seed)
     with tempfile.TemporaryDirectory(prefix="rein-bench-") as tmp:
         demo = run_demo(args.steps, args.seed, Path(tmp), args.timeout_s)
+    after = inprocess.run(steps=args.steps, seed=args.seed)
+    rates = [r["episodes_per_s"] for r in (before, after) if r["episodes_per_s"]]
+    reference = {k: v for k, v in before.items() if k != "rows"}
+    reference["episodes_per_s_before_after"] = [before["episodes_per_s"], after["episodes_per_s"]]
+    reference["episodes_per_s"] = statistics.mean(rates) if rates else None
     ratio = (demo["episodes_per_s"] or 0) / reference["episodes_per_s"] if reference["episodes_per_s"] else None
-    reference.pop("rows")
     print(f"{'':12} {'steps':>5} {'wall s':>7} {'episodes/s':>10} {'reward 1st':>10} {'reward last':>11}")
     print(f"{'pipeline':12} {demo['steps']:>5} {demo['wall_s'] or 0:>7.1f} {demo['episodes_per_s'] or 0:>10.1f} "
           f"{demo['reward_first'] or 0:>10.3f} {demo['reward_last'] or 0:>11.3f}")
     print(f"{'in-process':12} {reference['steps']:>5} {reference['wall_s']:>7.1f} "
           f"{reference['episodes_per_s'] or 0:>10.1f} {reference['reward_first'] or 0:>10.3f} "
           f"{reference['reward_last'] or 0:>11.3f}")
+    print("in-process episodes/s before / after the pipeline: "
+          + " / ".join(f"{r:.1f}" for r in reference["episodes_per_s_before_after"] if r is not None))
     print(f"pipeline / in-process episodes/s: {ratio:.4f} (1/{1 / ratio:.0f})" if ratio else "ratio: n/a")
     print(f"\nCPU over steps 2..{demo['steps']} ({demo['cpu_busy_s']:.1f} CPU-s busy in the stack; "
           f"this script {demo['bench_cpu_s']:.1f} CPU-s)")
