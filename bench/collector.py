@@ -224,7 +224,8 @@ def main() -> int:
     parser.add_argument("--bootstrap")
     parser.add_argument("--redis-url")
     parser.add_argument("--groups", type=int, default=400)
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=500, help="window decisions timed per registry size")
+    parser.add_argument("--versions", type=int, nargs="+", default=[10, 100_000], help="registry sizes")
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "collector.json")
     args = parser.parse_args()
     tmp = None
@@ -232,7 +233,7 @@ def main() -> int:
         tmp = Path(tempfile.mkdtemp(prefix="rein-bench-"))
         args.bootstrap, args.redis_url = start_infra(tmp)
     try:
-        decisions = [decision_cost(args.redis_url, n, args.steps) for n in (10, 100_000)]
+        decisions = [decision_cost(args.redis_url, n, args.steps) for n in args.versions]
         runs = [throughput(args.bootstrap, args.redis_url, r, args.groups) for r in (1, 2)]
     finally:
         if tmp is not None:

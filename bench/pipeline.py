@@ -1,4 +1,4 @@
-"""Sync vs async throughput of the whole pipeline, side by side in one run.
+"""Sync vs async throughput of the whole pipeline, side by side in one run (and other comparisons).
 
 Runs the local stack (the processes of ``make demo``) once in sync mode (the
 rollout runner dispatches one batch of groups, then waits for the weight update
@@ -13,21 +13,41 @@ seed and step count, and reports:
 Prints a table and writes JSON. Usage::
 
     $(bash deploy/venv.sh --path)/bin/python bench/pipeline.py --steps 20 --out bench/pipeline.json
+
+``--compare demo``: the demo configuration (``make demo``'s tiny preset) for ``--steps`` steps
+against the in-process reference (``bench/inprocess.py``: same policy, task, batch, sampler and
+optimizer, no HTTP, Kafka or Redis), run just before and just after it in the same invocation
+(the ratio uses the mean of the two). Reports trained episodes/s of each and their ratio, the CPU
+time (utime + stime, ``/proc/<pid>/stat``) of every service process, Kafka and Redis over the
+measured interval with each one's share of their sum, and the proxy's pause stall per weight
+update (from its ``paused``/``resumed`` log lines: admission closed at ``paused.timestamp -
+waited_s``, reopened at ``resumed``)::
+
+    $(bash deploy/venv.sh --path)/bin/python bench/pipeline.py --compare demo --steps 20 \\
+        --out /tmp/rein-bench-demo.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import statistics
+import sys
 import tempfile
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import inprocess
+from ops.demo import parse_args as demo_args
 from ops.local.stack import LocalStack, StackConfig, start
 from ops.report import rows_so_far
 from shared.bus import read_topic
@@ -183,7 +203,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("bench/pipeline.json"))
     p.add_argument(
         "--compare",
-        choices=["sync-async", "controls", "learning", "cost"],
+        choices=["sync-async", "controls", "learning", "cost", "demo"],
         default="sync-async",
         help="sync vs async throughput, or async with staleness controls vs none under high asynchrony",
     )
@@ -193,6 +213,8 @@ def main() -> int:
         return compare_controls(args)
     if args.compare == "cost":
         return compare_cost(args)
+    if args.compare == "demo":
+        return compare_demo(args)
     with tempfile.TemporaryDirectory(prefix="rein-bench-") as tmp:
         results = [run_mode(mode, args.steps, Path(tmp), args.seed, args.timeout_s) for mode in ("sync", "async")]
     sync, asyn = results
@@ -247,6 +269,223 @@ def compare_cost(args: argparse.Namespace) -> int:
                     flush=True,
                 )
                 args.out.write_text(json.dumps({"results": results}, indent=2))
+    return 0
+
+
+# --------------------------------------------------------------------------- --compare demo
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and its live descendants, in seconds (0 when it is gone)."""
+    total = 0.0
+    for p in [pid, *_descendants(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICK  # fields 14 and 15 of proc(5)
+    return total
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def service_pids(local: LocalStack) -> dict[str, int]:
+    """Every process of the stack by name: the services, the Kafka JVM and redis-server."""
+    pids = {s.name: s.pid for s in local.stack.services}
+    for name, pid_file in (("kafka", "kafka/pid"), ("redis", "redis/redis.pid")):
+        path = local.infra.data_dir / pid_file
+        if path.exists():
+            pids[name] = int(path.read_text().strip())
+    return pids
+
+
+def cpu_split(before: dict[str, float], after: dict[str, float]) -> dict[str, dict[str, float]]:
+    """CPU seconds per process over an interval, and each one's share of their sum (the busy CPU)."""
+    used = {name: max(0.0, after.get(name, 0.0) - before.get(name, 0.0)) for name in before}
+    busy = sum(used.values())
+    return {name: {"cpu_s": round(s, 3), "share": round(s / busy, 4) if busy else 0.0} for name, s in used.items()}
+
+
+def group_cpu(split: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The split with the collector replicas summed as ``collectors`` (the issue's categories)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, row in split.items():
+        key = "collectors" if name.startswith("collector-") else name
+        acc = out.setdefault(key, {"cpu_s": 0.0, "share": 0.0})
+        acc["cpu_s"] = round(acc["cpu_s"] + row["cpu_s"], 3)
+        acc["share"] = round(acc["share"] + row["share"], 4)
+    return out
+
+
+def pause_stalls(lines: list[str]) -> list[dict[str, Any]]:
+    """Per weight update, how long the proxy held admission closed, from its JSON log lines.
+
+    A ``paused`` line is logged when the pause returns, ``waited_s`` after admission closed;
+    the matching ``resumed`` line (same ``pause_id``, ``status: resumed``) is when it reopened.
+    """
+    paused: dict[str, tuple[float, dict[str, Any]]] = {}
+    out: list[dict[str, Any]] = []
+    for line in lines:
+        if not line.startswith("{"):
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        event, pause_id, ts = rec.get("event"), rec.get("pause_id"), rec.get("timestamp")
+        if not pause_id or not isinstance(ts, str) or event not in ("paused", "resumed"):
+            continue
+        at = datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+        if event == "paused" and rec.get("status", "paused") == "paused":
+            paused.setdefault(pause_id, (at - float(rec.get("waited_s") or 0.0), rec))
+        elif event == "resumed" and rec.get("status") == "resumed" and pause_id in paused:
+            closed, prec = paused.pop(pause_id)
+            out.append({"pause_id": pause_id, "reason": prec.get("reason"), "version": rec.get("version"),
+                        "closed_at": closed, "stall_ms": (at - closed) * 1e3,
+                        "pause_ms": float(prec.get("waited_s") or 0.0) * 1e3,
+                        "preempted": prec.get("preempted"), "held": rec.get("held")})
+    return out
+
+
+def stall_summary(stalls: list[dict[str, Any]]) -> dict[str, Any]:
+    ms = [s["stall_ms"] for s in stalls]
+    if not ms:
+        return {"updates": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
+    ordered = sorted(ms)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return {"updates": len(ms), "p50_ms": round(statistics.median(ms), 1), "p99_ms": round(p99, 1),
+            "max_ms": round(max(ms), 1), "pause_p50_ms": round(statistics.median(s["pause_ms"] for s in stalls), 1)}
+
+
+def demo_config(steps: int, seed: int, run_dir: Path) -> StackConfig:
+    """What ``make demo`` starts for the tiny policy (its preset and flag defaults), bounded to ``steps``."""
+    a = demo_args(["--steps", str(steps), "--seed", str(seed)])
+    return StackConfig(
+        run_dir=run_dir, steps=a.steps, keep_versions=a.keep_versions, max_preempts=a.max_preempts,
+        collectors=a.collectors, batch_groups=a.batch_groups, group_size=a.group_size,
+        max_concurrent_groups=a.concurrent_groups, mode=a.mode, seed=a.seed, model="tiny", task=a.task,
+        max_tokens=a.max_tokens, lr=a.lr, weight_decay=a.weight_decay, keep_checkpoints=a.keep_checkpoints,
+    )
+
+
+def run_demo(steps: int, seed: int, root: Path, timeout_s: float) -> dict[str, Any]:
+    """The demo stack for ``steps`` steps: throughput and CPU split from the end of step 1 to the end of
+    step N, and the stall of every weight update of the run (v1..vN; it waits, bounded, for vN to be served)."""
+    config = demo_config(steps, seed, root / "demo")
+    local = start(config)
+    before: dict[str, float] | None = None
+    after: dict[str, float] = {}
+    try:
+        pids = service_pids(local)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            n = len(rows_so_far(local.trainer_metrics))
+            if before is None and n >= 1:
+                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                before["bench"] = _self_cpu()
+            if n >= steps:
+                after = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                after["bench"] = _self_cpu()
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"demo: only {n}/{steps} steps in {timeout_s}s")
+            dead = [s.name for s in local.stack.dead() if s.name != "trainer"]
+            if dead:
+                raise RuntimeError(f"demo: {dead} died; logs in {config.run_dir / 'logs'}")
+            time.sleep(0.1)
+        proxy_log = config.run_dir / "logs" / "proxy.log"
+        served = _wait_served(proxy_log, f"v{steps}", timeout_s=30)
+    finally:
+        local.stop()
+    assert before is not None
+    rows = rows_so_far(local.trainer_metrics)[:steps]
+    ts = [float(r["ts"]) for r in rows]
+    bench_cpu = after.pop("bench") - before.pop("bench")
+    split = cpu_split(before, after)
+    stalls = pause_stalls(proxy_log.read_text(errors="replace").splitlines())
+    rewards = [float(r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]
+    return {
+        "steps": len(rows),
+        "wall_s": ts[-1] - ts[0] if len(ts) > 1 else None,
+        "episodes": sum(int(r["trajectories"]) for r in rows[1:]),
+        "episodes_per_s": inprocess.episodes_per_s(rows, ts),
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last": rewards[-1] if rewards else None,
+        "cpu": split,
+        "cpu_grouped": group_cpu(split),
+        "cpu_busy_s": round(sum(v["cpu_s"] for v in split.values()), 3),
+        "bench_cpu_s": round(bench_cpu, 3),
+        "stall": stall_summary(stalls),
+        "stalls": stalls,
+        "last_version_served": served,
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(config).items()},
+    }
+
+
+def _wait_served(proxy_log: Path, version: str, timeout_s: float) -> bool:
+    """Until the proxy resumed on ``version`` (so every update of the run is in its log), bounded."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(s["version"] == version for s in pause_stalls(proxy_log.read_text(errors="replace").splitlines())):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _self_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def compare_demo(args: argparse.Namespace) -> int:
+    """The reference runs just before and just after the pipeline (a shared machine's load drifts);
+    the ratio uses the mean of its two rates."""
+    before = inprocess.run(steps=args.steps, seed=args.seed)
+    with tempfile.TemporaryDirectory(prefix="rein-bench-") as tmp:
+        demo = run_demo(args.steps, args.seed, Path(tmp), args.timeout_s)
+    after = inprocess.run(steps=args.steps, seed=args.seed)
+    rates = [r["episodes_per_s"] for r in (before, after) if r["episodes_per_s"]]
+    reference = {k: v for k, v in before.items() if k != "rows"}
+    reference["episodes_per_s_before_after"] = [before["episodes_per_s"], after["episodes_per_s"]]
+    reference["episodes_per_s"] = statistics.mean(rates) if rates else None
+    ratio = (demo["episodes_per_s"] or 0) / reference["episodes_per_s"] if reference["episodes_per_s"] else None
+    print(f"{'':12} {'steps':>5} {'wall s':>7} {'episodes/s':>10} {'reward 1st':>10} {'reward last':>11}")
+    print(f"{'pipeline':12} {demo['steps']:>5} {demo['wall_s'] or 0:>7.1f} {demo['episodes_per_s'] or 0:>10.1f} "
+          f"{demo['reward_first'] or 0:>10.3f} {demo['reward_last'] or 0:>11.3f}")
+    print(f"{'in-process':12} {reference['steps']:>5} {reference['wall_s']:>7.1f} "
+          f"{reference['episodes_per_s'] or 0:>10.1f} {reference['reward_first'] or 0:>10.3f} "
+          f"{reference['reward_last'] or 0:>11.3f}")
+    print("in-process episodes/s before / after the pipeline: "
+          + " / ".join(f"{r:.1f}" for r in reference["episodes_per_s_before_after"] if r is not None))
+    print(f"pipeline / in-process episodes/s: {ratio:.4f} (1/{1 / ratio:.0f})" if ratio else "ratio: n/a")
+    print(f"\nCPU over steps 2..{demo['steps']} ({demo['cpu_busy_s']:.1f} CPU-s busy in the stack; "
+          f"this script {demo['bench_cpu_s']:.1f} CPU-s)")
+    for name, row in sorted(demo["cpu_grouped"].items(), key=lambda kv: -kv[1]["cpu_s"]):
+        print(f"  {name:<12} {row['cpu_s']:>7.1f} s {100 * row['share']:>5.1f} %")
+    st = demo["stall"]
+    print(f"\npause stall per weight update ({st['updates']} updates): p50 {st['p50_ms']} ms, "
+          f"p99 {st['p99_ms']} ms, max {st['max_ms']} ms")
+    out = {"pipeline": demo, "inprocess": reference, "pipeline_over_inprocess": ratio}
+    args.out.write_text(json.dumps(out, indent=2, default=str))
+    print(f"written {args.out}")
     return 0
 
 

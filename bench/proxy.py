@@ -1,38 +1,49 @@
 """Proxy overhead and weight-update stall, measured in one run.
 
 1. Added latency: the same requests (greedy, fixed output length) sent straight to the
-   engine's ``/generate`` and through the proxy's ``/v1/chat/completions`` (a training
-   session: the chunk is written to Kafka and acked before the answer), alternating
-   direct / proxy so drift hits both. Reports p50 / p99 of each and of the ratio
-   proxy / direct.
+   engine's ``/generate``, through a minimal pass-through proxy (this file served as
+   ``python -m bench.proxy`` with ``BENCH_PASSTHROUGH_ENGINE`` set: FastAPI + uvicorn + one
+   ``httpx.AsyncClient``, the proxy's HTTP stack, forwarding the same ``/generate`` body and
+   answer untouched) and through the proxy's ``/v1/chat/completions`` (a training session:
+   the chunk is written to Kafka and acked before the answer), in alternating order so drift
+   hits all. Reports p50 / p99 of each, the ratio proxy / direct, and the overhead ratio
+   (proxy - direct) / (pass-through - direct): how much more the proxy adds than the hop
+   itself. ``--max-tokens 1`` measures one token per call (the demo's replies).
 2. Stall: with ``--inflight`` generations running through the proxy, the broadcaster's
    sequence pause -> engine ``/update_weights_from_disk`` -> resume, timed per step.
 
 Usage (starts an engine, a proxy and, unless ``--kafka`` is given, a local Kafka)::
 
-    ~/.cache/rein/warm/bin/python bench/proxy.py --requests 300 --out /tmp/rein-bench-proxy.json
+    $(bash deploy/venv.sh --path)/bin/python bench/proxy.py --requests 300 --out /tmp/rein-bench-proxy.json
+    $(bash deploy/venv.sh --path)/bin/python bench/proxy.py --max-tokens 1 --rounds 0 --out /tmp/rein-bench-proxy1.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import uvicorn
+from fastapi import FastAPI, Request, Response
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ops.local.ports import free_port
 from shared import checkpoint
 from shared.bus import ensure_topology
+from shared.http_server import KEEP_ALIVE_S
 from shared.names import Topics
 from shared.policy import PolicyConfig, init_policy
 from shared.settings import KafkaSettings
@@ -72,8 +83,48 @@ def start_proxy(engine: str, kafka: str, logs: Path) -> tuple[Proc, str]:
     return proc, url
 
 
-def overhead(engine: str, proxy: str, n: int, max_tokens: int, warmup: int) -> dict[str, Any]:
+PASSTHROUGH_ENGINE = "BENCH_PASSTHROUGH_ENGINE"
+PASSTHROUGH_PORT = "BENCH_PASSTHROUGH_PORT"
+
+
+def serve_passthrough(engine: str, port: int) -> None:
+    """The minimal pass-through: ``POST /generate`` forwarded to ``engine`` as is, its answer returned as is."""
+    client: dict[str, httpx.AsyncClient] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=5.0)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), limits=limits) as http:
+            client["http"] = http
+            yield
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        answer = await client["http"].post(f"{engine}/generate", content=await request.body(),
+                                           headers={"content-type": "application/json"})
+        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                timeout_keep_alive=KEEP_ALIVE_S)
+
+
+def start_passthrough(engine: str, logs: Path) -> tuple[Proc, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_service("bench.proxy", {PASSTHROUGH_ENGINE: engine, PASSTHROUGH_PORT: str(port)},
+                         f"{url}/health", timeout_s=120, log_dir=logs)
+    return proc, url
+
+
+def overhead(engine: str, passthrough: str, proxy: str, n: int, max_tokens: int, warmup: int) -> dict[str, Any]:
     direct_s: list[float] = []
+    pass_s: list[float] = []
     proxy_s: list[float] = []
     untracked_s: list[float] = []
     with httpx.Client(timeout=60) as http:
@@ -87,11 +138,15 @@ def overhead(engine: str, proxy: str, n: int, max_tokens: int, warmup: int) -> d
             chat_body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
                          "ignore_eos": True}
             headers = {"X-Session-Id": f"bench-{uuid.uuid4().hex}", "X-Group-Id": f"g-{i}"}
-            order = ("direct", "proxy", "untracked") if i % 2 == 0 else ("untracked", "proxy", "direct")
-            for which in order:
+            order = ("direct", "passthrough", "proxy", "untracked")
+            for which in order[i % 4:] + order[: i % 4]:
                 t0 = time.perf_counter()
                 if which == "direct":
+                    direct_body["rid"] = f"bench-{uuid.uuid4().hex}"
                     r = http.post(f"{engine}/generate", json=direct_body)
+                elif which == "passthrough":
+                    direct_body["rid"] = f"bench-{uuid.uuid4().hex}"
+                    r = http.post(f"{passthrough}/generate", json=direct_body)
                 elif which == "proxy":
                     r = http.post(f"{proxy}/v1/chat/completions", json=chat_body, headers=headers)
                 else:  # no X-Group-Id: served, nothing written to Kafka
@@ -100,12 +155,20 @@ def overhead(engine: str, proxy: str, n: int, max_tokens: int, warmup: int) -> d
                 elapsed = time.perf_counter() - t0
                 r.raise_for_status()
                 if i >= warmup:
-                    {"direct": direct_s, "proxy": proxy_s, "untracked": untracked_s}[which].append(elapsed)
+                    {"direct": direct_s, "passthrough": pass_s, "proxy": proxy_s,
+                     "untracked": untracked_s}[which].append(elapsed)
     ratios = [p / d for p, d in zip(proxy_s, direct_s, strict=True)]
     added = [p - d for p, d in zip(proxy_s, direct_s, strict=True)]
+
+    def over(q: float) -> float | None:
+        hop = pct(pass_s, q) - pct(direct_s, q)
+        return (pct(proxy_s, q) - pct(direct_s, q)) / hop if hop > 0 else None
+
     return {
         "requests": n, "max_tokens": max_tokens,
         "direct_ms": {"p50": pct(direct_s, 50) * 1e3, "p99": pct(direct_s, 99) * 1e3},
+        "passthrough_ms": {"p50": pct(pass_s, 50) * 1e3, "p99": pct(pass_s, 99) * 1e3},
+        "overhead_over_passthrough": {"p50": over(50), "p99": over(99)},
         "proxy_ms": {"p50": pct(proxy_s, 50) * 1e3, "p99": pct(proxy_s, 99) * 1e3},
         "added_ms": {"p50": pct(added, 50) * 1e3, "p99": pct(added, 99) * 1e3},
         "proxy_no_kafka_ms": {"p50": pct(untracked_s, 50) * 1e3, "p99": pct(untracked_s, 99) * 1e3},
@@ -139,9 +202,12 @@ def stall(engine: str, proxy: str, weights: Path, rounds: int, inflight: int) ->
                 calls.append(threading.Thread(target=agent, args=(k,)))
                 calls[-1].start()
             deadline = time.monotonic() + 30
-            while http.get(f"{proxy}/v1/rollout/state", headers=admin).json()["active"] < inflight:
+            while True:  # every generation started (on a loaded machine the first may already be done)
+                active = http.get(f"{proxy}/v1/rollout/state", headers=admin).json()["active"]
+                if active >= 1 and active + len(answers) >= inflight:
+                    break
                 if time.monotonic() > deadline:
-                    raise RuntimeError("generations did not start")
+                    raise RuntimeError(f"generations did not start: {active} active, {len(answers)} answered")
                 time.sleep(0.005)
             t0 = time.perf_counter()
             paused = http.post(f"{proxy}/v1/rollout/pause", json={"reason": "bench", "timeout_s": 30},
@@ -171,8 +237,8 @@ def main() -> None:
     parser.add_argument("--kafka", help="bootstrap servers of a running broker (default: start a local one)")
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=10, help="pause/update/resume rounds")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per call (1: one token per call)")
+    parser.add_argument("--rounds", type=int, default=10, help="pause/update/resume rounds (0: skip the stall part)")
     parser.add_argument("--inflight", type=int, default=8, help="generations in flight during each update")
     parser.add_argument("--stall-step-delay", type=float, default=0.01,
                         help="engine step delay for the stall part, so generations are still running at pause")
@@ -182,6 +248,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rein-bench-proxy-"))
     procs: list[Proc] = []
     infra = None
+    st: dict[str, Any] | None = None
     try:
         kafka = args.kafka
         if kafka is None:
@@ -191,15 +258,18 @@ def main() -> None:
             kafka = infra.require(KAFKA).address
         engine_proc, engine = start_engine(work / "w1", 0.0, work)
         procs.append(engine_proc)
+        pass_proc, passthrough = start_passthrough(engine, work)
+        procs.append(pass_proc)
         proxy_proc, proxy = start_proxy(engine, kafka, work)
         procs.append(proxy_proc)
-        over = overhead(engine, proxy, args.requests, args.max_tokens, args.warmup)
+        over = overhead(engine, passthrough, proxy, args.requests, args.max_tokens, args.warmup)
 
-        slow_proc, slow_engine = start_engine(work / "w2", args.stall_step_delay, work)
-        procs.append(slow_proc)
-        proxy2_proc, proxy2 = start_proxy(slow_engine, kafka, work)
-        procs.append(proxy2_proc)
-        st = stall(slow_engine, proxy2, work / "w2", args.rounds, args.inflight)
+        if args.rounds > 0:
+            slow_proc, slow_engine = start_engine(work / "w2", args.stall_step_delay, work)
+            procs.append(slow_proc)
+            proxy2_proc, proxy2 = start_proxy(slow_engine, kafka, work)
+            procs.append(proxy2_proc)
+            st = stall(slow_engine, proxy2, work / "w2", args.rounds, args.inflight)
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -209,17 +279,25 @@ def main() -> None:
     result = {"overhead": over, "stall": st, "args": vars(args)}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nproxy overhead ({over['requests']} sequential requests, {over['max_tokens']} tokens, greedy)")
-    print(f"{'':6}{'direct ms':>11}{'proxy ms':>11}{'added ms':>11}{'ratio':>7}{'no-kafka ms':>13}{'ratio':>7}")
+    print(f"{'':6}{'direct ms':>11}{'pass ms':>10}{'proxy ms':>11}{'added ms':>11}{'ratio':>7}"
+          f"{'no-kafka ms':>13}{'ratio':>7}{'overhead/pass':>15}")
     for q in ("p50", "p99"):
-        print(f"{q:6}{over['direct_ms'][q]:11.2f}{over['proxy_ms'][q]:11.2f}{over['added_ms'][q]:11.2f}"
-              f"{over['ratio'][q]:7.2f}{over['proxy_no_kafka_ms'][q]:13.2f}{over['ratio']['no_kafka_' + q]:7.2f}")
-    print(f"\npause -> update -> resume ({st['rounds']} rounds, {st['inflight']} generations in flight)")
-    print(f"{'':10}{'pause':>10}{'update':>10}{'resume':>10}{'stall':>10}")
-    for row in ("p50", "max"):
-        print(f"{row:10}" + "".join(f"{st[row][k]:10.1f}" for k in ("pause_ms", "update_ms", "resume_ms",
-                                                                      "stall_ms")))
+        rel = over["overhead_over_passthrough"][q]
+        print(f"{q:6}{over['direct_ms'][q]:11.2f}{over['passthrough_ms'][q]:10.2f}{over['proxy_ms'][q]:11.2f}"
+              f"{over['added_ms'][q]:11.2f}{over['ratio'][q]:7.2f}{over['proxy_no_kafka_ms'][q]:13.2f}"
+              f"{over['ratio']['no_kafka_' + q]:7.2f}{'n/a' if rel is None else f'{rel:.2f}':>15}")
+    print("overhead/pass: (proxy - direct) / (pass-through - direct)")
+    if st is not None:
+        print(f"\npause -> update -> resume ({st['rounds']} rounds, {st['inflight']} generations in flight)")
+        print(f"{'':10}{'pause':>10}{'update':>10}{'resume':>10}{'stall':>10}")
+        for row in ("p50", "max"):
+            print(f"{row:10}" + "".join(f"{st[row][k]:10.1f}" for k in ("pause_ms", "update_ms", "resume_ms",
+                                                                          "stall_ms")))
     print(f"\nwritten {args.out}")
 
 
 if __name__ == "__main__":
-    main()
+    if PASSTHROUGH_ENGINE in os.environ:
+        serve_passthrough(os.environ[PASSTHROUGH_ENGINE], int(os.environ[PASSTHROUGH_PORT]))
+    else:
+        main()

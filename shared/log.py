@@ -39,6 +39,12 @@ def configure(service: str, level: str = "info", json: bool = True) -> structlog
 
 
 def get(name: str) -> structlog.stdlib.BoundLogger:
-    """A logger for a module; inherits the process configuration."""
-    logger: structlog.stdlib.BoundLogger = structlog.get_logger().bind(logger=name)
+    """A logger for a module; inherits the process configuration.
+
+    Lazy: module loggers are made at import, before :func:`configure` runs, and a logger bound
+    then would keep structlog's defaults for good (console lines with one-second timestamps,
+    every level, on stdout). The name goes in as ``logger_name`` (``logger`` is the name of
+    structlog's own first parameter); the console renderer shows it as ``[name]`` either way.
+    """
+    logger: structlog.stdlib.BoundLogger = structlog.get_logger(logger_name=name)
     return logger

@@ -1,0 +1,136 @@
+"""Every script under ``bench/`` runs once with tiny settings, exits 0 and writes its output.
+
+Benchmarks are not tests: nothing here checks a figure. It checks that each script still
+runs against today's code and writes the keys its docs section reads, so none rots between
+the runs that produce docs/benchmarks.md. A new script without an entry in ``SMOKE`` fails
+:func:`test_every_bench_script_has_a_smoke_entry`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench"
+
+
+@dataclass(frozen=True)
+class Smoke:
+    """How to run one script small: its arguments (given the output path and the fixtures' values),
+    the fixtures it needs, and a check of what it wrote."""
+
+    args: Callable[[Path, dict[str, str]], list[str]]
+    check: Callable[[Path], None]
+    fixtures: tuple[str, ...] = ()
+    marks: tuple[pytest.MarkDecorator, ...] = field(default_factory=tuple)
+    timeout_s: float = 240
+
+
+def _json(path: Path, *keys: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    missing = [k for k in keys if k not in data]
+    assert not missing, f"{path.name} lacks {missing}: {sorted(data)}"
+    return data
+
+
+def _engine_decode(out: Path) -> None:
+    data = _json(out, "model", "threads", "rows")
+    assert [r["concurrency"] for r in data["rows"]] == [1, 2]
+    assert all(r["kv_cache_tok_s"] > 0 and r["recompute_tok_s"] > 0 for r in data["rows"])
+
+
+def _collector(out: Path) -> None:
+    data = _json(out, "throughput", "decision_cost")
+    assert [r["replicas"] for r in data["throughput"]] == [1, 2]
+    assert all(r["groups_per_s"] > 0 for r in data["throughput"])
+    assert [d["registered_versions"] for d in data["decision_cost"]] == [10, 100]
+
+
+def _proxy(out: Path) -> None:
+    data = _json(out, "overhead", "stall", "args")
+    over = data["overhead"]
+    assert over["max_tokens"] == 1
+    for key in ("direct_ms", "passthrough_ms", "proxy_ms", "proxy_no_kafka_ms", "overhead_over_passthrough"):
+        assert set(over[key]) == {"p50", "p99"}, key
+    assert data["stall"]["rounds"] == 1 and data["stall"]["p50"]["stall_ms"] > 0
+
+
+def _inprocess(out: Path) -> None:
+    data = _json(out, "steps", "wall_s", "episodes_per_s", "reward_first", "reward_last", "reward_at", "rows")
+    assert data["steps"] == 3 and data["episodes"] == 3 * 64, "8 groups x 8 episodes per step"
+    assert data["episodes_per_s"] > 0
+    assert set(data["reward_at"]) == {"1", "1000"}
+
+
+def _pipeline(out: Path) -> None:
+    data = _json(out, "pipeline", "inprocess", "pipeline_over_inprocess")
+    demo = data["pipeline"]
+    assert demo["steps"] == 3 and data["inprocess"]["steps"] == 3
+    assert data["pipeline_over_inprocess"] > 0
+    expected = {"proxy", "engine", "rollout", "trainer", "broadcaster", "collector-0", "collector-1", "kafka", "redis"}
+    assert set(demo["cpu"]) == expected
+    assert sum(r["share"] for r in demo["cpu"].values()) == pytest.approx(1.0, abs=0.01)
+    assert demo["cpu"]["proxy"]["cpu_s"] > 0
+    assert demo["last_version_served"], "v3 was served before the stack stopped"
+    assert 1 <= demo["stall"]["updates"] <= 3, "one stall per update the broadcaster applied (v1..v3)"
+    assert demo["stall"]["p50_ms"] > 0
+
+
+def _plot_controls(out: Path) -> None:
+    assert out.stat().st_size > 0
+
+
+SMOKE: dict[str, Smoke] = {
+    "engine_decode": Smoke(
+        lambda out, _: ["--concurrency", "1", "2", "--new-tokens", "4", "--out", str(out)], _engine_decode,
+    ),
+    "inprocess": Smoke(lambda out, _: ["--steps", "3", "--at", "1", "1000", "--out", str(out)], _inprocess),
+    "plot_controls": Smoke(lambda out, _: [str(BENCH / "controls.json"), str(out)], _plot_controls),
+    "collector": Smoke(
+        lambda out, fx: ["--bootstrap", fx["kafka_bootstrap"], "--redis-url", fx["redis_db_url"], "--groups", "4",
+                         "--steps", "10", "--versions", "10", "100", "--json", str(out)],
+        _collector, fixtures=("kafka_bootstrap", "redis_db_url"), marks=(pytest.mark.integration,),
+    ),
+    "proxy": Smoke(
+        lambda out, fx: ["--kafka", fx["kafka_bootstrap"], "--requests", "5", "--warmup", "1", "--max-tokens", "1",
+                         "--rounds", "1", "--inflight", "2", "--out", str(out)],
+        _proxy, fixtures=("kafka_bootstrap",), marks=(pytest.mark.integration,),
+    ),
+    "pipeline": Smoke(
+        lambda out, _: ["--compare", "demo", "--steps", "3", "--timeout-s", "240", "--out", str(out)],
+        _pipeline, marks=(pytest.mark.integration, pytest.mark.slow), timeout_s=280,
+    ),
+}
+"""Script name (``bench/<name>.py``) -> its smoke run. ``pipeline`` starts its own Kafka and Redis
+(the demo's stack); the others take the session's."""
+
+
+def test_every_bench_script_has_a_smoke_entry() -> None:
+    scripts = sorted(p.stem for p in BENCH.glob("*.py"))
+    assert scripts == sorted(SMOKE), f"bench/ scripts without a smoke entry: {sorted(set(scripts) - set(SMOKE))}"
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=[*smoke.marks, pytest.mark.timeout(smoke.timeout_s + 30)])
+             for name, smoke in SMOKE.items()]
+)
+def test_bench_script_runs(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    smoke = SMOKE[name]
+    fixtures = {f: str(request.getfixturevalue(f)) for f in smoke.fixtures}
+    out = tmp_path / (f"{name}.png" if name == "plot_controls" else f"{name}.json")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / f"{name}.py"), *smoke.args(out, fixtures)],
+        cwd=REPO, capture_output=True, text=True, timeout=smoke.timeout_s, check=False,
+    )
+    tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"bench/{name}.py exited {proc.returncode}:\n{tail}"
+    assert out.exists(), f"bench/{name}.py wrote no {out.name}:\n{proc.stdout[-2000:]}"
+    smoke.check(out)
