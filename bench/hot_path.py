@@ -1,11 +1,11 @@
 """CPU per chat call of each process of the demo pipeline, and (optionally) py-spy profiles.
 
-Starts the local stack in the tiny demo's configuration (number guessing, one-token
-replies, 8 groups x 8 episodes per step, 16 groups in flight, 2 collectors), lets
+Starts the local stack as ``make demo`` does for the tiny policy (``bench/pipeline.py``'s
+``demo_config``: number guessing, 8 groups x 8 episodes per step, 2 collectors), lets
 ``--warmup`` trainer steps pass, then measures a window of ``--steps`` trainer steps:
 
-* CPU seconds of every process (``utime + stime`` from ``/proc/<pid>/stat``, children
-  excluded), its share of the busy CPU, and CPU milliseconds per chat call;
+* CPU seconds of every process (``utime + stime`` from ``/proc/<pid>/stat``, with its
+  descendants; ``bench/procstat.py``), its share of the busy CPU, and CPU milliseconds per chat call;
 * chat calls and episodes per second (the proxy's and the runner's ``/metrics``);
 * with ``--profile proxy rollout ...``: a ``py-spy record`` of each named process over
   the window (raw collapsed stacks, no line numbers), summarised as the top entries by
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import signal
@@ -35,40 +34,22 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ops.local.stack import StackConfig, start
+from bench.pipeline import demo_config
+from bench.procstat import service_pids, snapshot
+from ops.local.stack import start
 from ops.report import rows_so_far
 
-_TICK = os.sysconf("SC_CLK_TCK")
 _CHAT = re.compile(r'^rein_proxy_requests_total\{route="/v1/chat/completions",status="200"\}\s+(\S+)$', re.M)
 _EPISODES = re.compile(r"^rein_rollout_episodes_total\{[^}]*\}\s+(\S+)$", re.M)
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far (0 when it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14 and 15 of stat)
-
-
 def total(pattern: re.Pattern[str], url: str) -> float:
     return sum(float(v) for v in pattern.findall(httpx.get(url, timeout=5).text))
-
-
-def pids_of(local: Any) -> dict[str, int]:
-    pids = {s.name: s.pid for s in local.stack.services}
-    infra = local.config.run_dir.resolve() / "infra"
-    for name, path in (("kafka", infra / "kafka" / "pid"), ("redis", infra / "redis" / "redis.pid")):
-        if path.exists():
-            pids[name] = int(path.read_text().strip())
-    return pids
 
 
 def summarise(raw: Path, top: int) -> dict[str, list[tuple[str, float]]]:
@@ -107,9 +88,7 @@ def main() -> int:
     args = p.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     run_dir = Path(tempfile.mkdtemp(prefix="rein-hot-path-"))
-    config = StackConfig(run_dir=run_dir, steps=args.warmup + args.steps + 2, collectors=2, batch_groups=8,
-                         group_size=8, max_concurrent_groups=16, mode="async", seed=0)
-    local = start(config)
+    local = start(demo_config(args.warmup + args.steps + 2, 0, run_dir))
     spies: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
     try:
         deadline = time.monotonic() + args.timeout_s
@@ -124,17 +103,17 @@ def main() -> int:
                 time.sleep(0.2)
 
         wait_steps(args.warmup)
-        pids = pids_of(local)
+        pids = service_pids(local)
         for name in args.profile:
             out = run_dir / f"{name}.pyspy.txt"
             spies[name] = (subprocess.Popen(
                 [py_spy, "record", "-p", str(pids[name]), "-r", str(args.rate), "-f", "raw", "--nolineno",
                  "--nonblocking", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), out)
         proxy_metrics, rollout_metrics = f"{local.urls['proxy']}/metrics", f"{local.urls['rollout']}/metrics"
-        t0, cpu0 = time.monotonic(), {n: cpu_s(pid) for n, pid in pids.items()}
+        t0, cpu0 = time.monotonic(), snapshot(pids)
         chat0, ep0 = total(_CHAT, proxy_metrics), total(_EPISODES, rollout_metrics)
         wait_steps(args.warmup + args.steps)
-        t1, cpu1 = time.monotonic(), {n: cpu_s(pid) for n, pid in pids.items()}
+        t1, cpu1 = time.monotonic(), snapshot(pids)
         chat1, ep1 = total(_CHAT, proxy_metrics), total(_EPISODES, rollout_metrics)
         for proc, _ in spies.values():
             proc.send_signal(signal.SIGINT)

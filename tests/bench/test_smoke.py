@@ -84,6 +84,14 @@ def _pipeline(out: Path) -> None:
     assert demo["stall"]["p50_ms"] > 0
 
 
+def _hot_path(out: Path) -> None:
+    data = _json(out, "wall_s", "chat_calls", "episodes_per_s", "busy_cpu_s", "processes")
+    assert data["chat_calls"] > 0 and data["episodes_per_s"] > 0
+    rows = {r["process"]: r for r in data["processes"]}
+    assert {"proxy", "rollout", "engine", "kafka"} <= set(rows)
+    assert rows["proxy"]["cpu_ms_per_chat"] > 0
+
+
 def _plot_controls(out: Path) -> None:
     assert out.stat().st_size > 0
 
@@ -107,6 +115,10 @@ SMOKE: dict[str, Smoke] = {
     "pipeline": Smoke(
         lambda out, _: ["--compare", "demo", "--steps", "3", "--timeout-s", "240", "--out", str(out)],
         _pipeline, marks=(pytest.mark.integration, pytest.mark.slow), timeout_s=280,
+    ),
+    "hot_path": Smoke(
+        lambda out, _: ["--warmup", "1", "--steps", "2", "--timeout-s", "240", "--out", str(out)],
+        _hot_path, marks=(pytest.mark.integration, pytest.mark.slow), timeout_s=280,
     ),
 }
 """Script name (``bench/<name>.py``) -> its smoke run. ``pipeline`` starts its own Kafka and Redis
