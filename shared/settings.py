@@ -38,6 +38,11 @@ class KafkaSettings(BaseModel):
     """Bound on every broker request, so a dead broker gives an error instead of a hang."""
     max_record_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     """Largest record a consumer will decode; bigger ones are counted and skipped."""
+    linger_ms: int = Field(default=2, ge=0)
+    """How long a producer holds a record to batch it with the next ones; its ack comes no sooner."""
+    max_block_ms: int = Field(default=30_000, gt=0)
+    """Bound on a producer's send waiting for a topic's metadata (a broker not reached yet, a topic
+    that does not exist); the record fails after it."""
 
 
 class RedisSettings(BaseModel):

@@ -81,7 +81,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
                     await engine.refresh()
                 except (EngineUnavailable, EngineError) as exc:
                     _log.warning("engine_info_unavailable_at_start", engine=engine.url, error=str(exc))
-            publisher = Publisher(settings.kafka)
+            publisher = Publisher(settings.kafka, settings.publish_max_inflight_bytes, proxy_metrics)
             await publisher.start()
             service = ProxyService(settings, engines, publisher, PauseController(), proxy_metrics, tokenizer)
             _log.info("proxy ready", engines=[(e.url, e.version) for e in engines],

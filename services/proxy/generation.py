@@ -3,8 +3,9 @@
 Pause is ONE flag for the whole proxy (a weight update concerns every engine this
 proxy talks to); aborts are per request id. Lifecycle of one engine request::
 
-    admit (waits while paused) ─▶ active ─▶ engine answers ─▶ on_chunk (publish, record,
-    post-checks) ─▶ released (its ``done`` event fires: pause counts it quiesced)
+    admit (waits while paused) ─▶ active ─▶ engine answers ─▶ on_chunk (submit the chunk's
+    records, record it, post-checks) ─▶ released (its ``done`` event fires: pause counts it
+    quiesced; the records' acks are not waited for, so a pause costs the abort and no more)
 
 and of one chat call::
 
@@ -90,6 +91,8 @@ class PauseController:
         """Chat calls whose last chunk was preempted, waiting for resume."""
         self.reason = ""
         self.pauses = 0
+        self._closed_at: float | None = None
+        """When the current pause closed admission (taken-over pauses keep the first one's time)."""
 
     @property
     def paused(self) -> bool:
@@ -97,6 +100,10 @@ class PauseController:
 
     def active(self) -> list[ActiveRequest]:
         return list(self._active.values())
+
+    def closed_s(self) -> float | None:
+        """Seconds admission has been closed by the current pause; None while running."""
+        return None if self._closed_at is None or not self._paused else time.monotonic() - self._closed_at
 
     async def wait_running(self) -> None:
         while self._paused:
@@ -134,6 +141,7 @@ class PauseController:
         status = "already_paused" if self._paused else "paused"
         if not self._paused:
             self.pauses += 1
+            self._closed_at = start
         self._paused = True
         self._running.clear()
         self.reason = reason
@@ -183,6 +191,7 @@ class PauseController:
             return "stale"
         was = self._paused
         self._paused = False
+        self._closed_at = None
         self._lease_until = None
         self.reason = ""
         self._running.set()
@@ -268,9 +277,10 @@ async def generate_preemptible(
 
     ``before_chunk(i)`` runs once the chunk is admitted and before the engine is
     called: it raises to reject without spending compute (span pre-check).
-    ``on_chunk`` publishes and records the chunk and runs the post-checks; it raises
-    to stop at once. The chunk counts as in flight (pause waits for it) until
-    ``on_chunk`` returns, so a pause that reports quiesced has every partial output kept.
+    ``on_chunk`` submits the chunk's records (without waiting for their acks), records
+    the chunk and runs the post-checks; it raises to stop at once. The chunk counts as in
+    flight (pause waits for it) until ``on_chunk`` returns, so a pause that reports
+    quiesced has every partial output recorded and submitted.
     """
     gen = Generation()
     for chunk_index in range(req.max_chunks):

@@ -22,6 +22,12 @@ class ProxyMetrics:
         self.publish_failures = metrics.counter(
             registry, "proxy/publish_failures", "Records that could not be written to Kafka", ("record",)
         )
+        self.inflight_bytes = metrics.gauge(
+            registry, "proxy/publish_inflight_bytes", "Encoded bytes submitted to Kafka and not yet acked or failed"
+        )
+        self.inflight_records = metrics.gauge(
+            registry, "proxy/publish_inflight_records", "Records submitted to Kafka and not yet acked or failed"
+        )
         self.paused = metrics.gauge(registry, "proxy/paused", "1 while the proxy is paused")
         self.lease_expiries = metrics.counter(
             registry, "proxy/pause_lease_expired", "Pauses that ended by themselves (no renew or resume in the lease)"
@@ -31,6 +37,11 @@ class ProxyMetrics:
         self.sessions = metrics.gauge(registry, "proxy/live_sessions", "Sessions neither finished nor rejected")
         self.pause_seconds = Histogram(
             metrics.prom_name("proxy/pause_wait_seconds"), "Time a pause waited for quiescence",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300), registry=registry,
+        )
+        self.pause_closed_seconds = Histogram(
+            metrics.prom_name("proxy/pause_closed_seconds"),
+            "Time admission stayed closed per pause: from the pause request to the resume",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300), registry=registry,
         )
         self.engine_seconds = Histogram(

@@ -1,54 +1,122 @@
-"""Kafka side of the proxy: publish one record and wait for the broker's ack.
+"""Kafka side of the proxy: records submitted in order, acks answered as asyncio futures.
 
-kafka-python blocks, so every send runs in a worker thread. The producer is built
-lazily (and rebuilt after a failed start), so a proxy started before its broker
-serves non-training sessions and answers training calls with 503
-``kafka_unavailable`` until the broker is reachable, instead of crashing or
-silently dropping records.
+:meth:`Publisher.submit` hands a record to one sender thread and returns at once with a
+future that the broker's ack (or the failure) resolves; the caller decides when to await
+it. The request path therefore never waits for the broker: a chat call submits its chunk
+and goes on, and only ``finish`` (and a rejection) waits for the session's acks.
+
+- **Order.** Every record goes through one FIFO: one sender thread calls kafka-python's
+  ``send`` (which may block on metadata, bounded by ``max_block_ms``, never on the event
+  loop) in submission order, and the idempotent producer keeps that order per partition.
+  Records of one session share a key, hence a partition of each topic.
+- **Bounded memory.** Bytes submitted and not yet answered are capped at
+  ``max_inflight_bytes``: a submit waits (in arrival order) while the cap would be passed.
+  A record larger than the cap still goes, alone. Gauges report bytes and records in flight.
+- **Broker down at start.** The producer is built lazily (and rebuilt after a failed start),
+  so a proxy started before its broker serves non-training sessions and answers training
+  calls with 503 ``kafka_unavailable`` until the broker is reachable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
 
 from kafka.errors import KafkaError
 
+from services.proxy.metrics import ProxyMetrics
 from shared import log
 from shared.bus import BusUnavailable, Producer
 from shared.errors import KafkaUnavailable
-from shared.schemas import Record
+from shared.schemas import Chunk, Record, encode
 from shared.settings import KafkaSettings
 
 _log = log.get(__name__)
+
+Ack = asyncio.Future[None]
+"""Resolved once the record is on Kafka; fails with :class:`KafkaUnavailable` when it cannot be."""
 
 
 class Publisher:
     """One idempotent producer (acks=all) shared by every request of the app."""
 
-    def __init__(self, settings: KafkaSettings) -> None:
+    def __init__(self, settings: KafkaSettings, max_inflight_bytes: int, metrics: ProxyMetrics) -> None:
         self._settings = settings
+        self._max_bytes = max_inflight_bytes
+        self._metrics = metrics
         self._producer: Producer | None = None
-        self._lock = asyncio.Lock()
+        self._connect_lock = asyncio.Lock()
+        self._room_lock = asyncio.Lock()
+        """Held by the one submit waiting for room: the others queue behind it, in arrival order."""
+        self._freed = asyncio.Event()
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxy-publish")
+        self.inflight_bytes = 0
+        self.inflight_records = 0
 
     async def start(self) -> None:
-        """Try to connect now; a failure is logged and retried on the first send."""
+        """Try to connect now; a failure is logged and retried on the first submit."""
         try:
             await self._connected()
         except KafkaUnavailable as exc:
             _log.warning("kafka_unavailable_at_start", error=str(exc))
 
-    async def send(self, topic: str, record: Record) -> None:
-        """Write ``record`` (keyed by its ``key()``) and wait for the ack; 503 on any broker failure."""
-        producer = await self._connected()
+    async def submit(self, topic: str, record: Record) -> Ack:
+        """Queue ``record`` (keyed by its ``key()``) behind every record submitted before it.
+
+        Returns once it is queued (after waiting for room under the in-flight cap); raises
+        ``kafka_unavailable`` at once when no producer can be built."""
         try:
-            await asyncio.to_thread(producer.send, topic, record)
-        except (BusUnavailable, KafkaError) as exc:
-            raise KafkaUnavailable(
-                f"could not write a {record.type} record to Kafka topic {topic!r}: {exc}", topic=topic
-            ) from exc
+            producer = await self._connected()
+        except KafkaUnavailable:
+            self._metrics.publish_failures.labels(record=record.type).inc()
+            raise
+        value = encode(record)
+        size = len(value)
+        async with self._room_lock:
+            while self.inflight_records and self.inflight_bytes + size > self._max_bytes:
+                self._freed.clear()
+                await self._freed.wait()
+            self._count(size, 1)
+        loop = asyncio.get_running_loop()
+        ack: Ack = loop.create_future()
+        ack.add_done_callback(_retrieved)  # an ack nobody looks at any more (its session ended) is not an error
+
+        def done(error: BaseException | None) -> None:  # on the sender or kafka-python's I/O thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(self._answered, ack, topic, record, size, error)
+
+        self._sender.submit(producer.send_encoded, topic, value, record.key(), done)
+        return ack
+
+    async def send(self, topic: str, record: Record) -> None:
+        """Submit ``record`` and wait for its ack; 503 ``kafka_unavailable`` on any broker failure."""
+        await (await self.submit(topic, record))
+
+    def _answered(self, ack: Ack, topic: str, record: Record, size: int, error: BaseException | None) -> None:
+        self._count(-size, -1)
+        self._freed.set()
+        if error is None:
+            if isinstance(record, Chunk):
+                self._metrics.chunks.inc()
+            if not ack.done():
+                ack.set_result(None)
+            return
+        self._metrics.publish_failures.labels(record=record.type).inc()
+        if not ack.done():
+            ack.set_exception(KafkaUnavailable(
+                f"could not write a {record.type} record to Kafka topic {topic!r}: {type(error).__name__}: {error}",
+                topic=topic,
+            ))
+
+    def _count(self, size: int, records: int) -> None:
+        self.inflight_bytes += size
+        self.inflight_records += records
+        self._metrics.inflight_bytes.set(self.inflight_bytes)
+        self._metrics.inflight_records.set(self.inflight_records)
 
     async def _connected(self) -> Producer:
-        async with self._lock:
+        async with self._connect_lock:
             if self._producer is None:
                 try:
                     self._producer = await asyncio.to_thread(Producer, self._settings, "proxy")
@@ -60,6 +128,13 @@ class Publisher:
             return self._producer
 
     async def close(self) -> None:
+        """Let the sender hand over what was submitted, then flush and close (bounded by the producer)."""
+        await asyncio.to_thread(self._sender.shutdown, wait=True)
         if self._producer is not None:
             producer, self._producer = self._producer, None
             await asyncio.to_thread(producer.close)
+
+
+def _retrieved(ack: Ack) -> None:
+    if not ack.cancelled():
+        ack.exception()

@@ -8,18 +8,26 @@ what happened, in order, and does what it answers (publish, end the session, ans
 When records are published (the collector relies on this):
 
 - ``Chunk``: one per engine call of a training session (one with ``X-Group-Id``),
-  written and acked before the next engine call and before the agent's answer.
-- ``SessionFinished``: on ``POST /v1/sessions/{id}/finish``; ``num_chunks`` = every
-  chunk the session published.
+  submitted (:class:`~services.proxy.publisher.Publisher`: in order, bounded in flight)
+  before the next engine call and before the agent's answer, neither of which waits for
+  the broker's ack. The acks are awaited where an end record needs them.
+- ``SessionFinished``: on ``POST /v1/sessions/{id}/finish``, once every chunk of the
+  session is acked; ``num_chunks`` = every chunk the session published. If Kafka refused
+  one, the session is rejected instead (``kafka_unavailable``) and the finish gets 503;
+  so does the session's next chat call, whichever comes first.
 - ``SessionRejected``: when a staleness rule rejects the session (span cap, version
-  change, preempt without partial rollout; soft or not), and when a call fails
-  after it already published a chunk (engine lost mid-call, Kafka failure) — then
-  the records on Kafka could not be completed. ``num_chunks`` counts the chunks
-  published, the rejected call's included. The session is final afterwards.
+  change, preempt without partial rollout; soft or not), when a call fails after it
+  already published a chunk (engine lost mid-call, Kafka failure) — then the records on
+  Kafka could not be completed — and when a chunk was lost or the session went idle.
+  Published once the session's chunks are answered; ``num_chunks`` counts the chunks on
+  Kafka (the rejected call's included, none from the first lost one). The session is
+  final afterwards. A proxy that dies with chunks or ends unacked confirms no end: the
+  rollout runner publishes ``session_lost`` for such sessions.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +43,7 @@ from services.proxy.generation import (
     generate_preemptible,
 )
 from services.proxy.metrics import ProxyMetrics
-from services.proxy.publisher import Publisher
+from services.proxy.publisher import Ack, Publisher
 from services.proxy.session_machine import ChatOutcome, Step, TurnPlan, VersionRules
 from services.proxy.sessions import Session, SessionStore
 from services.proxy.settings import ProxySettings
@@ -88,6 +96,11 @@ class ProxyService:
         rules = VersionRules(partial_rollout=settings.partial_rollout, max_preempts=settings.max_preempts)
         self.sessions = SessionStore(settings.finalized_memory, clock, tokenizer=tokenizer, rules=rules)
         self._new_rid = new_rid
+        self._acks: dict[str, dict[int, Ack]] = {}
+        """Per session id, its chunks' acks not looked at yet, by seq (the pure machine holds no futures)."""
+        kafka = settings.kafka
+        self._ack_bound_s = (kafka.linger_ms + kafka.request_timeout_ms + kafka.max_block_ms) / 1000 + 5
+        """Past this an unanswered chunk counts as lost (the producer answers each one sooner)."""
 
     # ------------------------------------------------------------------ chat
 
@@ -101,13 +114,15 @@ class ProxyService:
         sampling: Sampling,
         soft_reject: bool,
     ) -> ChatOutcome:
-        """Acquire the session, plan the turn, generate (publishing each chunk), answer.
+        """Acquire the session, plan the turn, generate (submitting each chunk), answer.
 
         Whatever stops the call is fed to the session once (``fail``/``cancel``) and its
-        step is carried out: end the session, publish the rejection, answer."""
+        step is carried out: end the session, publish the rejection, answer. The session's
+        acks are awaited first, so a rejection counts exactly the chunks on Kafka."""
         session = self.sessions.acquire(ids.session_id, ids.group_id, ids.prompt_id, ids.attempt)
         self.metrics.sessions.set(len(self.sessions))
         try:
+            self._look(session)
             plan = session.begin(messages, ids.turn_id, tools)
             engine = pick_engine(ids.session_id, self.engines)
             request = self._request(plan, await engine.window(), ids, budget, sampling)
@@ -121,7 +136,13 @@ class ProxyService:
             )
             return session.complete(gen)
         except Exception as exc:
-            return await self._carry_out(session, session.fail(exc, soft=soft_reject))
+            await self._settle(session)
+            step = session.fail(exc, soft=soft_reject)
+            await self._carry_out(session, step)
+            if step.answer is not None:
+                return step.answer
+            assert step.error is not None
+            raise step.error from None  # ``exc`` itself, or the rejection it became
         except BaseException:
             self._end(session, session.cancel())  # cancelled (shutdown): nothing to await here
             raise
@@ -146,15 +167,41 @@ class ProxyService:
         )
 
     async def _on_chunk(self, session: Session, engine: EngineHandle, outcome: ChunkOutcome) -> None:
-        """A chunk came back: publish what the session says, then tell it the chunk is on record."""
+        """A chunk came back: submit what the session says (not waiting for the ack), then
+        tell it the chunk is sent. Its engine request is released once this returns."""
         self.metrics.tokens.inc(len(outcome.output.output_ids))
         if outcome.output.finish_reason == "abort":
             self.metrics.preempts.inc()
-        await self._publish(session.chunk(outcome, engine.url))
-        _raise(session.chunk_acked())
+        for record in session.chunk(outcome, engine.url):
+            assert isinstance(record, Chunk)
+            ack = await self.publisher.submit(self.settings.topics.chunks, record)
+            self._acks.setdefault(session.session_id, {})[record.seq] = ack
+        _raise(session.chunk_sent())
 
-    async def _carry_out(self, session: Session, step: Step) -> ChatOutcome:
-        """A failed call's step: end the session (whatever Kafka says), publish, answer."""
+    def _look(self, session: Session) -> None:
+        """Feed the session every chunk Kafka refused so far; forget the answered acks."""
+        acks = self._acks.get(session.session_id)
+        if not acks:
+            return
+        for seq in sorted(acks):
+            ack = acks[seq]
+            if ack.done():
+                del acks[seq]
+                error = ack.exception()
+                if error is not None:
+                    session.chunk_lost(seq, _as_kafka_error(error))
+
+    async def _settle(self, session: Session) -> None:
+        """Wait (bounded) until every chunk the session submitted is answered, then feed the refusals."""
+        acks = self._acks.get(session.session_id)
+        if acks:
+            await asyncio.wait(list(acks.values()), timeout=self._ack_bound_s)
+        self._look(session)
+        for seq in sorted(self._acks.get(session.session_id, {})):
+            session.chunk_lost(seq, KafkaUnavailable(f"no answer from Kafka within {self._ack_bound_s:g}s"))
+
+    async def _carry_out(self, session: Session, step: Step) -> None:
+        """A step that may end the session: end it (whatever Kafka says), then publish."""
         self._end(session, step)
         try:
             await self._publish(step.publish)
@@ -162,44 +209,47 @@ class ProxyService:
             if step.required:
                 raise  # the agent must not get a soft 200 when the rejection is not on record
             _log.error("session_rejected_not_published", session_id=session.session_id, error=str(exc))
-        if step.answer is not None:
-            return step.answer
-        assert step.error is not None
-        raise step.error
 
     def _end(self, session: Session, step: Step) -> None:
         """Drop an ended session (its id is remembered) and count a rejection."""
         if step.ended is None:
             return
+        self._acks.pop(session.session_id, None)
         self.sessions.finalize(session, step.ended)
         if step.rejection is not None:
             error = step.rejection
             self.metrics.rejections.labels(error=error.code, soft=str(step.soft).lower()).inc()
             _log.warning("session_rejected", session_id=session.session_id, group_id=session.group_id,
-                         error=error.code, soft=step.soft, num_chunks=session.num_chunks)
+                         error=error.code, soft=step.soft, num_chunks=session.written)
 
     async def _publish(self, records: Sequence[Record]) -> None:
-        """Write each record and wait for its ack; ``kafka_unavailable`` is counted and raised."""
+        """Write each record and wait for its ack; ``kafka_unavailable`` is raised (the publisher counts it)."""
         for record in records:
-            try:
-                await self.publisher.send(getattr(self.settings.topics, record.topic_attr), record)
-            except KafkaUnavailable:
-                self.metrics.publish_failures.labels(record=record.type).inc()
-                raise
-            if isinstance(record, Chunk):
-                self.metrics.chunks.inc()
+            await self.publisher.send(getattr(self.settings.topics, record.topic_attr), record)
 
     # ------------------------------------------------------------------ finish
 
     async def finish(self, session_id: str, reward: float, status: str, error: str = "") -> dict[str, Any]:
-        """Publish SessionFinished, then end the session; a Kafka failure leaves it open (finish again)."""
+        """Once every chunk of the session is acked, publish SessionFinished, then end the session;
+        a Kafka failure of that record leaves it open (finish again). A chunk Kafka refused rejects
+        the session instead (best effort on record, 503 ``kafka_unavailable``). While this waits the
+        session is busy: a call or another finish gets 409."""
         session = self.sessions.get(session_id)
         if session.busy:
             raise SessionBusy(f"session {session_id} has a call in flight; finish it after", session_id=session_id)
-        step = session.finish(reward, status, error)
-        await self._publish(step.publish)
-        self._end(session, session.end_acked())
-        self.metrics.sessions.set(len(self.sessions))
+        session.busy = True
+        try:
+            await self._settle(session)
+            step = session.finish(reward, status, error)
+            if step.ended is not None:  # a chunk was lost: rejected
+                await self._carry_out(session, step)
+                assert step.error is not None
+                raise step.error
+            await self._publish(step.publish)
+            self._end(session, session.end_acked())
+        finally:
+            session.busy = False
+            self.metrics.sessions.set(len(self.sessions))
         return {"session_id": session_id, "status": status, "reward": reward,
                 "num_chunks": session.num_chunks, "published": bool(step.publish)}
 
@@ -208,17 +258,21 @@ class ProxyService:
     async def expire_idle(self) -> int:
         """Reject every session idle past ``session_idle_timeout_s``; returns how many.
 
-        The rejection is on Kafka before the session is dropped: when Kafka refuses one,
-        it and the rest stay live and are tried again at the next sweep. While it is being
-        published the session is busy, so a late call or finish gets 409 instead of racing it.
+        The rejection is published after the session's chunks are answered (so it counts
+        those on Kafka), and is on Kafka before the session is dropped: when Kafka refuses
+        one, it and the rest stay live and are tried again at the next sweep. Meanwhile the
+        session is busy, so a late call or finish gets 409 instead of racing it.
         """
         timeout = self.settings.session_idle_timeout_s
         if not timeout:
             return 0
         expired = 0
         for session in self.sessions.idle(timeout):
+            if session.busy or session.phase != "open":  # taken or ended while an earlier one was published
+                continue
             session.busy = True  # a late call or finish gets 409 while the rejection is being published
             try:
+                await self._settle(session)
                 await self._publish(session.expire(timeout).publish)
             except KafkaUnavailable as exc:
                 _log.warning("idle_session_not_expired", session_id=session.session_id, error=str(exc))
@@ -278,10 +332,14 @@ class ProxyService:
                     await engine.refresh()
                 except (EngineUnavailable, EngineError) as exc:
                     _log.warning("engine_info_unavailable_at_resume", engine=engine.url, error=str(exc))
+        closed_s = self.controller.closed_s()
         status = self.controller.resume(pause_id)
         if status == "stale":  # another pause began while the engines were read
             raise self._stale(pause_id or "")
-        _log.info("resumed", version=label, status=status, held=self.controller.held, pause_id=pause_id)
+        if status == "resumed" and closed_s is not None:
+            self.metrics.pause_closed_seconds.observe(closed_s)
+        _log.info("resumed", version=label, status=status, held=self.controller.held, pause_id=pause_id,
+                  closed_s=None if closed_s is None else round(closed_s, 4))
         return {"status": status, "version": label, "held": self.controller.held}
 
     def _stale(self, pause_id: str) -> StalePause:
@@ -319,6 +377,10 @@ class ProxyService:
                          "requests": e.requests} for e in self.engines],
             "time": time.time(),
         }
+
+
+def _as_kafka_error(error: BaseException) -> KafkaUnavailable:
+    return error if isinstance(error, KafkaUnavailable) else KafkaUnavailable(f"{type(error).__name__}: {error}")
 
 
 def _raise(error: BaseException | None) -> None:

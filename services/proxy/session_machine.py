@@ -12,19 +12,29 @@ Lifecycle::
                        │ └──fail (nothing published in this call)──▶ open
                        └──fail (a staleness rule; or anything once this call published)──▶ rejected
     open ──expire, end_acked──▶ rejected (session_idle)
+    open, a chunk lost ──begin refused, fail | finish──▶ rejected (kafka_unavailable)
+
+Chunks are submitted, not awaited: the shell feeds ``chunk_sent`` once a chunk's records
+are queued, and ``chunk_lost`` when it learns that Kafka refused one (at the session's next
+call, finish, expiry or rejection, after waiting for the acks where the end needs them).
+A session with a lost chunk can never be whole on Kafka, so it takes no more calls and
+cannot finish; every rejection counts only the chunks before the first lost one.
 
 Events and what they return:
 
 ================  ==================================================================
-``begin``         turn planned: the :class:`TurnPlan` (422 for messages the template cannot render)
+``begin``         turn planned: the :class:`TurnPlan` (422 for messages the template cannot render;
+                  503 ``kafka_unavailable`` once a chunk was lost: the shell feeds it to ``fail``)
 ``check_engine``  before each engine call: the rejection the engine's version would cause
-``chunk``         chunk received: the records to publish before going on (none untracked)
-``chunk_acked``   the chunk's records are on Kafka: recorded; the rejection it causes
+``chunk``         chunk received: the records to submit (none untracked)
+``chunk_sent``    the chunk's records are submitted (acks may come later): recorded; the rejection it causes
+``chunk_lost``    Kafka refused chunk ``seq``: recorded; the session can no longer finish
 ``complete``      the call's generation ended: the :class:`ChatOutcome` to answer
 ``fail``          reject, preempt without partial rollout, engine lost, Kafka refused: a :class:`Step`
 ``cancel``        the call was cancelled (no awaiting): a :class:`Step` with nothing to publish
-``finish``        the agent's finish: the SessionFinished to publish; the session ends at ``end_acked``
-``expire``        idle too long: the SessionRejected to publish; the session ends at ``end_acked``
+``finish``        the agent's finish, every chunk answered: the SessionFinished to publish, the session
+                  ends at ``end_acked``; with a lost chunk the ``kafka_unavailable`` rejection instead
+``expire``        idle too long, every chunk answered: the SessionRejected to publish; ends at ``end_acked``
 ================  ==================================================================
 
 Tokens are kept token-in-token-out by :class:`~services.proxy.transcript.Transcript`;
@@ -88,9 +98,9 @@ class Step:
     """What the shell does after an event, in this order: end the session when ``ended``
     says so, publish ``publish``, then answer ``answer`` or raise ``error``.
 
-    Records are data, so the shell decides how to wait for them: today it awaits each ack
-    before the next event; a shell that publishes without waiting feeds ``chunk_acked``
-    and ``end_acked`` when the acks come."""
+    Records are data, so the shell decides how to wait for them: chunks are submitted
+    without waiting (``chunk_sent``, failures fed back as ``chunk_lost``); an end record is
+    awaited (``end_acked``; a required rejection's failure replaces the answer)."""
 
     publish: tuple[Record, ...] = ()
     required: bool = True
@@ -120,7 +130,10 @@ class Session(Transcript):
     rules: VersionRules = field(default_factory=VersionRules)
     segments: list[SegmentState] = field(default_factory=list)
     num_chunks: int = 0
-    """Chunk records published for this session (the next chunk's ``seq``)."""
+    """Chunk records submitted for this session (the next chunk's ``seq``)."""
+    lost: int | None = None
+    """``seq`` of the first chunk Kafka refused: the session can never be whole; a rejection counts
+    the chunks before it."""
     phase: Phase = "open"
     busy: bool = False
     """Held by a request (a call, or publishing the idle rejection): others get 409. Set by the store."""
@@ -132,6 +145,7 @@ class Session(Transcript):
     """``num_chunks`` when the current call began: more means this call published."""
     _pending: ChunkOutcome | None = field(default=None, init=False, repr=False)
     _ending: Step | None = field(default=None, init=False, repr=False)
+    _lost_error: KafkaUnavailable | None = field(default=None, init=False, repr=False)
 
     @property
     def trainable(self) -> bool:
@@ -140,9 +154,17 @@ class Session(Transcript):
 
     # ------------------------------------------------------------------ events of a chat call
 
+    @property
+    def written(self) -> int:
+        """Chunks a rejection counts: all submitted ones, or those before the first lost one."""
+        return self.num_chunks if self.lost is None else self.lost
+
     def begin(self, messages: Messages, turn_id: str = "", tools: Tools = None) -> TurnPlan:
-        """Turn planned: the session is in a call until ``complete``, ``fail`` or ``cancel``."""
+        """Turn planned: the session is in a call until ``complete``, ``fail`` or ``cancel``.
+        Refused (``kafka_unavailable``, to be fed to ``fail``) once a chunk was lost."""
         self._require("open")
+        if self._lost_error is not None:
+            raise self._lost_error
         try:
             plan = self.plan(messages, self.tokenizer, tools)
         except ValueError as exc:  # UnrenderableMessages names the field
@@ -156,7 +178,7 @@ class Session(Transcript):
         return self._rejection([version] if version is not None else [])
 
     def chunk(self, outcome: ChunkOutcome, engine: str) -> tuple[Record, ...]:
-        """A chunk came back: the records to publish (none for an untracked session) before ``chunk_acked``."""
+        """A chunk came back: the records to submit (none for an untracked session) before ``chunk_sent``."""
         plan = self._call()
         out = outcome.output
         record = None
@@ -171,17 +193,28 @@ class Session(Transcript):
         self._pending = outcome
         return () if record is None else (record,)
 
-    def chunk_acked(self) -> RolloutRejected | None:
-        """The chunk's records are on Kafka: it joins the segment. Returns the rejection its
-        versions cause, checked against what the session held *before* it."""
+    def chunk_sent(self) -> RolloutRejected | None:
+        """The chunk's records are submitted, behind every earlier one: it joins the segment.
+        Returns the rejection its versions cause, checked against what the session held *before* it."""
         plan = self._call()
         if self._pending is None:
-            raise RuntimeError("chunk_acked without a chunk")
+            raise RuntimeError("chunk_sent without a chunk")
         outcome, self._pending = self._pending, None
         out = outcome.output
         rejection = self._rejection([out.version, *out.token_versions])
         self.record_chunk(plan, outcome.context_ids, out.output_ids, out.token_versions)
         return rejection
+
+    def chunk_lost(self, seq: int, error: KafkaUnavailable) -> None:
+        """Kafka refused chunk ``seq`` (learned whenever the shell next holds the session): the
+        session's records can never be whole, so it takes no more calls and cannot finish."""
+        if self.phase in ("finished", "rejected") or (self.lost is not None and self.lost <= seq):
+            return
+        self.lost = seq
+        self._lost_error = KafkaUnavailable(
+            f"chunk {seq} of session {self.session_id} could not be written to Kafka ({error.message}); "
+            "the session is rejected", session_id=self.session_id, seq=seq,
+        )
 
     def complete(self, gen: Generation) -> ChatOutcome:
         """The generation ended: the answer is the text of the sampled ids (a final stop id is no text)."""
@@ -199,8 +232,11 @@ class Session(Transcript):
 
     def fail(self, error: Exception, *, soft: bool = False) -> Step:
         """The call stopped on ``error``. A staleness rule rejects the session (softly when asked);
-        any other failure rejects it only once this call published (its records cannot be
-        completed), and then the agent still gets ``error``. Otherwise the session stays open."""
+        any other failure rejects it only once this call published or a chunk of the session
+        was lost (its records cannot be completed), and then the agent still gets ``error``.
+        Otherwise the session stays open."""
+        if self.phase == "open" and self._lost_error is not None:  # ``begin`` refused the call
+            return replace(self._reject(self._lost_error, soft=False, required=False), error=error)
         if self.phase != "in_call":
             return Step(error=error)
         if isinstance(error, RolloutRejected):
@@ -208,6 +244,8 @@ class Session(Transcript):
         plan, published = self._call(), self.num_chunks > self._first_seq
         if published or (isinstance(error, KafkaUnavailable) and self._pending is not None):
             self.close_segment(plan)
+        if self._lost_error is not None:
+            return replace(self._reject(self._lost_error, soft=False, required=False), error=error)
         if not published:
             self._leave_call()
             return Step(error=error)
@@ -228,9 +266,12 @@ class Session(Transcript):
     # ------------------------------------------------------------------ events that end an open session
 
     def finish(self, reward: float, status: str, error: str = "") -> Step:
-        """The agent reports its reward: publish SessionFinished (tracked sessions); the session
-        ends at ``end_acked``, and stays open if the publish fails."""
+        """The agent reports its reward, every chunk answered: publish SessionFinished (tracked
+        sessions); the session ends at ``end_acked``, and stays open if the publish fails. With
+        a lost chunk the session is rejected instead (``kafka_unavailable``, at once)."""
         self._require("open")
+        if self._lost_error is not None:
+            return self._reject(self._lost_error, soft=False, required=False)
         self._ending = Step(ended="finished")
         if not self.trainable:
             return Step()
@@ -241,7 +282,8 @@ class Session(Transcript):
         return Step(publish=(record,))
 
     def expire(self, timeout_s: float) -> Step:
-        """No call for ``timeout_s``: publish SessionRejected; the session ends at ``end_acked``."""
+        """No call for ``timeout_s``, every chunk answered: publish SessionRejected; the session ends
+        at ``end_acked``."""
         self._require("open")
         error = SessionIdle(f"session {self.session_id} had no call for {timeout_s:g}s", session_id=self.session_id,
                             idle_timeout_s=timeout_s)
@@ -291,7 +333,7 @@ class Session(Transcript):
         if not self.trainable:
             return ()
         return (SessionRejected(session_id=self.session_id, group_id=self.group_id, error=error.code,
-                                detail=_jsonable(error.detail()), num_chunks=self.num_chunks),)
+                                detail=_jsonable(error.detail()), num_chunks=self.written),)
 
     def _rejection(self, candidates: Sequence[str | None]) -> RolloutRejected | None:
         """The staleness rule the session breaks if it took tokens of ``candidates``, if any."""

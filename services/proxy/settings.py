@@ -73,6 +73,11 @@ class ProxySettings(ModelServiceSettings):
     """How long a stopping proxy (SIGTERM) lets calls in flight finish before it cancels them
     and exits. Without it, calls held by a pause whose resume never comes (the broadcaster
     stopped mid-update) would keep the proxy up until it is killed."""
+    publish_max_inflight_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """Encoded bytes of records submitted to Kafka and not yet acked that the proxy holds at most.
+    Chunks are written without making the agent wait for the ack; past this bound a new chunk
+    waits for room (back-pressure on the calls) instead of growing memory. One record larger
+    than the bound is still written, alone."""
     finalized_memory: int = Field(default=100_000, ge=1)
     """How many finished/rejected session ids are remembered (for 409) after their data is dropped."""
 

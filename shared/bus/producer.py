@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
@@ -25,8 +25,11 @@ class Producer:
                 client_id=f"{settings.client_id}-{client_suffix}",
                 acks="all",
                 enable_idempotence=True,
-                linger_ms=2,
+                linger_ms=settings.linger_ms,
                 request_timeout_ms=settings.request_timeout_ms,
+                # every record is answered (acked or failed) within one request bound after its linger
+                delivery_timeout_ms=settings.linger_ms + settings.request_timeout_ms,
+                max_block_ms=settings.max_block_ms,
                 max_request_size=min(settings.max_record_bytes, DEFAULT_MAX_BYTES),
             ),
             "producer",
@@ -43,6 +46,19 @@ class Producer:
         # keys are encoded here: kafka-python 3 deprecates plain callables as serializers
         text = key if key is not None else record.key()
         return self._producer.send(topic, value=encode(record), key=text.encode("utf-8"))
+
+    def send_encoded(self, topic: str, value: bytes, key: str, done: Callable[[BaseException | None], None]) -> None:
+        """Queue one encoded record; ``done(None)`` once acked, ``done(error)`` once it cannot be.
+
+        ``done`` is called exactly once: from kafka-python's I/O thread, or from this call when
+        the record could not even be queued (no metadata within max_block_ms, too large)."""
+        try:
+            future = self._producer.send(topic, value=value, key=key.encode("utf-8"))
+        except Exception as exc:  # a KafkaError, or an AssertionError of a closed producer
+            done(exc)
+            return
+        future.add_callback(lambda _meta: done(None))
+        future.add_errback(done)
 
     def wait(self, future: object, timeout_s: float | None = None) -> Delivered:
         """The record's position once acked; BusUnavailable after ``timeout_s`` (default: request_timeout_ms)."""

@@ -389,3 +389,19 @@ def test_pause_lease_runs_out_unless_renewed() -> None:
         assert h.controller.lease_left_s() is None and not h.controller.expired()
 
     run(body)
+
+
+def test_admission_closed_time_runs_from_the_first_pause_to_the_resume() -> None:
+    async def body() -> None:
+        h = harness()
+        assert h.controller.closed_s() is None
+        await h.controller.pause("w", 1.0, h.engine.abort, pause_id="a")
+        await asyncio.sleep(0.05)
+        first = h.controller.closed_s()
+        await h.controller.pause("w", 1.0, h.engine.abort, pause_id="b")  # a takeover keeps admission closed
+        closed = h.controller.closed_s()
+        assert first is not None and closed is not None and closed >= first >= 0.05
+        h.controller.resume("b")
+        assert h.controller.closed_s() is None
+
+    run(body)

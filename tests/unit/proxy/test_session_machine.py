@@ -37,12 +37,15 @@ class Driver:
     messages: list[tuple[str, str]] | None = None
     plan_context: tuple[int, ...] = ()
     rejection: RolloutRejected | None = None
-    """The last rejection ``check`` or ``ack`` answered: ``("fail", "it")`` feeds it back."""
+    """The last rejection ``check`` or ``sent`` answered: ``("fail", "it")`` feeds it back."""
+    refused: ReinError | None = None
+    """The last error an event raised: ``("fail", "refused")`` feeds it back."""
 
     def event(self, event: tuple[object, ...]) -> str:
         try:
             return self._event(event)
         except ReinError as exc:
+            self.refused = exc
             return f"refused {exc.code}"
 
     def _event(self, event: tuple[object, ...]) -> str:
@@ -67,9 +70,12 @@ class Driver:
             self.outputs.append(out)
             records = s.chunk(ChunkOutcome(index, self.plan_context if index == 0 else (), out), "e")
             return "publish " + (" ".join(_record(r) for r in records) or "-")
-        if name == "ack":
-            self.rejection = s.chunk_acked()
+        if name == "sent":
+            self.rejection = s.chunk_sent()
             return _rejection(self.rejection)
+        if name == "lost":  # ("lost", seq): Kafka refused that chunk
+            s.chunk_lost(int(args[0]), KAFKA)  # type: ignore[call-overload]
+            return "-"
         if name == "complete":
             assert self.outputs is not None
             ids = [t for o in self.outputs for t in o.output_ids]
@@ -77,8 +83,8 @@ class Driver:
                              chunks=[ChunkOutcome(i, (), o) for i, o in enumerate(self.outputs)])
             answer = s.complete(gen)
             return f"answer {answer.content!r} {answer.finish_reason}"
-        if name == "fail":  # ("fail", error | "it", soft)
-            error = self.rejection if args[0] == "it" else args[0]
+        if name == "fail":  # ("fail", error | "it" | "refused", soft)
+            error = {"it": self.rejection, "refused": self.refused}.get(args[0], args[0])  # type: ignore[call-overload]
             assert isinstance(error, Exception)
             return _step(s.fail(error, soft=bool(args[1:] and args[1])))
         if name == "cancel":
@@ -119,27 +125,28 @@ def _step(step: Step) -> str:
 
 
 KAFKA = KafkaUnavailable("broker down")
+LOST_N = "kafka_unavailable"
 LOST = EngineUnavailable("engine gone")
 SPAN = "partial_rollout_staleness_exceeded"
 FIRST_TURN: list[tuple[tuple[object, ...], str]] = [
     (("begin", "first"), "plan s0 new"), (("check", "v1"), "ok"), (("chunk", "v1", "stop"), "publish chunk#0/s0/c0"),
-    (("ack",), "ok"), (("complete",), "answer '5' stop"),
+    (("sent",), "ok"), (("complete",), "answer '5' stop"),
 ]
 
 TABLE: dict[str, tuple[VersionRules, str, list[tuple[tuple[object, ...], str]]]] = {
     "one turn, then an extension": (VersionRules(), "g", [
         *FIRST_TURN,
-        (("begin", "extend"), "plan s0 extend"), (("chunk", "v1", "stop"), "publish chunk#1/s0/c0"), (("ack",), "ok"),
+        (("begin", "extend"), "plan s0 extend"), (("chunk", "v1", "stop"), "publish chunk#1/s0/c0"), (("sent",), "ok"),
     ]),
     "an untracked session publishes nothing, ever": (VersionRules(), "", [
         *[(e, "publish -" if e[0] == "chunk" else r) for e, r in FIRST_TURN],
-        (("begin", "extend"), "plan s0 extend"), (("chunk", "v1", "abort"), "publish -"), (("ack",), "ok"),
+        (("begin", "extend"), "plan s0 extend"), (("chunk", "v1", "abort"), "publish -"), (("sent",), "ok"),
         (("fail", LOST), "end rejected (engine_unavailable), raise engine_unavailable"),
         (("finish",), "refused session_finalized"),
     ]),
     "a preempted chunk continues on the new version within the cap": (VersionRules(max_preempts=1), "g", [
-        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("ack",), "ok"),
-        (("check", "v2"), "ok"), (("chunk", "v2", "stop"), "publish chunk#1/s0/c1"), (("ack",), "ok"),
+        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("sent",), "ok"),
+        (("check", "v2"), "ok"), (("chunk", "v2", "stop"), "publish chunk#1/s0/c1"), (("sent",), "ok"),
         (("complete",), "answer '5 5' stop"),
     ]),
     "the span pre-check rejects before spending compute": (VersionRules(max_preempts=0), "g", [
@@ -148,8 +155,8 @@ TABLE: dict[str, tuple[VersionRules, str, list[tuple[tuple[object, ...], str]]]]
         (("finish",), "refused session_finalized"), (("begin", "extend"), "refused session_finalized"),
     ]),
     "the post-check rejects after the chunk is on record": (VersionRules(max_preempts=0), "g", [
-        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("ack",), "ok"),
-        (("chunk", "v2", "stop"), "publish chunk#1/s0/c1"), (("ack",), f"reject {SPAN}"),
+        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("sent",), "ok"),
+        (("chunk", "v2", "stop"), "publish chunk#1/s0/c1"), (("sent",), f"reject {SPAN}"),
         (("fail", "it"), f"end rejected ({SPAN}), publish rejected({SPAN},n=2), raise {SPAN}"),
     ]),
     "a soft rejection answers 200 and still ends the session": (VersionRules(max_preempts=0), "g", [
@@ -162,7 +169,7 @@ TABLE: dict[str, tuple[VersionRules, str, list[tuple[tuple[object, ...], str]]]]
         (("check", "v2"), "reject trajectory_version_changed"),
     ]),
     "without partial rollout a preempt rejects the session": (VersionRules(partial_rollout=False), "g", [
-        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("ack",), "ok"),
+        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("sent",), "ok"),
         (("fail", GenerationPreempted("preempted")),
          "end rejected (generation_preempted), publish rejected(generation_preempted,n=1), raise generation_preempted"),
     ]),
@@ -171,22 +178,22 @@ TABLE: dict[str, tuple[VersionRules, str, list[tuple[tuple[object, ...], str]]]]
         (("begin", "extend"), "plan s0 extend"),
     ]),
     "an engine lost after a chunk rejects the session, best effort": (VersionRules(), "g", [
-        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("ack",), "ok"),
+        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("sent",), "ok"),
         (("fail", LOST),
          "end rejected (engine_unavailable), publish rejected(engine_unavailable,n=1)?, raise engine_unavailable"),
     ]),
     "a plain bug after a chunk is rejected as internal_error and re-raised as is": (VersionRules(), "g", [
-        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("ack",), "ok"),
+        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("sent",), "ok"),
         (("fail", KeyError("x")),
          "end rejected (internal_error), publish rejected(internal_error,n=1)?, raise KeyError"),
     ]),
-    "Kafka refusing an extension's first chunk closes the segment": (VersionRules(), "g", [
+    "Kafka refusing to take an extension's first chunk closes the segment": (VersionRules(), "g", [
         *FIRST_TURN, (("begin", "extend"), "plan s0 extend"), (("chunk", "v1", "stop"), "publish chunk#1/s0/c0"),
         (("fail", KAFKA), "raise kafka_unavailable"), (("begin", "extend"), "plan s1 new"),
         (("chunk", "v1", "stop"), "publish chunk#1/s1/c0"),
     ]),
-    "Kafka refusing a later chunk rejects with the chunks that made it": (VersionRules(), "g", [
-        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("ack",), "ok"),
+    "Kafka refusing to take a later chunk rejects with the chunks that made it": (VersionRules(), "g", [
+        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("sent",), "ok"),
         (("chunk", "v1", "stop"), "publish chunk#1/s0/c1"),
         (("fail", KAFKA),
          "end rejected (kafka_unavailable), publish rejected(kafka_unavailable,n=1)?, raise kafka_unavailable"),
@@ -196,7 +203,7 @@ TABLE: dict[str, tuple[VersionRules, str, list[tuple[tuple[object, ...], str]]]]
     ]),
     "a cancelled call ends the session only once it published": (VersionRules(), "g", [
         (("begin", "first"), "plan s0 new"), (("cancel",), "-"), (("begin", "first"), "plan s0 new"),
-        (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("ack",), "ok"),
+        (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("sent",), "ok"),
         (("cancel",), "end rejected (cancelled)"),
         (("finish",), "refused session_finalized"),
     ]),
@@ -215,6 +222,36 @@ TABLE: dict[str, tuple[VersionRules, str, list[tuple[tuple[object, ...], str]]]]
         *FIRST_TURN, (("expire",), "publish rejected(session_idle,n=1)"), (("end",), "end rejected (session_idle)"),
         (("finish",), "refused session_finalized"),
     ]),
+    "a lost chunk refuses the next call and rejects with the chunks before it": (VersionRules(), "g", [
+        *FIRST_TURN, (("begin", "extend"), "plan s0 extend"), (("chunk", "v1", "stop"), "publish chunk#1/s0/c0"),
+        (("sent",), "ok"), (("complete",), "answer '5' stop"), (("lost", 1), "-"),
+        (("begin", "extend"), f"refused {LOST_N}"),
+        (("fail", "refused"), f"end rejected ({LOST_N}), publish rejected({LOST_N},n=1)?, raise {LOST_N}"),
+        (("finish",), "refused session_finalized"),
+    ]),
+    "finish after a lost chunk rejects instead of finishing": (VersionRules(), "g", [
+        *FIRST_TURN, (("lost", 0), "-"),
+        (("finish",), f"end rejected ({LOST_N}), publish rejected({LOST_N},n=0)?, raise {LOST_N}"),
+        (("begin", "extend"), "refused session_finalized"),
+    ]),
+    "chunks lost during a call count from the first one lost": (VersionRules(), "g", [
+        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("sent",), "ok"),
+        (("chunk", "v1", "abort"), "publish chunk#1/s0/c1"), (("sent",), "ok"), (("lost", 1), "-"), (("lost", 0), "-"),
+        (("lost", 1), "-"),
+        (("fail", LOST), f"end rejected ({LOST_N}), publish rejected({LOST_N},n=0)?, raise engine_unavailable"),
+    ]),
+    "a staleness rejection after a lost chunk stays required and counts what is on Kafka":
+        (VersionRules(max_preempts=0), "g", [
+        (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("sent",), "ok"),
+        (("lost", 0), "-"), (("chunk", "v2", "stop"), "publish chunk#1/s0/c1"), (("sent",), f"reject {SPAN}"),
+        (("fail", "it"), f"end rejected ({SPAN}), publish rejected({SPAN},n=0), raise {SPAN}"),
+    ]),
+    "an idle session with a lost chunk is rejected with the chunks on Kafka": (VersionRules(), "g", [
+        *FIRST_TURN, (("begin", "extend"), "plan s0 extend"), (("chunk", "v1", "stop"), "publish chunk#1/s0/c0"),
+        (("sent",), "ok"), (("complete",), "answer '5' stop"), (("lost", 1), "-"),
+        (("expire",), "publish rejected(session_idle,n=1)"), (("end",), "end rejected (session_idle)"),
+        (("lost", 0), "-"),
+    ]),
     "an untracked session finishes without a record": (VersionRules(), "", [
         *[(e, "publish -" if e[0] == "chunk" else r) for e, r in FIRST_TURN],
         (("finish",), "-"), (("end",), "end finished"),
@@ -228,7 +265,7 @@ def test_session_machine(rules: VersionRules, group: str, script: list[tuple[tup
     assert [driver.event(event) for event, _ in script] == [expected for _, expected in script]
 
 
-@pytest.mark.parametrize("event", [("chunk", "v1", "stop"), ("ack",), ("complete",), ("end",)])
+@pytest.mark.parametrize("event", [("chunk", "v1", "stop"), ("sent",), ("complete",), ("end",)])
 def test_events_out_of_order_are_bugs_not_answers(event: tuple[object, ...]) -> None:
     driver = Driver(Session("s", "g"), outputs=[])
     with pytest.raises(RuntimeError):
