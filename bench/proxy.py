@@ -5,10 +5,10 @@
    ``python -m bench.proxy`` with ``BENCH_PASSTHROUGH_ENGINE`` set: FastAPI + uvicorn + one
    ``httpx.AsyncClient``, the proxy's HTTP stack, forwarding the same ``/generate`` body and
    answer untouched) and through the proxy's ``/v1/chat/completions`` (a training session:
-   the chunk is written to Kafka and acked before the answer), in alternating order so drift
-   hits all. Reports p50 / p99 of each, the ratio proxy / direct, and the overhead ratio
-   (proxy - direct) / (pass-through - direct): how much more the proxy adds than the hop
-   itself. ``--max-tokens 1`` measures one token per call (the demo's replies).
+   the chunk is submitted to Kafka before the answer; its ack is awaited only by ``finish``,
+   which this part does not call), in alternating order so drift hits all. Reports p50 / p99
+   of each, the ratio proxy / direct, and the overhead ratio (proxy - direct) /
+   (pass-through - direct): how much more the proxy adds than the hop itself. ``--max-tokens 1`` measures one token per call (the demo's replies).
 2. Stall: with ``--inflight`` generations running through the proxy, the broadcaster's
    sequence pause -> engine ``/update_weights_from_disk`` -> resume, timed per step.
 

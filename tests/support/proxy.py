@@ -4,7 +4,7 @@
   slowed with ``step_delay_s`` so a generation is still running when a test pauses.
 - ``proxy_factory``: builds a real proxy app per test and serves it with uvicorn in a
   background thread, on fresh Kafka topics (``REIN_TOPICS__CHUNKS`` / ``__EVENTS``
-  equivalents) of the session's real broker.
+  equivalents) of the session's real broker, or on the topics and Kafka settings a test gives.
 - helpers to read the records back from Kafka.
 """
 
@@ -119,12 +119,15 @@ def proxy_factory(kafka_bootstrap: str, unique_topic: Callable[..., str]) -> Ite
     servers: list[ServerThread] = []
     proxies: list[Proxy] = []
 
-    def make(engine_urls: list[str], **overrides: Any) -> Proxy:
-        topics = Topics(chunks=unique_topic(), events=unique_topic())
+    def make(
+        engine_urls: list[str], *, kafka: dict[str, Any] | None = None, topics: Topics | None = None, **overrides: Any
+    ) -> Proxy:
+        """A proxy on fresh topics (or ``topics``); ``kafka`` overrides fields of its KafkaSettings."""
+        topics = topics or Topics(chunks=unique_topic(), events=unique_topic())
         settings = ProxySettings(
             admin_token=ADMIN,
             engine_urls=engine_urls,
-            kafka=KafkaSettings(bootstrap_servers=kafka_bootstrap),
+            kafka=KafkaSettings(bootstrap_servers=kafka_bootstrap, **(kafka or {})),
             topics=topics,
             log_json=False,
             **overrides,
@@ -164,7 +167,7 @@ def read_records(bootstrap: str, topic: str, n: int, timeout_s: float = 30) -> l
 
 
 def count_records(bootstrap: str, topic: str) -> int:
-    """Records currently on ``topic`` (end offsets; records are acked before the proxy answers).
+    """Records currently on ``topic`` (end offsets: what the broker has acked so far).
 
     A topic the broker does not know fails the test: a wrong name must not read as "nothing published"."""
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
