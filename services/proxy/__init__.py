@@ -6,8 +6,9 @@ Consumes: agents' ``POST /v1/chat/completions`` (headers ``X-Session-Id`` requir
 broadcaster's ``/v1/rollout/pause|resume`` (bearer ``REIN_ADMIN_TOKEN``).
 
 Produces: ``rollout.chunks`` (one :class:`shared.schemas.Chunk` per engine call,
-key = group id, acked before the agent gets its answer) and ``rollout.events``
-(``SessionFinished``, ``SessionRejected``). A session without ``X-Group-Id`` is
+key = group id, submitted before the agent gets its answer and acked before the
+session's end is published) and ``rollout.events`` (``SessionFinished``,
+``SessionRejected``). A session without ``X-Group-Id`` is
 served but never published (not for training). Calls the engines' ``/generate``,
 ``/abort_request``, ``/get_model_info`` and ``/get_server_info``.
 
