@@ -42,14 +42,15 @@ def test_submits_keep_order_wait_for_room_and_a_record_over_the_bound_goes_alone
             ack_big = await publisher.submit(topic, big)  # nothing in flight: it goes, alone, at once
             assert not ack_big.done()
             assert (publisher.inflight_records, publisher.inflight_bytes) == (1, len(encode(big)))
-            assert metrics.inflight_bytes._value.get() == len(encode(big))
+            assert metrics.registry.get_sample_value("rein_proxy_publish_inflight_bytes") == len(encode(big))
             ack_a = await publisher.submit(topic, a)  # waited for room: the big record is answered
             assert ack_big.done() and not ack_a.done()
             ack_b = await publisher.submit(topic, b)  # a and b together pass the bound
             assert ack_a.done() and not ack_b.done()
             await ack_b
             assert (publisher.inflight_records, publisher.inflight_bytes) == (0, 0)
-            assert metrics.chunks._value.get() == 3
+            assert metrics.registry.get_sample_value("rein_proxy_chunks_published_total") == 3
+            assert metrics.registry.get_sample_value("rein_proxy_publish_inflight_bytes") == 0
         finally:
             await publisher.close()
 
