@@ -8,7 +8,8 @@
    the chunk is submitted to Kafka before the answer; its ack is awaited only by ``finish``,
    which this part does not call), in alternating order so drift hits all. Reports p50 / p99
    of each, the ratio proxy / direct, and the overhead ratio (proxy - direct) /
-   (pass-through - direct): how much more the proxy adds than the hop itself. ``--max-tokens 1`` measures one token per call (the demo's replies).
+   (pass-through - direct): how much more the proxy adds than the hop itself.
+   ``--max-tokens 1`` measures one token per call (the demo's replies).
 2. Stall: with ``--inflight`` generations running through the proxy, the broadcaster's
    sequence pause -> engine ``/update_weights_from_disk`` -> resume, timed per step.
 
