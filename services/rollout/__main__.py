@@ -6,6 +6,8 @@ import asyncio
 import signal
 import sys
 
+import uvloop
+
 from services.rollout.runner import Runner
 from services.rollout.settings import RolloutSettings
 from shared import log
@@ -23,7 +25,7 @@ def main() -> None:
     settings = load(RolloutSettings)
     logger = log.configure("rollout", settings.log_level, settings.log_json)
     try:
-        asyncio.run(_main(Runner(settings)))
+        uvloop.run(_main(Runner(settings)))  # libuv: cheaper per HTTP call than asyncio's default loop
     except Exception as exc:  # the one place a fatal error becomes a clear message and exit code 1
         logger.error("rollout_failed", error=f"{type(exc).__name__}: {exc}")
         sys.exit(1)
