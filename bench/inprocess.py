@@ -56,8 +56,8 @@ from shared.policy import PolicyConfig
 from shared.schemas import Chunk, CompletedGroup, GroupDispatched, SessionFinished
 from shared.tokenizer import TOKENIZER
 
-DEFAULT_AT = (10.0, 30.0, 60.0, 120.0, 500.0)
-"""Wall times (s) at which the reward curve is read by default (500 s: about the demo's 80 steps)."""
+DEFAULT_AT = (10.0, 30.0, 60.0, 120.0, 480.0)
+"""Wall times (s) at which the reward curve is read by default (480 s: the demo's training budget)."""
 
 
 @dataclass

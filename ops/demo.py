@@ -46,11 +46,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--model", default="tiny", help="tiny (default), smollm2, or a path to a Hugging Face directory or a .gguf file"
     )
-    p.add_argument("--steps", type=int, help="trainer steps to run (tiny: 80, about 10 minutes; HF: 500)")
+    p.add_argument("--steps", type=int, help="trainer steps to run at most (tiny: 2000, HF: 500)")
     p.add_argument(
         "--minutes",
         type=float,
-        help="stop training after this many minutes once the stack is up (tiny: 0 = steps only; HF: 20)",
+        help="stop training after this many minutes once the stack is up (tiny: 8, HF: 20; 0 = steps only)",
     )
     p.add_argument("--keep-versions", type=int, default=2)
     p.add_argument("--max-preempts", type=int, default=2)
@@ -69,7 +69,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--timeout-min",
         type=float,
-        help="give up (an error) after this many minutes (default 30, or the budget + 15 for HF)",
+        help="give up (an error) after this many minutes (default: the budget + 15, at least 30)",
     )
     args = p.parse_args(argv)
     preset = PRESETS["tiny" if args.model == "tiny" else "hf"]

@@ -14,7 +14,7 @@ from ops.local.stack import StackConfig
 
 def test_tiny_demo_keeps_its_defaults() -> None:
     args = parse_args([])
-    assert (args.model, args.steps, args.minutes, args.group_size, args.batch_groups) == ("tiny", 80, 0, 8, 8)
+    assert (args.model, args.steps, args.minutes, args.group_size, args.batch_groups) == ("tiny", 2000, 8, 8, 8)
     assert (args.task, args.max_tokens, args.lr, args.keep_checkpoints, args.timeout_min) == (
         "guess_number",
         None,
