@@ -9,6 +9,9 @@ and goes on, and only ``finish`` (and a rejection) waits for the session's acks.
   ``send`` (which may block on metadata, bounded by ``max_block_ms``, never on the event
   loop) in submission order, and the idempotent producer keeps that order per partition.
   Records of one session share a key, hence a partition of each topic.
+- **Cheap hops.** A submit is one ``SimpleQueue.put`` (no executor future per record), and
+  acks come back in batches: the I/O thread queues each answer and wakes the loop only
+  when its answer queue was empty, so a burst of acks costs one loop wake-up, not one each.
 - **Bounded memory.** Bytes submitted and not yet answered are capped at
   ``max_inflight_bytes``: a submit waits (in arrival order) while the cap would be passed.
   A record larger than the cap still goes, alone. Gauges report bytes and records in flight.
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from collections.abc import Callable
 
 from kafka.errors import KafkaError
 
@@ -36,6 +41,10 @@ _log = log.get(__name__)
 
 Ack = asyncio.Future[None]
 """Resolved once the record is on Kafka; fails with :class:`KafkaUnavailable` when it cannot be."""
+_Send = tuple[Producer, str, bytes, str, Callable[[BaseException | None], None]]
+"""What the sender thread hands to kafka-python: producer, topic, value, key, answer callback."""
+_Answer = tuple[Ack, str, Record, int, BaseException | None]
+"""One answer for the loop: the ack, topic, record, its encoded size, the error (None: acked)."""
 
 
 class Publisher:
@@ -50,7 +59,14 @@ class Publisher:
         self._room_lock = asyncio.Lock()
         """Held by the one submit waiting for room: the others queue behind it, in arrival order."""
         self._freed = asyncio.Event()
-        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxy-publish")
+        self._outbox: queue.SimpleQueue[_Send | None] = queue.SimpleQueue()
+        """Records for the sender thread, in submission order; None tells it to stop."""
+        self._sender = threading.Thread(target=self._send_all, args=(self._outbox,), name="proxy-publish",
+                                        daemon=True)
+        self._sending = False
+        self._answers: list[_Answer] = []
+        """Acks and failures from kafka-python's threads, waiting for the loop to take them."""
+        self._answers_lock = threading.Lock()
         self.inflight_bytes = 0
         self.inflight_records = 0
 
@@ -83,25 +99,51 @@ class Publisher:
         ack.add_done_callback(_retrieved)  # an ack nobody looks at any more (its session ended) is not an error
 
         def done(error: BaseException | None) -> None:  # on the sender or kafka-python's I/O thread
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                loop.call_soon_threadsafe(self._answered, ack, topic, record, size, error)
+            with self._answers_lock:
+                self._answers.append((ack, topic, record, size, error))
+                first = len(self._answers) == 1
+            if first:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                    loop.call_soon_threadsafe(self._take_answers)
 
-        self._sender.submit(producer.send_encoded, topic, value, record.key(), done)
+        if not self._sending:
+            self._sending = True
+            self._sender.start()
+        self._outbox.put((producer, topic, value, record.key(), done))
         return ack
 
     async def send(self, topic: str, record: Record) -> None:
         """Submit ``record`` and wait for its ack; 503 ``kafka_unavailable`` on any broker failure."""
         await (await self.submit(topic, record))
 
-    def _answered(self, ack: Ack, topic: str, record: Record, size: int, error: BaseException | None) -> None:
-        self._count(-size, -1)
-        self._freed.set()
-        if error is None:
-            if isinstance(record, Chunk):
-                self._metrics.chunks.inc()
-            if not ack.done():
-                ack.set_result(None)
+    @staticmethod
+    def _send_all(outbox: queue.SimpleQueue[_Send | None]) -> None:
+        """The sender thread: hand each record to kafka-python in order until told to stop."""
+        while (item := outbox.get()) is not None:
+            producer, topic, value, key, done = item
+            producer.send_encoded(topic, value, key, done)
+
+    def _take_answers(self) -> None:
+        with self._answers_lock:
+            answers, self._answers = self._answers, []
+        if not answers:
             return
+        chunks = 0
+        for ack, topic, record, size, error in answers:
+            self.inflight_bytes -= size
+            self.inflight_records -= 1
+            if error is None:
+                chunks += isinstance(record, Chunk)
+                if not ack.done():
+                    ack.set_result(None)
+            else:
+                self._failed(ack, topic, record, error)
+        if chunks:
+            self._metrics.chunks.inc(chunks)
+        self._count(0, 0)
+        self._freed.set()
+
+    def _failed(self, ack: Ack, topic: str, record: Record, error: BaseException) -> None:
         self._metrics.publish_failures.labels(record=record.type).inc()
         if not ack.done():
             ack.set_exception(KafkaUnavailable(
@@ -129,7 +171,9 @@ class Publisher:
 
     async def close(self) -> None:
         """Let the sender hand over what was submitted, then flush and close (bounded by the producer)."""
-        await asyncio.to_thread(self._sender.shutdown, wait=True)
+        if self._sending:
+            self._outbox.put(None)
+            await asyncio.to_thread(self._sender.join)
         if self._producer is not None:
             producer, self._producer = self._producer, None
             await asyncio.to_thread(producer.close)
