@@ -21,7 +21,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -307,6 +307,8 @@ class RequestCounter:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self._counters: dict[tuple[str, int], Counter] = {}
+        self._owner: ProxyMetrics | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -317,7 +319,13 @@ class RequestCounter:
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start" and proxy_metrics is not None:
-                proxy_metrics.requests.labels(route=route, status=str(message["status"])).inc()
+                if self._owner is not proxy_metrics:  # a new lifespan, a new registry
+                    self._owner, self._counters = proxy_metrics, {}
+                key = (route, message["status"])
+                counter = self._counters.get(key)
+                if counter is None:  # prometheus' labels() hashes and locks on every call; once per pair here
+                    counter = self._counters[key] = proxy_metrics.requests.labels(route=route, status=str(key[1]))
+                counter.inc()
             await send(message)
 
         await self.app(scope, receive, counting_send)
