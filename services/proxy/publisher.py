@@ -82,18 +82,21 @@ class Publisher:
 
         Returns once it is queued (after waiting for room under the in-flight cap); raises
         ``kafka_unavailable`` at once when no producer can be built."""
-        try:
-            producer = await self._connected()
-        except KafkaUnavailable:
-            self._metrics.publish_failures.labels(record=record.type).inc()
-            raise
+        producer = self._producer
+        if producer is None:
+            try:
+                producer = await self._connected()
+            except KafkaUnavailable:
+                self._metrics.publish_failures.labels(record=record.type).inc()
+                raise
         value = encode(record)
         size = len(value)
-        async with self._room_lock:
-            while self.inflight_records and self.inflight_bytes + size > self._max_bytes:
-                self._freed.clear()
-                await self._freed.wait()
-            self._count(size, 1)
+        if self._room_lock.locked() or not self._room_for(size):  # else nobody waits and it fits: no lock needed
+            async with self._room_lock:
+                while not self._room_for(size):
+                    self._freed.clear()
+                    await self._freed.wait()
+        self._count(size, 1)
         loop = asyncio.get_running_loop()
         ack: Ack = loop.create_future()
         ack.add_done_callback(_retrieved)  # an ack nobody looks at any more (its session ended) is not an error
@@ -150,6 +153,9 @@ class Publisher:
                 f"could not write a {record.type} record to Kafka topic {topic!r}: {type(error).__name__}: {error}",
                 topic=topic,
             ))
+
+    def _room_for(self, size: int) -> bool:
+        return not self.inflight_records or self.inflight_bytes + size <= self._max_bytes
 
     def _count(self, size: int, records: int) -> None:
         self.inflight_bytes += size
