@@ -17,7 +17,7 @@ per-token versions, TITO message history), the pause flag and the set of engine
 requests in flight, and each engine's last known weight version.
 
 Modules: ``settings`` (ProxySettings), ``sessions`` (pure store, TITO),
-``generation`` (pause controller + preemptible loop), ``engine_client`` (httpx),
+``generation`` (pause controller + preemptible loop), ``engine_client`` (httpcore),
 ``publisher`` (Kafka), ``service`` (what each endpoint does), ``openai_api``
 (request/response shapes), ``app`` (routes, middleware, error mapping).
 """

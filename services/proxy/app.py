@@ -1,6 +1,6 @@
 """HTTP shell of the proxy: ``create_app(settings) -> FastAPI``.
 
-Reads like a table of contents: the lifespan builds the httpx client, the engine
+Reads like a table of contents: the lifespan builds the engine connection pools, the engine
 handles, the Kafka publisher, the pause controller and the :class:`ProxyService`
 (no module globals; each app instance owns its own). Routes parse HTTP and call
 the service. Errors are mapped to HTTP in one place (:func:`_install_error_handlers`):
@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+import httpcore
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -68,13 +69,15 @@ def create_app(settings: ProxySettings) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, Any]]:
         registry = CollectorRegistry(auto_describe=True)
         proxy_metrics = ProxyMetrics(registry)
-        timeout = httpx.Timeout(settings.engine_timeout_s, connect=settings.engine_connect_timeout_s)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(settings.engine_urls),
-                              keepalive_expiry=5.0)
-        tls = httpx.create_ssl_context()  # one for every client: each would load the CA bundle (~50 ms)
-        clients = Lender(lambda: httpx.AsyncClient(timeout=timeout, limits=limits, verify=tls))
+        timeouts = {"connect": settings.engine_connect_timeout_s, "read": settings.engine_timeout_s,
+                    "write": settings.engine_timeout_s, "pool": settings.engine_timeout_s}
+        tls = httpx.create_ssl_context()  # one for every pool: each would load the CA bundle (~50 ms)
+        clients = Lender(lambda: httpcore.AsyncConnectionPool(
+            ssl_context=tls, max_connections=None, max_keepalive_connections=len(settings.engine_urls),
+            keepalive_expiry=5.0,
+        ))
         try:
-            engines = [EngineHandle(url, clients, settings.context_window, settings.engine_connect_timeout_s)
+            engines = [EngineHandle(url, clients, settings.context_window, settings.engine_connect_timeout_s, timeouts)
                        for url in settings.engine_urls]
             for engine in engines:
                 try:

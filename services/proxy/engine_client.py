@@ -1,7 +1,10 @@
 """HTTP client of the engines (the SGLang native subset in DESIGN).
 
 One :class:`EngineHandle` per engine URL; the handles share a :class:`~shared.lender.Lender` of
-``httpx.AsyncClient``s, one lent to each call in flight (the module says why). A
+``httpcore.AsyncConnectionPool``s, one lent to each call in flight (the module says why). httpcore
+directly, not httpx over it: for these plain JSON calls httpx's layers (request and response
+models, auth, redirects, cookies, byte-stream wrappers) cost the proxy more CPU than the HTTP
+exchange itself. A
 handle remembers *its* engine's last known weight version (from ``GET /get_model_info``,
 every ``/generate`` answer, ``resume {version}``, and ``/get_model_info`` again on a
 resume without a version) — the candidate of the span
@@ -15,17 +18,22 @@ body becomes 502 ``engine_error``.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-import httpx
+import httpcore
 
 from shared.errors import EngineError, EngineUnavailable
 from shared.lender import Lender
 from shared.versions import real_version
 
 FinishReason = Literal["stop", "length", "abort"]
+_TRANSPORT_ERRORS = (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError,
+                     httpcore.UnsupportedProtocol, httpcore.ProxyError, httpcore.ConnectionNotAvailable)
+"""What httpx calls a ``TransportError``: the engine could not be reached or spoke no HTTP."""
+_JSON_HEADERS = [(b"Accept", b"*/*"), (b"Content-Type", b"application/json")]
 _FINISH: dict[str, FinishReason] = {
     "stop": "stop",
     "length": "length",
@@ -67,15 +75,18 @@ class EngineHandle:
     def __init__(
         self,
         url: str,
-        clients: Lender[httpx.AsyncClient],
+        clients: Lender[httpcore.AsyncConnectionPool],
         context_window: int | None = None,
         info_timeout_s: float = 5.0,
+        timeouts: dict[str, float] | None = None,
     ) -> None:
         self.url = url
         self._info_timeout_s = info_timeout_s
         self._clients = clients
-        self._urls: dict[str, httpx.URL] = {}
-        """Parsed once per path: httpx parses a URL string (regular expressions) on every request."""
+        self._timeouts = {"timeout": timeouts or {}}
+        """httpcore's connect/read/write/pool timeouts of every call without its own bound (none: unbounded)."""
+        self._urls: dict[str, httpcore.URL] = {}
+        """Parsed once per path."""
         self.version: str | None = None
         self.context_window: int | None = context_window
         """Tokens of prompt + output a generation may reach: the settings', else the engine's."""
@@ -139,30 +150,35 @@ class EngineHandle:
         return bool(data.get("success", True)) if isinstance(data, dict) else True
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float | None) -> Any:
-        kwargs: dict[str, Any] = {"json": body} if body is not None else {}
-        if timeout is not None:
-            kwargs["timeout"] = httpx.Timeout(timeout)
+        content = None if body is None else json.dumps(  # as httpx encodes ``json=``
+            body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        extensions = self._timeouts if timeout is None else {"timeout": dict.fromkeys(_PHASES, timeout)}
         try:
             url = self._urls.get(path)
             if url is None:
-                url = self._urls[path] = httpx.URL(self.url + path)
+                url = self._urls[path] = httpcore.URL(self.url + path)
             with self._clients.use() as client:
-                resp = await client.request(method, url, **kwargs)
-        except httpx.TransportError as exc:
+                headers = _JSON_HEADERS if content is not None else _JSON_HEADERS[:1]
+                resp = await client.request(method, url, headers=headers, content=content, extensions=extensions)
+        except _TRANSPORT_ERRORS as exc:
             raise EngineUnavailable(
                 f"engine {self.url} unreachable on {path}: {type(exc).__name__}: {exc}", engine=self.url
             ) from exc
-        if resp.status_code >= 400:
+        if resp.status >= 400:
+            text = resp.content.decode("utf-8", "replace")
             raise EngineError(
-                f"engine {self.url} answered {resp.status_code} on {path}: {resp.text[:500]}",
-                engine=self.url, engine_status=resp.status_code,
+                f"engine {self.url} answered {resp.status} on {path}: {text[:500]}",
+                engine=self.url, engine_status=resp.status,
             )
         if not resp.content:
             return {}
         try:
-            return resp.json()
+            return json.loads(resp.content)
         except ValueError as exc:
             raise EngineError(f"engine {self.url} sent a non-JSON body on {path}", engine=self.url) from exc
+
+
+_PHASES = ("connect", "read", "write", "pool")
 
 
 def parse_generate(rid: str, data: Any, engine: str) -> EngineOutput:

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
-import httpx
+import httpcore
 import pytest
 
 from services.proxy.engine_client import EngineHandle, context_window_of
@@ -17,18 +18,26 @@ SGLANG_MODEL_INFO = {"model_path": "/m", "tokenizer_path": "/m", "is_generation"
                      "preferred_sampling_params": None, "weight_version": "default"}
 
 
+class InMemoryEngine(httpcore.AsyncConnectionPool):
+    """A connection pool that answers ``routes`` (path -> JSON body; absent: 404) without a socket."""
+
+    def __init__(self, routes: dict[str, Any]) -> None:
+        super().__init__()
+        self.routes = routes
+        self.seen: list[str] = []
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        path = request.url.target.decode()
+        self.seen.append(path)
+        if path not in self.routes:
+            return httpcore.Response(404, content=json.dumps({"detail": "Not Found"}).encode())
+        return httpcore.Response(200, content=json.dumps(self.routes[path]).encode())
+
+
 def handle(routes: dict[str, Any], window: int | None = None) -> tuple[EngineHandle, list[str]]:
-    """A handle on an in-memory engine answering ``routes`` (path -> JSON body; absent: 404)."""
-    seen: list[str] = []
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        seen.append(request.url.path)
-        if request.url.path not in routes:
-            return httpx.Response(404, json={"detail": "Not Found"})
-        return httpx.Response(200, json=routes[request.url.path])
-
-    client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
-    return EngineHandle("http://e", Lender(lambda: client), window), seen
+    """A handle on an in-memory engine answering ``routes``."""
+    engine = InMemoryEngine(routes)
+    return EngineHandle("http://e", Lender(lambda: engine), window), engine.seen
 
 
 @pytest.mark.parametrize(
