@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -209,6 +210,8 @@ def main() -> int:
         help="sync vs async throughput, or async with staleness controls vs none under high asynchrony",
     )
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (controls comparison)")
+    p.add_argument("--demo-flag", action="append", default=[],
+                   help="a flag of make demo for --compare demo, e.g. --demo-flag=--concurrent-groups=8")
     args = p.parse_args()
     if args.compare in ("controls", "learning"):
         return compare_controls(args)
@@ -326,9 +329,10 @@ def stall_summary(stalls: list[dict[str, Any]]) -> dict[str, Any]:
             "max_ms": round(max(ms), 1), "pause_p50_ms": round(statistics.median(s["pause_ms"] for s in stalls), 1)}
 
 
-def demo_config(steps: int, seed: int, run_dir: Path) -> StackConfig:
-    """What ``make demo`` starts for the tiny policy (its preset and flag defaults), bounded to ``steps``."""
-    a = demo_args(["--steps", str(steps), "--seed", str(seed)])
+def demo_config(steps: int, seed: int, run_dir: Path, demo_flags: Sequence[str] = ()) -> StackConfig:
+    """What ``make demo`` starts for the tiny policy (its preset and flag defaults, or ``demo_flags``),
+    bounded to ``steps``."""
+    a = demo_args(["--steps", str(steps), "--seed", str(seed), *demo_flags])
     return StackConfig(
         run_dir=run_dir, steps=a.steps, keep_versions=a.keep_versions, max_preempts=a.max_preempts,
         collectors=a.collectors, batch_groups=a.batch_groups, group_size=a.group_size,
@@ -337,10 +341,10 @@ def demo_config(steps: int, seed: int, run_dir: Path) -> StackConfig:
     )
 
 
-def run_demo(steps: int, seed: int, root: Path, timeout_s: float) -> dict[str, Any]:
+def run_demo(steps: int, seed: int, root: Path, timeout_s: float, demo_flags: Sequence[str] = ()) -> dict[str, Any]:
     """The demo stack for ``steps`` steps: throughput and CPU split from the end of step 1 to the end of
     step N, and the stall of every weight update of the run (v1..vN; it waits, bounded, for vN to be served)."""
-    config = demo_config(steps, seed, root / "demo")
+    config = demo_config(steps, seed, root / "demo", demo_flags)
     local = start(config)
     before: dict[str, float] | None = None
     after: dict[str, float] = {}
@@ -411,7 +415,7 @@ def compare_demo(args: argparse.Namespace) -> int:
     the ratio uses the mean of its two rates."""
     before = inprocess.run(steps=args.steps, seed=args.seed)
     with tempfile.TemporaryDirectory(prefix="rein-bench-") as tmp:
-        demo = run_demo(args.steps, args.seed, Path(tmp), args.timeout_s)
+        demo = run_demo(args.steps, args.seed, Path(tmp), args.timeout_s, args.demo_flag)
     after = inprocess.run(steps=args.steps, seed=args.seed)
     rates = [r["episodes_per_s"] for r in (before, after) if r["episodes_per_s"]]
     reference = {k: v for k, v in before.items() if k != "rows"}
