@@ -177,7 +177,10 @@ def create_app(settings: EngineSettings) -> FastAPI:
     async def abort_request(body: AbortBody, request: Request) -> dict[str, Any]:
         runner: EngineRunner = request.state.runner
         aborted = runner.abort(body.rid or None, body.abort_all)
-        return {"success": bool(aborted), "aborted": aborted}
+        # rein's extra: a rid that had already finished here (a late abort), so a pausing proxy
+        # knows it is not running without waiting for its /generate answer to be processed
+        finished = [body.rid] if body.rid and not aborted and runner.finished(body.rid) else []
+        return {"success": bool(aborted), "aborted": aborted, "finished": finished}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsBody, request: Request) -> dict[str, Any]:

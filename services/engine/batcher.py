@@ -8,7 +8,10 @@ Lifecycle of a request::
                  │                          length (token budget spent or context window full)
                  └──abort()───────▶ finished: abort (keeps the tokens generated so far)
 
-A finished request never changes again: a late abort finds nothing and reports it.
+A finished request never changes again: a late abort finds nothing and reports it. The
+batcher remembers the last ``FINISHED_RIDS`` finished rids, so a late abort can tell "it
+already finished here" from "never seen" (a pausing proxy counts the first as stopped and
+sends the second again: its ``/generate`` may not have arrived yet).
 
 Threading: :meth:`Batcher.step` is meant to run in a worker thread while the event
 loop admits, aborts and swaps weights. One lock guards the request table and the
@@ -38,6 +41,7 @@ never fit is refused at admission.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -47,6 +51,9 @@ from torch import nn
 
 from shared.model.decoding import Decoder
 from shared.policy import PolicyConfig
+
+FINISHED_RIDS = 65536
+"""Finished rids remembered for late aborts (a few MB at most)."""
 
 FinishType = Literal["stop", "length", "abort"]
 
@@ -171,6 +178,8 @@ class Batcher:
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed)
         self._active: dict[str, Request] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        """The last ``FINISHED_RIDS`` finished rids, oldest first."""
         self._running: list[Request] = []
         """Requests admitted to the batch (their caches reserved), oldest first; a subset of _active."""
         self._decoder: Decoder | None = None
@@ -252,6 +261,11 @@ class Batcher:
                 self._finish(req, "abort")
             return targets
 
+    def finished(self, rid: str) -> bool:
+        """True when a request with this rid finished here recently and none with it is active."""
+        with self._lock:
+            return rid in self._finished and rid not in self._active
+
     def abort_request(self, req: Request) -> bool:
         """Abort this very request object if it is still active (not a later one reusing its rid)."""
         with self._lock:
@@ -321,6 +335,10 @@ class Batcher:
         req.weight_version = self._weights.version
         if self._active.get(req.rid) is req:
             del self._active[req.rid]
+        self._finished[req.rid] = None
+        self._finished.move_to_end(req.rid)
+        if len(self._finished) > FINISHED_RIDS:
+            self._finished.popitem(last=False)
 
     def _fill_batch(self, context: int) -> list[Request]:
         """Caller holds the lock. Drop finished requests from the running set, then admit

@@ -164,6 +164,10 @@ class EngineRunner:
             self._wake.set()  # one more step frees their KV cache rows even if nothing else runs
         return [req.rid for req in aborted]
 
+    def finished(self, rid: str) -> bool:
+        """True when ``rid`` already finished here (and is not running again)."""
+        return self.batcher.finished(rid)
+
     def resolve_weights_path(self, model_path: str) -> Path:
         """Absolute, symlink-resolved path inside ``weights_dir``, else WeightUpdateError."""
         raw = Path(model_path)

@@ -34,6 +34,11 @@ _TRANSPORT_ERRORS = (httpcore.TimeoutException, httpcore.NetworkError, httpcore.
                      httpcore.UnsupportedProtocol, httpcore.ProxyError, httpcore.ConnectionNotAvailable)
 """What httpx calls a ``TransportError``: the engine could not be reached or spoke no HTTP."""
 _JSON_HEADERS = [(b"Accept", b"*/*"), (b"Content-Type", b"application/json")]
+
+AbortOutcome = Literal["aborted", "finished", "accepted", "unknown"]
+"""What an ``/abort_request`` answer says: ``aborted`` the engine ended the request now (its output is
+fixed); ``finished`` it had already ended there; ``accepted`` the abort was taken but the end is not
+confirmed (SGLang); ``unknown`` the engine did not know the rid (its ``/generate`` may not have arrived)."""
 _FINISH: dict[str, FinishReason] = {
     "stop": "stop",
     "length": "length",
@@ -143,11 +148,17 @@ class EngineHandle:
         self.observe(out.version)
         return out
 
-    async def abort(self, rid: str, timeout_s: float) -> bool:
-        """Ask the engine to abort ``rid``; True when it found the request (SGLang: HTTP 2xx)."""
+    async def abort(self, rid: str, timeout_s: float) -> AbortOutcome:
+        """Ask the engine to abort ``rid``; what the answer says about the request (:data:`AbortOutcome`)."""
         data = await self._call("POST", "/abort_request", {"rid": rid, "abort_all": False}, timeout=timeout_s)
-        # rein's engine says whether the rid matched; SGLang answers 200 with no body.
-        return bool(data.get("success", True)) if isinstance(data, dict) else True
+        if not isinstance(data, dict):  # SGLang answers 200 with no body: accepted, its end not confirmed
+            return "accepted"
+        # rein's engine lists the rids it finished now (``aborted``) or that had already finished (``finished``)
+        if rid in (data.get("aborted") or ()):
+            return "aborted"
+        if rid in (data.get("finished") or ()):
+            return "finished"
+        return "accepted" if data.get("success", True) else "unknown"
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float | None) -> Any:
         content = None if body is None else json.dumps(  # as httpx encodes ``json=``

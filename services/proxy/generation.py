@@ -3,9 +3,14 @@
 Pause is ONE flag for the whole proxy (a weight update concerns every engine this
 proxy talks to); aborts are per request id. Lifecycle of one engine request::
 
-    admit (waits while paused) ─▶ active ─▶ engine answers ─▶ on_chunk (submit the chunk's
-    records, record it, post-checks) ─▶ released (its ``done`` event fires: pause counts it
-    quiesced; the records' acks are not waited for, so a pause costs the abort and no more)
+    admit (waits while paused) ─▶ active ─▶ stopped on the engine ─▶ engine answers ─▶ on_chunk
+    (submit the chunk's records, record it, post-checks) ─▶ released (its ``done`` event fires)
+
+A pause counts a request quiesced once it is *stopped*: the engine confirmed it no longer runs
+it (rein's engine answers the abort with the rid aborted now or already finished), or it was
+released. So a pause costs the abort round trip, not the proxy's backlog of answers to process
+(each answer is still recorded and submitted when processed; the records' acks are not waited
+for). An engine that only accepts the abort (SGLang) is waited on until the release.
 
 and of one chat call::
 
@@ -30,7 +35,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from services.proxy.engine_client import EngineOutput, FinishReason, Sampling
+from services.proxy.engine_client import AbortOutcome, EngineOutput, FinishReason, Sampling
 from shared.errors import EngineError, EngineUnavailable, GenerationPreempted
 
 
@@ -42,7 +47,12 @@ class ActiveRequest:
     engine: str
     session_id: str
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    """Released: its answer was processed (or it failed)."""
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    """Not running on its engine any more: released, or the engine confirmed the abort or its end."""
     finish_reason: FinishReason | None = None
+    engine_aborted: bool = False
+    """The engine answered the abort with this request ended by it (before the answer was processed)."""
 
 
 @dataclass(frozen=True)
@@ -50,12 +60,13 @@ class PauseResult:
     status: str
     """``paused`` or ``already_paused``."""
     quiesced: bool
-    """True only when no engine request of this proxy is in flight any more."""
+    """True only when no engine request of this proxy runs on an engine any more (each ended there;
+    the answers of some may still be being recorded: their tokens and versions are fixed)."""
     preempted: list[str]
     """Rids whose engine request ended as ``abort`` because of this pause."""
     aborts_sent: list[str]
     active: int
-    """Engine requests still in flight (non-zero exactly when not quiesced)."""
+    """Engine requests not known to be stopped (non-zero exactly when not quiesced)."""
     waited_s: float
     pause_id: str = ""
     """The pause this answer is about; a renew or resume naming another pause is refused."""
@@ -67,7 +78,7 @@ ResumeStatus = Literal["resumed", "already_running", "stale"]
 """``stale``: the resume named a pause that is not the proxy's current one (refused, nothing changed)."""
 
 
-AbortFn = Callable[[ActiveRequest], Awaitable[bool]]
+AbortFn = Callable[[ActiveRequest], Awaitable[AbortOutcome]]
 
 
 class PauseController:
@@ -121,6 +132,7 @@ class PauseController:
         request.finish_reason = finish_reason
         self._active.pop(request.rid, None)
         request.done.set()
+        request.stopped.set()
 
     async def hold(self) -> None:
         """Park a preempted generation until resume."""
@@ -134,7 +146,7 @@ class PauseController:
         self, reason: str, timeout_s: float, abort: AbortFn, abort_retry_s: float = 0.05, *,
         pause_id: str = "", lease_s: float = 60.0,
     ) -> PauseResult:
-        """Stop admitting, abort everything in flight, wait (bounded) until each request is released.
+        """Stop admitting, abort everything in flight, wait (bounded) until each request is stopped.
 
         The lease starts when the wait ends (the wait has its own bound)."""
         start = time.monotonic()
@@ -154,13 +166,13 @@ class PauseController:
             _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
             for task in pending:
                 task.cancel()
-        still = self.active()
+        still = [r for r in self.active() if not r.stopped.is_set()]
         if self._paused and self.pause_id == mine:  # not resumed nor taken over meanwhile
             self._lease_until = time.monotonic() + lease_s
         return PauseResult(
             status=status,
             quiesced=not still,
-            preempted=[t.rid for t in targets if t.finish_reason == "abort"],
+            preempted=[t.rid for t in targets if t.engine_aborted or t.finish_reason == "abort"],
             aborts_sent=[t.rid for t in targets],
             active=len(still),
             waited_s=time.monotonic() - start,
@@ -199,23 +211,28 @@ class PauseController:
 
 
 async def _abort_until_released(request: ActiveRequest, abort: AbortFn, deadline: float, first_delay: float) -> None:
-    """Abort ``request``; if the engine did not know it yet (the abort overtook the
-    ``/generate``), send it again with backoff until the request is released or the deadline."""
+    """Abort ``request`` until it is stopped: an abort the engine confirms stops it at once; one only
+    accepted waits for the release; one for a rid the engine did not know yet (the abort overtook
+    the ``/generate``) is sent again with backoff. Bounded by ``deadline``."""
     delay = first_delay
-    while not request.done.is_set():
+    while not request.stopped.is_set():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return
         try:
-            found = await abort(request)
+            outcome = await abort(request)
         except (EngineUnavailable, EngineError):
-            found = False
+            outcome = "unknown"
+        if outcome in ("aborted", "finished"):
+            request.engine_aborted = outcome == "aborted"
+            request.stopped.set()
+            return
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return
-        wait_s = remaining if found else min(delay, remaining)
+        wait_s = remaining if outcome == "accepted" else min(delay, remaining)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(request.done.wait(), wait_s)
+            await asyncio.wait_for(request.stopped.wait(), wait_s)
         delay = min(delay * 2, 1.0)
 
 
@@ -278,9 +295,9 @@ async def generate_preemptible(
     ``before_chunk(i)`` runs once the chunk is admitted and before the engine is
     called: it raises to reject without spending compute (span pre-check).
     ``on_chunk`` submits the chunk's records (without waiting for their acks), records
-    the chunk and runs the post-checks; it raises to stop at once. The chunk counts as in
-    flight (pause waits for it) until ``on_chunk`` returns, so a pause that reports
-    quiesced has every partial output recorded and submitted.
+    the chunk and runs the post-checks; it raises to stop at once. The request stays
+    registered until ``on_chunk`` returns; a pause waits for it only until the engine
+    confirms it stopped (or, without that, until then).
     """
     gen = Generation()
     for chunk_index in range(req.max_chunks):

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.proxy.engine_client import EngineHandle, Sampling, pick_engine
+from services.proxy.engine_client import AbortOutcome, EngineHandle, Sampling, pick_engine
 from services.proxy.generation import (
     ActiveRequest,
     ChunkOutcome,
@@ -292,7 +292,7 @@ class ProxyService:
     ) -> dict[str, Any]:
         engines = {e.url: e for e in self.engines}
 
-        async def abort(request: ActiveRequest) -> bool:
+        async def abort(request: ActiveRequest) -> AbortOutcome:
             return await engines[request.engine].abort(request.rid, self.settings.engine_connect_timeout_s)
 
         result: PauseResult = await self.controller.pause(

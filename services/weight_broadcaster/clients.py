@@ -27,6 +27,8 @@ class EngineAnswer:
     """The engine's label, normalised (None: it serves no real version)."""
     digest: str | None = None
     error: str = ""
+    served: bool = False
+    """The answer says what the engine serves (``/get_model_info``, or rein's update answer)."""
 
 
 def _error(exc: Exception | httpx.Response) -> str:
@@ -82,8 +84,9 @@ class ControlClient:
         return ""
 
     def update(self, engine: str, model_path: str, version: str, timeout_s: float, abort_all: bool) -> EngineAnswer:
-        """Load ``model_path`` labelled ``version``; ok means the engine said ``success``. What it
-        serves afterwards is read by :meth:`model_info` (SGLang's answer does not say)."""
+        """Load ``model_path`` labelled ``version``; ok means the engine said ``success``. rein's
+        engine also says what it serves now (``weight_version``, ``digest``: ``served``); SGLang's
+        answer does not, so the caller reads it with :meth:`model_info`."""
         body = {"model_path": model_path, "weight_version": version, "abort_all_requests": abort_all}
         try:
             data = self._post(f"{engine}/update_weights_from_disk", body, timeout_s, admin=False)
@@ -94,7 +97,11 @@ class ControlClient:
                                 error=f"/update_weights_from_disk answered without success: {str(data)[:300]}")
         if data["success"] is not True:
             return EngineAnswer(engine=engine, ok=False, error=str(data.get("message") or "success=false"))
-        return EngineAnswer(engine=engine, ok=True)
+        if "weight_version" not in data:
+            return EngineAnswer(engine=engine, ok=True)
+        digest = data.get("digest")
+        return EngineAnswer(engine=engine, ok=True, weight_version=real_version(data["weight_version"]),
+                            digest=None if digest is None else str(digest), served=True)
 
     def model_info(self, engine: str) -> EngineAnswer:
         """What ``engine`` serves: ``weight_version`` (required) and rein's ``digest`` (None if absent)."""
@@ -110,7 +117,7 @@ class ControlClient:
                                 error=f"/get_model_info answered without weight_version: {str(data)[:300]}")
         version, digest = data["weight_version"], data.get("digest")
         return EngineAnswer(engine=engine, ok=True, weight_version=real_version(version),
-                            digest=None if digest is None else str(digest))
+                            digest=None if digest is None else str(digest), served=True)
 
     def close(self) -> None:
         self._http.close()

@@ -13,9 +13,9 @@ already serve it (a replay after a crash), else: pause every proxy (with a pause
 id and a lease) → if any did not quiesce, resume all, back off and retry (bounded,
 then give the version up) → renew the pause on every proxy (one that no longer
 holds it, its lease ran out, counts as unquiesced) → load it on every engine, renewing
-the lease meanwhile, and check what each then serves (``/get_model_info``: the label, and
-the digest where the engine reports one) → resume every proxy (always, in
-``finally``, naming the pause; with the version when it was applied) → publish
+the lease meanwhile, and check what each then serves (the label, and the digest where the
+engine reports one: from rein's update answer, else ``/get_model_info``) → resume every
+proxy (always, in ``finally``, naming the pause; with the version when it was applied) → publish
 ``WeightApplied``. Killed mid-update, the proxies resume by themselves when the lease
 runs out. Offsets are committed once the poll's events are handled, so
 a crash replays them and the replay is idempotent.
@@ -222,7 +222,7 @@ class Broadcaster:
                 answer = self.client.update(engine, event.path, event.version, self.s.update_timeout_s,
                                             self.s.abort_all_requests)
                 if answer.ok:
-                    answer = self._verify(engine, event)
+                    answer = self._verify(engine, event, answer)
                 if answer.ok:
                     return answer
                 self.metrics.update_failures.labels(engine=engine).inc()
@@ -232,10 +232,12 @@ class Broadcaster:
 
         return list(self._pool.map(one, self.s.engine_urls))
 
-    def _verify(self, engine: str, event: WeightPublished) -> EngineAnswer:
-        """After a successful update: the engine's ``/get_model_info`` must show the event's label
-        (and its digest, where the engine reports one), else the update failed."""
-        info = self.client.model_info(engine)
+    def _verify(self, engine: str, event: WeightPublished, updated: EngineAnswer) -> EngineAnswer:
+        """After a successful update: what the engine serves must be the event's label (and its
+        digest, where the engine reports one), else the update failed. Read from the update's answer
+        where it says (rein's engine), else from ``/get_model_info`` (one round trip less while
+        the proxies are paused)."""
+        info = updated if updated.served else self.client.model_info(engine)
         error = not_served(event, info.weight_version, info.digest) if info.ok else info.error
         if error:
             return EngineAnswer(engine=engine, ok=False, weight_version=info.weight_version, digest=info.digest,

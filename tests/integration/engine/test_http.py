@@ -96,14 +96,16 @@ def test_abort_mid_generation_returns_partial(engine: Engine) -> None:
             dup = await client.post("/generate", json=slow_body(rid))
             assert dup.status_code == 400 and "already active" in dup.json()["detail"]
             r = await client.post("/abort_request", json={"rid": rid})
-            assert r.json() == {"success": True, "aborted": [rid]}
+            assert r.json() == {"success": True, "aborted": [rid], "finished": []}
             out = (await pending).json()
             late = await client.post("/abort_request", json={"rid": rid})
+            unknown = await client.post("/abort_request", json={"rid": f"never-{rid}"})
         meta = out["meta_info"]
         assert meta["finish_reason"]["type"] == "abort"
         assert 0 < meta["completion_tokens"] < 50
         assert len(out["output_ids"]) == meta["completion_tokens"] == len(meta["output_token_logprobs"])
-        assert late.json() == {"success": False, "aborted": []}
+        assert late.json() == {"success": False, "aborted": [], "finished": [rid]}  # rein: it ended here
+        assert unknown.json() == {"success": False, "aborted": [], "finished": []}
 
     run(body)
 

@@ -34,6 +34,8 @@ class FakeClient:
     """False: engines report no digest (SGLang)."""
     ignore_version: bool = False
     """True: updates succeed but keep the old label (an engine ignoring ``weight_version``)."""
+    update_says_served: bool = False
+    """True: the update's answer says what the engine serves now (rein's engine)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _log(self, *call: str) -> None:
@@ -61,7 +63,11 @@ class FakeClient:
         self._log("update", engine, version)
         if not self.ignore_version:
             self.engine_version[engine] = version
-        return EngineAnswer(engine, ok=True)
+        if not self.update_says_served:
+            return EngineAnswer(engine, ok=True)
+        served = self.engine_version.get(engine, "v0")
+        return EngineAnswer(engine, ok=True, weight_version=served,
+                            digest=self.digest.get(f"/w/{served}.pt", "d-initial"), served=True)
 
     def model_info(self, engine: str) -> EngineAnswer:
         with self._lock:
@@ -215,6 +221,22 @@ def test_an_engine_that_keeps_its_label_failed_the_update() -> None:
     [outcome] = b.handle([ev(1)])
     assert outcome.outcome == "update_failed" and outcome.failed_engines == ["http://e1", "http://e2"]
     assert producer.sent == []
+    b.close()
+
+
+@pytest.mark.parametrize("keeps_label", [False, True])
+def test_an_update_answer_that_says_what_is_served_is_verified_without_another_read(keeps_label: bool) -> None:
+    b, client, _, producer = make([True], max_update_attempts=1)
+    client.update_says_served, client.ignore_version = True, keeps_label
+    [outcome] = b.handle([ev(1)])
+    first_update = next(i for i, call in enumerate(client.calls) if call[0] == "update")
+    assert all(before <= first_update for _, before in client.info_reads)  # none between pause and resume
+    if keeps_label:
+        assert outcome.outcome == "update_failed" and producer.sent == []
+        assert ("resume", "http://p1", "None") in client.calls
+    else:
+        assert outcome.outcome == "applied" and [type(r).__name__ for r in producer.sent] == ["WeightApplied"]
+        assert ("resume", "http://p1", "v1") in client.calls
     b.close()
 
 

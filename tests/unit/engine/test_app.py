@@ -58,7 +58,7 @@ def test_errors(client: TestClient) -> None:
     assert r.status_code == 400 and r.json()["success"] is False and "outside" in r.json()["message"]
     assert r.json()["num_paused_requests"] == 0
     r = client.post("/abort_request", json={"rid": "unknown"})
-    assert r.status_code == 200 and r.json() == {"success": False, "aborted": []}
+    assert r.status_code == 200 and r.json() == {"success": False, "aborted": [], "finished": []}
 
 
 def test_info_health_metrics(client: TestClient, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from services.engine import batcher as batcher_module
 from services.engine.batcher import (
     AdmissionError,
     Batcher,
@@ -146,6 +147,19 @@ def test_late_abort_after_natural_finish_changes_nothing() -> None:
     assert b.abort(abort_all=True) == []
     assert not b.abort_request(req)
     assert (req.finish_type, req.output_ids) == ("stop", [TOKENIZER.end_id])
+    assert b.finished("r") and not b.finished("never-seen")  # a late abort can tell the two apart
+
+
+def test_finished_rids_are_remembered_boundedly_and_forgotten_when_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batcher_module, "FINISHED_RIDS", 2)
+    b = Batcher(weights(), end_id=TOKENIZER.end_id)
+    for rid in ("a", "b", "c"):
+        b.admit(rid, PROMPT, NO_STOP)
+        assert not b.finished(rid)  # active: not finished
+        b.abort(rid)
+    assert [b.finished(rid) for rid in ("a", "b", "c")] == [False, True, True]
+    b.admit("b", PROMPT, NO_STOP)  # the rid runs again: it is not finished any more
+    assert not b.finished("b")
 
 
 def test_abort_during_step_discards_that_steps_token() -> None:

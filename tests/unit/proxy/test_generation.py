@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import pytest
 
-from services.proxy.engine_client import EngineOutput, FinishReason, Sampling
+from services.proxy.engine_client import AbortOutcome, EngineOutput, FinishReason, Sampling
 from services.proxy.generation import (
     ActiveRequest,
     ChunkOutcome,
@@ -50,8 +50,11 @@ class FakeEngine:
     partial: dict[str, list[int]] = field(default_factory=dict)
     """Tokens a request 'has' when aborted."""
     version: str = "v1"
-    abort_finds: list[bool] = field(default_factory=list)
-    """Scripted answers of abort(); default True (found) once exhausted."""
+    abort_finds: list[AbortOutcome] = field(default_factory=list)
+    """Scripted answers of abort() (``accepted``: ends the call, as SGLang, without saying so);
+    default ``accepted`` once exhausted, or with ``confirms`` what rein's engine answers."""
+    confirms: bool = False
+    """Answer as rein's engine: ``aborted`` for a call it ended now, ``finished`` for one already answered."""
     aborts: list[str] = field(default_factory=list)
 
     async def generate(
@@ -72,14 +75,20 @@ class FakeEngine:
         if not call.result.done():
             call.result.set_result(out(call.rid, ids, reason, self.version))
 
-    async def abort(self, request: ActiveRequest) -> bool:
+    async def abort(self, request: ActiveRequest) -> AbortOutcome:
         self.aborts.append(request.rid)
-        found = self.abort_finds.pop(0) if self.abort_finds else True
-        if found:
+        if self.abort_finds:
+            outcome = self.abort_finds.pop(0)
+        elif self.confirms:
+            known = [c for c in self.calls if c.rid == request.rid]
+            outcome = "unknown" if not known else "finished" if known[0].result.done() else "aborted"
+        else:
+            outcome = "accepted"
+        if outcome in ("accepted", "aborted"):
             for call in self.calls:
                 if call.rid == request.rid:
                     self.answer(call, self.partial.get(call.rid, []), "abort")
-        return found
+        return outcome
 
 
 def out(rid: str, ids: list[int], reason: FinishReason, version: str) -> EngineOutput:
@@ -99,9 +108,16 @@ class Harness:
     controller: PauseController
     chunks: list[ChunkOutcome] = field(default_factory=list)
     checks: list[int] = field(default_factory=list)
+    recording: asyncio.Event = field(default_factory=asyncio.Event)
+    """on_chunk waits for it: a test clears it to keep answers unprocessed (the proxy's backlog)."""
 
-    async def generate(self, req: GenerationRequest, reject_before: int | None = None) -> Generation:
-        rids = (f"rid-{i}" for i in itertools.count())
+    def __post_init__(self) -> None:
+        self.recording.set()
+
+    async def generate(
+        self, req: GenerationRequest, reject_before: int | None = None, prefix: str = "rid"
+    ) -> Generation:
+        rids = (f"{prefix}-{i}" for i in itertools.count())
 
         def before(i: int) -> None:
             self.checks.append(i)
@@ -109,6 +125,7 @@ class Harness:
                 raise PartialRolloutStalenessExceeded("cap")
 
         async def on_chunk(c: ChunkOutcome) -> None:
+            await self.recording.wait()
             self.chunks.append(c)
 
         return await generate_preemptible(
@@ -185,12 +202,63 @@ def test_natural_stop_is_never_resumed_even_if_abort_succeeded() -> None:
         task = asyncio.create_task(h.generate(request()))
         call = await h.engine.wait_calls(1)
         h.engine.answer(call, [7, 0], "stop")  # finished naturally; abort arrives after
-        h.engine.abort_finds = [True]
+        h.engine.abort_finds = ["accepted"]
         result = await h.controller.pause("weight_update", 2.0, h.engine.abort)
         gen = await task
         assert result.quiesced and result.preempted == []
         assert gen.output_ids == [7, 0] and gen.finish_reason == "stop"
         assert len(h.engine.calls) == 1
+
+    run(body)
+
+
+def test_pause_quiesces_on_the_engines_word_before_the_answers_are_processed() -> None:
+    """The engine confirms one request aborted and one already finished: the pause quiesces while
+    neither answer is recorded; both are recorded afterwards, the preempted one continues at resume."""
+
+    async def body() -> None:
+        h = harness()
+        h.engine.confirms = True
+        h.recording.clear()
+        running = asyncio.create_task(h.generate(request(budget=10)))
+        first = await h.engine.wait_calls(1)
+        ended = asyncio.create_task(h.generate(request(budget=10), prefix="other"))
+        second = await h.engine.wait_calls(2)
+        h.engine.answer(second, [4, 0], "stop")  # ended on the engine, its answer not processed yet
+        h.engine.partial[first.rid] = [7, 8]
+        result = await h.controller.pause("weight_update", 2.0, h.engine.abort)
+        assert result.quiesced and result.active == 0
+        assert result.preempted == [first.rid] and sorted(result.aborts_sent) == sorted([first.rid, second.rid])
+        assert len(h.controller.active()) == 2 and h.chunks == []  # quiesced, still being recorded
+        h.recording.set()
+        assert (await ended).output_ids == [4, 0]
+        while h.controller.held == 0:
+            await asyncio.sleep(0)
+        assert h.controller.resume() == "resumed"
+        third = await h.engine.wait_calls(3)
+        assert third.input_ids == [*PROMPT, 7, 8] and third.max_new == 8
+        h.engine.answer(third, [9, 0], "stop")
+        assert (await running).output_ids == [7, 8, 9, 0]
+        assert sorted(c.chunk_index for c in h.chunks) == [0, 0, 1]
+
+    run(body)
+
+
+def test_unconfirmed_abort_waits_for_the_answer_to_be_processed() -> None:
+    """SGLang only accepts the abort: quiescence then needs the release (the answer recorded)."""
+
+    async def body() -> None:
+        h = harness()
+        h.recording.clear()
+        task = asyncio.create_task(h.generate(request(partial=False)))
+        await h.engine.wait_calls(1)
+        result = await h.controller.pause("weight_update", 0.05, h.engine.abort)
+        assert not result.quiesced and result.active == 1 and result.preempted == []
+        h.recording.set()
+        with pytest.raises(GenerationPreempted):
+            await task
+        again = await h.controller.pause("weight_update", 0.05, h.engine.abort)
+        assert again.quiesced and again.active == 0
 
     run(body)
 
@@ -270,7 +338,7 @@ def test_post_chunk_error_stops_at_once() -> None:
 def test_pause_timeout_reports_not_quiesced() -> None:
     async def body() -> None:
         h = harness()
-        h.engine.abort_finds = [False] * 1000  # the engine never finds the request
+        h.engine.abort_finds = ["unknown"] * 1000  # the engine never finds the request
         task = asyncio.create_task(h.generate(request()))
         call = await h.engine.wait_calls(1)
         result = await h.controller.pause("weight_update", 0.2, h.engine.abort, abort_retry_s=0.01)
@@ -289,7 +357,7 @@ def test_pause_timeout_reports_not_quiesced() -> None:
 def test_abort_that_overtook_generate_is_resent() -> None:
     async def body() -> None:
         h = harness()
-        h.engine.abort_finds = [False, False, True]
+        h.engine.abort_finds = ["unknown", "unknown", "accepted"]
         task = asyncio.create_task(h.generate(request()))
         await h.engine.wait_calls(1)
         result = await h.controller.pause("weight_update", 2.0, h.engine.abort, abort_retry_s=0.001)
