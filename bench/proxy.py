@@ -3,7 +3,7 @@
 1. Added latency: the same requests (greedy, fixed output length) sent straight to the
    engine's ``/generate``, through a minimal pass-through proxy (this file served as
    ``python -m bench.proxy`` with ``BENCH_PASSTHROUGH_ENGINE`` set: FastAPI + uvicorn + one
-   ``httpx.AsyncClient``, the proxy's HTTP stack, forwarding the same ``/generate`` body and
+   ``httpcore.AsyncConnectionPool``, the proxy's HTTP stack, forwarding the same ``/generate`` body and
    answer untouched) and through the proxy's ``/v1/chat/completions`` (a training session:
    the chunk is submitted to Kafka before the answer; its ack is awaited only by ``finish``,
    which this part does not call), in alternating order so drift hits all. Reports p50 / p99
@@ -35,6 +35,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import httpcore
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request, Response
@@ -90,12 +91,13 @@ PASSTHROUGH_PORT = "BENCH_PASSTHROUGH_PORT"
 
 def serve_passthrough(engine: str, port: int) -> None:
     """The minimal pass-through: ``POST /generate`` forwarded to ``engine`` as is, its answer returned as is."""
-    client: dict[str, httpx.AsyncClient] = {}
+    client: dict[str, httpcore.AsyncConnectionPool] = {}
+    url = httpcore.URL(f"{engine}/generate")
+    headers = [(b"Content-Type", b"application/json")]
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=5.0)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), limits=limits) as http:
+        async with httpcore.AsyncConnectionPool(max_keepalive_connections=256, keepalive_expiry=5.0) as http:
             client["http"] = http
             yield
 
@@ -103,9 +105,8 @@ def serve_passthrough(engine: str, port: int) -> None:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        answer = await client["http"].post(f"{engine}/generate", content=await request.body(),
-                                           headers={"content-type": "application/json"})
-        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+        answer = await client["http"].request("POST", url, headers=headers, content=await request.body())
+        return Response(answer.content, status_code=answer.status, media_type="application/json")
 
     @app.get("/health")
     async def health() -> dict[str, str]:
