@@ -159,13 +159,16 @@ class Consumer:
 
         Returns False when Kafka refused or missed it (the group rebalanced, e.g. after a broker
         restart, or the broker is down). Not an error for rein's consumers: they are at least
-        once with idempotent handling, so the records are simply read again."""
+        once with idempotent handling, so the records are simply read again. Bounded by
+        ``request_timeout_ms``: kafka-python's own commit waits for a coordinator without end,
+        which would stall the service's loop for as long as the broker is down."""
         positions = self.offsets.to_commit()
         if not positions:
             return True
         try:
             self._consumer.commit(
-                {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in positions.items()}
+                {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in positions.items()},
+                timeout_ms=self._settings.request_timeout_ms,
             )
         except KafkaError as exc:
             _log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}"[:300], partitions=len(positions))
