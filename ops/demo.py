@@ -172,6 +172,8 @@ def summarize(
     diffs = [
         float(r["train_rollout_logprob_abs_diff"]) for r in rows if r.get("train_rollout_logprob_abs_diff") is not None
     ]
+    same = [float(r["train_rollout_logprob_abs_diff_same_version"]) for r in rows
+            if r.get("train_rollout_logprob_abs_diff_same_version") is not None]
     masked = [float(r["masked_token_fraction"]) for r in rows if r.get("masked_token_fraction") is not None]
     start_reward, end_reward = _mean(rewards[:k]), _mean(rewards[-k:])
     return {
@@ -191,6 +193,8 @@ def summarize(
             (int(r["version_gap_max"]) for r in rows if r.get("version_gap_max") is not None), default=None
         ),
         "train_rollout_logprob_abs_diff_mean": _mean(diffs),
+        # tokens the trainer's own weights sampled: engine/trainer numerics alone (~1e-7 in fp32)
+        "train_rollout_logprob_abs_diff_same_version_max": max(same, default=None),
         "masked_token_fraction_mean": _mean(masked),
         "dropped_groups": rows[-1].get("drops_cumulative") if rows else None,
         "rejected_sessions": rejections,

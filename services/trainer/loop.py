@@ -39,7 +39,7 @@ from services.trainer.ordering import ManifestOrder
 from services.trainer.samples import build_samples
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import Hyper, PolicyTrainer
-from services.trainer.store import MetricsLog, Sidecar, latest, prune, reconcile_metrics, save_step
+from services.trainer.store import MetricsLog, Sidecar, latest, prune, reconcile_metrics, save_step, version_label
 from shared import log
 from shared.bus import BusUnavailable, Consumer, Producer
 from shared.model import ModelFamily, context_window_of, load_family, set_gradient_checkpointing
@@ -211,7 +211,7 @@ class TrainerLoop:
             self.metrics.bad_refs.inc(len(fetched.bad))
         batch = build_samples(fetched.groups, mask_nonlast_version=s.mask_nonlast_version,
                               max_tokens=self.max_tokens)
-        stats = self.trainer.step(batch)
+        stats = self.trainer.step(batch, version=version_label(self.step))  # the weights held: v<steps so far>
         self.step += 1
         line = step_line(step=self.step, manifest=manifest, batch=batch, stats=stats, bad_refs=len(fetched.bad),
                          step_time_s=time.monotonic() - started, fetch_time_s=fetch_time)
@@ -219,6 +219,8 @@ class TrainerLoop:
         self.metrics.observe(line)
         _log.info("trained", step=self.step, manifest_index=manifest.index, loss=round(stats.loss, 5),
                   reward_mean=line["reward_mean"], abs_diff=round(stats.train_rollout_logprob_abs_diff, 5),
+                  abs_diff_same_version=stats.train_rollout_logprob_abs_diff_same_version,
+                  same_version_tokens=stats.same_version_tokens,
                   masked_token_fraction=round(batch.masked_token_fraction, 4), version_gap=line["version_gap_mean"])
 
     def _fetch(self, fetcher: GroupFetcher, manifest: BatchManifest) -> Fetched:

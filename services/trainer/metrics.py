@@ -18,6 +18,8 @@ GAUGES: dict[str, str] = {
     "loss": "trainer/loss",
     "reward_mean": "trainer/reward_mean",
     "train_rollout_logprob_abs_diff": "trainer/train_rollout_logprob_abs_diff",
+    "train_rollout_logprob_abs_diff_same_version": "trainer/train_rollout_logprob_abs_diff_same_version",
+    "same_version_tokens": "trainer/same_version_tokens",
     "clip_fraction": "trainer/clip_fraction",
     "truncated_fraction": "trainer/truncated_fraction",
     "grad_norm": "trainer/grad_norm",
@@ -68,6 +70,8 @@ def step_line(
 ) -> dict[str, Any]:
     """The ``metrics.jsonl`` object of one step (also what the Prometheus gauges show)."""
     rewards = batch.rewards
+    # The collector's gap: against the newest version among the groups it had seen when it cut the batch,
+    # which may lag the weights the trainer holds by a version; same_version_tokens is the trainer's own view.
     gap = manifest.version_gap
     return {
         "ts": time.time(),
@@ -84,6 +88,8 @@ def step_line(
         "reward_min": min(rewards) if rewards else None,
         "advantage_abs_mean": stats.advantage_abs_mean,
         "train_rollout_logprob_abs_diff": stats.train_rollout_logprob_abs_diff,
+        "train_rollout_logprob_abs_diff_same_version": stats.train_rollout_logprob_abs_diff_same_version,
+        "same_version_tokens": stats.same_version_tokens,
         "clip_fraction": stats.clip_fraction,
         "truncated_fraction": stats.truncated_fraction,
         "ratio_mean": stats.ratio_mean,

@@ -37,6 +37,8 @@ class Sample:
     """Position of the sample's trajectory in :attr:`BatchSamples.rewards`."""
     segment_index: int
     session_id: str
+    versions: tuple[str | None, ...] = ()
+    """Weight version that sampled each token (None on context tokens; empty: not known)."""
 
 
 @dataclass
@@ -146,4 +148,5 @@ def _segment_sample(
         trajectory=traj_pos,
         segment_index=seg.segment_index,
         session_id=session_id,
+        versions=tuple(versions),
     )

@@ -52,23 +52,35 @@ class StepStats:
     advantage_abs_mean: float
     updated: bool
     """False when the batch had no trained token (no optimizer update was taken)."""
+    same_version_tokens: int = 0
+    """Trained tokens sampled by the very weights the trainer held (version gap 0 as the trainer sees it)."""
+    train_rollout_logprob_abs_diff_same_version: float | None = None
+    """Mean |trainer − rollout logprob| over those tokens (None when there are none): no staleness in it,
+    so it measures engine/trainer numerics alone (~1e-7 in fp32; more means they compute differently)."""
 
 
-def collate(samples: list[Sample], advantages: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded tensors: ids ``[B, T]``; mask, rollout logprobs ``[B, T-1]`` aligned to ``ids[:, 1:]``."""
+def collate(
+    samples: list[Sample], advantages: torch.Tensor, device: torch.device, version: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Right-padded tensors: ids ``[B, T]``; mask, rollout logprobs and ``same`` (the token was sampled
+    by weights labelled ``version``) ``[B, T-1]``, aligned to ``ids[:, 1:]``."""
     width = max(len(s.token_ids) for s in samples)
     ids = torch.zeros((len(samples), width), dtype=torch.long)
     mask = torch.zeros((len(samples), width), dtype=torch.bool)
+    same = torch.zeros((len(samples), width), dtype=torch.bool)
     rollout = torch.zeros((len(samples), width), dtype=torch.float32)
     for row, s in enumerate(samples):
         n = len(s.token_ids)
         ids[row, :n] = torch.tensor(s.token_ids, dtype=torch.long)
         mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
         rollout[row, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        if version is not None and s.versions:
+            same[row, :n] = torch.tensor([v == version for v in s.versions], dtype=torch.bool)
     adv = advantages[torch.tensor([s.trajectory for s in samples], dtype=torch.long)]
     return {
         "ids": ids.to(device),
         "mask": mask[:, 1:].to(device),
+        "same": same[:, 1:].to(device),
         "rollout": rollout[:, 1:].to(device),
         "adv": adv.to(device),
     }
@@ -100,7 +112,13 @@ class PolicyTrainer:
         for start in range(0, len(samples), size):
             yield samples[start : start + size]
 
-    def step(self, batch: BatchSamples) -> StepStats:
+    def step(self, batch: BatchSamples, version: str | None = None) -> StepStats:
+        """One update on ``batch``. ``version``: the label of the weights the model holds now (before
+        this update), so tokens they sampled are scored apart (:attr:`StepStats.same_version_tokens`).
+
+        Every statistic is taken before the update: micro-batches accumulate gradients on the same
+        weights and the optimizer steps once, after the last of them.
+        """
         h = self.hyper
         advantages = grpo_advantages(
             torch.tensor(batch.rewards, dtype=torch.float32),
@@ -113,9 +131,10 @@ class PolicyTrainer:
             return StepStats(0.0, 0, 0.0, 0.0, 0.0, 1.0, 0.0, adv_abs, updated=False)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = diff_sum = clip_sum = trunc_sum = ratio_sum = 0.0
+        loss_sum = diff_sum = clip_sum = trunc_sum = ratio_sum = same_diff_sum = 0.0
+        same_count = 0
         for chunk in self._micro_batches(batch.samples):
-            t = collate(chunk, advantages, self.device)
+            t = collate(chunk, advantages, self.device, version)
             with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext():
                 logprobs = token_logprobs(self.model, t["ids"], temperature=h.temperature)
             loss, stats = ppo_clip_loss(
@@ -123,6 +142,9 @@ class PolicyTrainer:
                 clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total),
             )
             loss.backward()  # type: ignore[no-untyped-call]
+            same = t["same"] & t["mask"]
+            same_count += int(same.sum().item())
+            same_diff_sum += float((logprobs.detach().float() - t["rollout"]).abs()[same].sum().item())
             n = stats.trained_tokens
             loss_sum += float(loss.item())
             diff_sum += stats.train_rollout_logprob_abs_diff * n
@@ -142,4 +164,6 @@ class PolicyTrainer:
             grad_norm=grad_norm,
             advantage_abs_mean=adv_abs,
             updated=True,
+            same_version_tokens=same_count,
+            train_rollout_logprob_abs_diff_same_version=same_diff_sum / same_count if same_count else None,
         )

@@ -171,6 +171,9 @@ def test_in_order_dedupe_and_restart_in_process(env: Env) -> None:
     lines = env.lines()
     assert [x["manifest_index"] for x in lines] == [0, 1, 2, 3]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    # trained tokens are v1's: only step 2 ran on v1 (step 1 on v0, steps 3-4 on v2, v3)
+    assert [x["same_version_tokens"] for x in lines] == [0, 2 * 4 * 4, 0, 0]
+    assert [x["train_rollout_logprob_abs_diff_same_version"] is None for x in lines] == [True, False, True, True]
     for x in lines:
         assert x["masked_token_fraction"] == pytest.approx(0.5)
         assert x["reward_mean"] == pytest.approx(0.375)

@@ -29,6 +29,7 @@ MIXED = seg([0, 0, 1, 1, 0, 1, 1], [None, None, "v1", "v1", None, "v2", "v2"])
 def test_version_mask_keeps_only_last_version(mask_on: bool, kept: list[int]) -> None:
     out = build_samples([group("g", traj("s", 1.0, MIXED))], mask_nonlast_version=mask_on)
     assert out.samples[0].loss_mask == kept
+    assert out.samples[0].versions == tuple(MIXED.versions)  # the trainer scores its own version's tokens apart
     assert out.trainable_tokens == 4
     assert out.version_masked_tokens == (2 if mask_on else 0)
     assert out.masked_token_fraction == (0.5 if mask_on else 0.0)
