@@ -89,6 +89,11 @@ class Offsets:
         heapq.heappush(part.heap, offset)
         return True
 
+    def last(self, tp: TopicPartition) -> int | None:
+        """Highest offset delivered on ``tp`` in this assignment (None: nothing yet)."""
+        part = self._parts.get(tp)
+        return part.highest if part is not None and part.highest >= 0 else None
+
     def done(self, tp: TopicPartition, offset: int) -> bool:
         """The record's work is durable. True if that closed an open offset; False (a no-op) otherwise."""
         part = self._parts.get(tp)

@@ -42,6 +42,16 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
         self.consumer._rebalanced("assigned", {(tp.topic, tp.partition) for tp in assigned})
 
 
+def _trail(topic: str, partition: int, last: int | None, offset: int, resumed: dict[str, int]) -> None:
+    """What a group member's reading leaves in the log: where each partition starts in an assignment
+    (``partitions_resumed``), and any offset skipped after that (compaction or retention; on a
+    delete-policy topic, records lost to the client)."""
+    if last is None:
+        resumed[f"{topic}/{partition}"] = offset
+    elif offset > last + 1:
+        _log.info("offset_gap", topic=topic, partition=partition, after=last, offset=offset)
+
+
 class Consumer:
     """Consumer-group member with manual commit; yields decoded new records, skips poison ones.
 
@@ -74,6 +84,7 @@ class Consumer:
         self.offsets = Offsets()
         self.decode_errors = 0
         self.rebalances = 0
+        self._in_group = group_id is not None
         subscribe_now = group_id is None  # without a group there is no rebalance to listen to
         self._consumer: KafkaConsumer = connect(
             lambda: KafkaConsumer(
@@ -130,11 +141,15 @@ class Consumer:
             exc, self._hook_error = self._hook_error, None
             raise exc
         out: list[Polled] = []
+        resumed: dict[str, int] = {}
         for tp, messages in batches.items():
             pos = (tp.topic, tp.partition)
             for msg in messages:
+                last = self.offsets.last(pos)
                 if not self.offsets.deliver(pos, msg.offset):
                     continue
+                if self._in_group:
+                    _trail(tp.topic, tp.partition, last, msg.offset, resumed)
                 try:
                     record = decode(msg.value, self._settings.max_record_bytes)
                 except DecodeError as exc:
@@ -148,6 +163,8 @@ class Consumer:
                     continue
                 key = msg.key.decode("utf-8", errors="replace") if msg.key is not None else None
                 out.append(Polled(tp.topic, tp.partition, msg.offset, key, record, msg.timestamp))
+        if resumed:
+            _log.info("partitions_resumed", offsets=resumed)
         return out
 
     def done(self, topic: str, partition: int, offset: int) -> None:

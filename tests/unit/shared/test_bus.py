@@ -1,13 +1,17 @@
-"""The Kafka adapter's pure parts: one overall bound on a batch of acks."""
+"""The Kafka adapter's pure parts: one overall bound on a batch of acks; a group member's trail."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import pytest
+import structlog
 from kafka.errors import KafkaTimeoutError
 
+from shared import log
 from shared.bus import BusUnavailable, Producer
+from shared.bus.consumer import _trail
 from shared.schemas import WeightApplied
 
 
@@ -63,3 +67,19 @@ def test_send_many_fails_when_the_bound_runs_out() -> None:
     with pytest.raises(BusUnavailable, match="producing to Kafka failed"):
         _producer(futures).send_many([("t", _record())] * 2, timeout_s=1.0)
     assert futures[1].waits and futures[1].waits[0] <= 1.0
+
+
+def test_a_group_members_trail_names_where_each_partition_starts_and_any_gap(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    log.configure("test", "info", json=True)
+    try:
+        resumed: dict[str, int] = {}
+        _trail("t", 2, None, 40, resumed)  # first record of the assignment
+        _trail("t", 2, 40, 41, resumed)  # contiguous: nothing to say
+        _trail("t", 2, 41, 45, resumed)  # 42..44 never came
+        assert resumed == {"t/2": 40}
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+        assert [(e["event"], e["after"], e["offset"]) for e in lines] == [("offset_gap", 41, 45)]
+    finally:
+        structlog.reset_defaults()

@@ -125,3 +125,17 @@ def test_commit_never_passes_an_open_record(deliveries: list[int], data: st.Data
             offsets.committed(positions)
         assert all(committed <= x for x in ordered if offsets.is_open(P0, x))
     assert committed == ordered[-1] + 1
+
+
+def test_last_is_the_highest_offset_delivered_in_this_assignment() -> None:
+    offsets = Offsets()
+    offsets.assign([P0])
+    assert offsets.last(P0) is None
+    offsets.deliver(P0, 7)
+    offsets.deliver(P0, 9)
+    offsets.deliver(P0, 8)  # a re-read below the highest does not lower it
+    assert offsets.last(P0) == 9
+    offsets.revoke([P0])
+    assert offsets.last(P0) is None
+    offsets.assign([P0])
+    assert offsets.last(P0) is None, "a new assignment starts with nothing delivered"
