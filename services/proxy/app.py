@@ -53,7 +53,7 @@ from shared.errors import (
     Unauthorized,
     http_body,
 )
-from shared.http_server import BodyLimit
+from shared.http_server import BodyLimit, DirectRoute
 from shared.lender import Lender
 from shared.model import load_family
 
@@ -187,6 +187,9 @@ def create_app(settings: ProxySettings) -> FastAPI:
         body, content_type = metrics.render(proxy_metrics.registry)
         return Response(body, media_type=content_type)
 
+    # the chat route, routed above as well, is answered past FastAPI's per-route layers (inside these two)
+    app.add_middleware(DirectRoute, path="/v1/chat/completions", endpoint=chat_completions, errors=(ReinError,),
+                       on_error=_rein_error)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, reject=_too_large)
     app.add_middleware(RequestCounter)
     return app
@@ -266,14 +269,15 @@ def _require_admin(request: Request, token: str) -> None:
 # --------------------------------------------------------------------------- errors and middleware
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    async def rein_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, ReinError)
-        if exc.status >= 500:
-            _log.warning("request_failed", path=request.url.path, status=exc.status, error=exc.code,
-                         message=exc.message)
-        return JSONResponse(http_body(exc), status_code=exc.status)
+async def _rein_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ReinError)
+    if exc.status >= 500:
+        _log.warning("request_failed", path=request.url.path, status=exc.status, error=exc.code,
+                     message=exc.message)
+    return JSONResponse(http_body(exc), status_code=exc.status)
 
+
+def _install_error_handlers(app: FastAPI) -> None:
     async def validation_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         fields = [{"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]} for err in exc.errors()]
@@ -283,7 +287,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         _log.error("unhandled_error", path=request.url.path, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         return JSONResponse(http_body(ReinError(f"internal error: {type(exc).__name__}")), status_code=500)
 
-    app.add_exception_handler(ReinError, rein_error)
+    app.add_exception_handler(ReinError, _rein_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, unexpected)
 
