@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.proxy.engine_client import EngineHandle, Sampling
+from services.proxy.engine_client import EngineHandle, NetworkBackend, Sampling
 from services.proxy.generation import PauseController
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.openai_api import (
@@ -72,9 +72,10 @@ def create_app(settings: ProxySettings) -> FastAPI:
         timeouts = {"connect": settings.engine_connect_timeout_s, "read": settings.engine_timeout_s,
                     "write": settings.engine_timeout_s, "pool": settings.engine_timeout_s}
         tls = httpx.create_ssl_context()  # one for every pool: each would load the CA bundle (~50 ms)
+        backend = NetworkBackend()
         clients = Lender(lambda: httpcore.AsyncConnectionPool(
             ssl_context=tls, max_connections=None, max_keepalive_connections=len(settings.engine_urls),
-            keepalive_expiry=5.0,
+            keepalive_expiry=5.0, network_backend=backend,
         ))
         try:
             engines = [EngineHandle(url, clients, settings.context_window, settings.engine_connect_timeout_s, timeouts)
