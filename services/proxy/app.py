@@ -109,9 +109,10 @@ def create_app(settings: ProxySettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         service: ProxyService = request.state.service
-        ids = _call_ids(request)
+        headers = _Headers(request.scope["headers"])
+        ids = _call_ids(headers)
         body = _parse(ChatRequest, await request.body())
-        soft = settings.soft_reject or request.headers.get("x-rein-soft-reject", "").strip().lower() in _TRUE
+        soft = settings.soft_reject or headers.get(b"x-rein-soft-reject").strip().lower() in _TRUE
         sampling = Sampling(
             temperature=body.temperature if body.temperature is not None else settings.temperature,
             top_p=body.top_p if body.top_p is not None else 1.0,
@@ -224,20 +225,32 @@ async def _expire_idle_sessions(service: ProxyService) -> None:
             _log.exception("idle_sweep_failed")
 
 
-def _call_ids(request: Request) -> CallIds:
-    headers = request.headers
-    session_id = headers.get("x-session-id", "").strip()
+class _Headers:
+    """A request's headers by name, read in one pass: Starlette's ``Headers.get`` scans them all per lookup
+    and raises inside for an absent one, and the openai client sends a dozen. First occurrence wins, as there;
+    names are lowercase in ASGI."""
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self._by_name = dict(reversed(raw))
+
+    def get(self, name: bytes, default: str = "") -> str:
+        value = self._by_name.get(name)
+        return default if value is None else value.decode("latin-1")
+
+
+def _call_ids(headers: _Headers) -> CallIds:
+    session_id = headers.get(b"x-session-id").strip()
     if not session_id:
         raise MissingHeader("header X-Session-Id is required: one id per agent conversation", header="X-Session-Id")
-    attempt_text = headers.get("x-attempt", "0").strip() or "0"
+    attempt_text = headers.get(b"x-attempt", "0").strip() or "0"
     if not (attempt_text.isascii() and attempt_text.isdigit()):  # '²'.isdigit() but int('²') fails
         raise InvalidRequest(f"header X-Attempt must be an integer >= 0, got {attempt_text!r}",
                              fields=[{"field": "X-Attempt", "message": "not an integer >= 0"}])
     return CallIds(
         session_id=session_id,
-        group_id=headers.get("x-group-id", "").strip(),
-        turn_id=headers.get("x-turn-id", "").strip(),
-        prompt_id=headers.get("x-prompt-id", "").strip(),
+        group_id=headers.get(b"x-group-id").strip(),
+        turn_id=headers.get(b"x-turn-id").strip(),
+        prompt_id=headers.get(b"x-prompt-id").strip(),
         attempt=int(attempt_text),
     )
 
