@@ -3,7 +3,9 @@
 Reads like a table of contents: the lifespan builds the engine connection pools, the engine
 handles, the Kafka publisher, the pause controller and the :class:`ProxyService`
 (no module globals; each app instance owns its own). Routes parse HTTP and call
-the service. Errors are mapped to HTTP in one place (:func:`_install_error_handlers`):
+the service; the chat route, the hot one, is answered by a :class:`~shared.http_server.DirectRoute`
+past FastAPI's per-route layers. Errors are mapped to HTTP in one place (:func:`_install_error_handlers`,
+whose ``ReinError`` handler the direct route uses too):
 every :class:`shared.errors.ReinError` becomes ``{"detail": {...}}`` with its status,
 validation errors become 422 naming the field, anything else a logged 500.
 """

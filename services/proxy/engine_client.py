@@ -268,7 +268,7 @@ class _PolledStream(httpcore.AsyncNetworkStream):
 
     httpcore asks an idle connection whether its socket is readable (the server closed it)
     when a request starts and when its response is closed, each time through anyio's typed
-    attributes and a new poll object: 9 % of the proxy's CPU samples (docs/benchmarks.md).
+    attributes and a new poll object: 9 % of the proxy's busy samples (docs/benchmarks.md).
     Same answer, same syscall, without the rest. After TLS or close, httpcore's own check."""
 
     def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
