@@ -9,7 +9,8 @@ Starts the local stack as ``make demo`` does for the tiny policy (``bench/pipeli
 * chat calls and episodes per second (the proxy's and the runner's ``/metrics``);
 * with ``--profile proxy rollout ...``: a ``py-spy record`` of each named process over
   the window (raw collapsed stacks, no line numbers), summarised as the top entries by
-  self and by cumulative samples.
+  self and by cumulative samples; ``--gil`` keeps only samples holding the GIL, the
+  process's Python CPU, where py-spy's idle detection fails (a VM) and blocked threads count.
 
 The script runs the services of the checkout it is in, so two checkouts can be compared
 back to back with identical settings::
@@ -82,6 +83,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10, help="trainer steps in the measured window")
     p.add_argument("--profile", nargs="*", default=[], help="services to record with py-spy (proxy, rollout, engine)")
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    p.add_argument("--gil", action="store_true",
+                   help="record only samples holding the GIL (py-spy --gil): a thread blocked in C (a queue, a "
+                        "selector) otherwise counts as busy where py-spy cannot tell idle threads apart")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "rein-hot-path.json")
@@ -108,7 +112,8 @@ def main() -> int:
             out = run_dir / f"{name}.pyspy.txt"
             spies[name] = (subprocess.Popen(
                 [py_spy, "record", "-p", str(pids[name]), "-r", str(args.rate), "-f", "raw", "--nolineno",
-                 "--nonblocking", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), out)
+                 "--nonblocking", *(["--gil"] if args.gil else []), "-o", str(out)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), out)
         proxy_metrics, rollout_metrics = f"{local.urls['proxy']}/metrics", f"{local.urls['rollout']}/metrics"
         t0, cpu0 = time.monotonic(), snapshot(pids)
         chat0, ep0 = total(_CHAT, proxy_metrics), total(_EPISODES, rollout_metrics)
@@ -133,7 +138,7 @@ def main() -> int:
     profiles = {name: summarise(out, args.top) for name, (_, out) in spies.items() if out.exists()}
     result = {"wall_s": wall, "chat_calls": chats, "episodes": episodes, "chat_per_s": chats / wall,
               "episodes_per_s": episodes / wall, "busy_cpu_s": busy, "processes": rows, "profiles": profiles,
-              "profiled": args.profile, "rate": args.rate, "run_dir": str(run_dir)}
+              "profiled": args.profile, "rate": args.rate, "gil": args.gil, "run_dir": str(run_dir)}
     args.out.write_text(json.dumps(result, indent=2))
     print(f"window: {args.steps} steps, {wall:.1f} s, {chats:.0f} chat calls ({chats / wall:.1f}/s), "
           f"{episodes:.0f} episodes ({episodes / wall:.2f}/s), busy CPU {busy:.1f} s")

@@ -1,15 +1,16 @@
-"""What the HTTP services (engine, proxy) share: the body-size limit and the keep-alive rule.
+"""What the HTTP services (engine, proxy) share: the body-size limit, the keep-alive rule, a direct route.
 
 :class:`BodyLimit` answers 413 for request bodies over a limit, declared or actually
 sent; the body (at most ``max_bytes``) is read here and replayed to the app, so a
 route never sees a partial body and a client cannot stream past the limit by lying
-in Content-Length.
+in Content-Length. :class:`DirectRoute` takes one hot route past FastAPI's inner layers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -62,3 +63,43 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class DirectRoute:
+    """``POST path`` answered by ``endpoint(request)`` right here; every other request goes on to the app.
+
+    Why: between the user middleware and an endpoint, FastAPI runs its exception middleware, an
+    exit stack, the router's match over every route, the route's request handler and its
+    dependency solving; on the proxy's chat route that was about a tenth of the proxy's CPU
+    (docs/benchmarks.md) for an endpoint that takes the bare :class:`Request` and returns a
+    :class:`Response`. Added as the innermost middleware, so the outer ones (body limit,
+    request counter, the 500 handler) still wrap it. An exception of a type in ``errors`` is
+    answered by ``on_error`` (the app's handler for it); anything else propagates to the
+    app's 500 handler, as from a routed endpoint. The route should stay registered on the
+    app too (schema, other methods: 405).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        path: str,
+        endpoint: Callable[[Request], Awaitable[Response]],
+        errors: tuple[type[Exception], ...],
+        on_error: Callable[[Request, Exception], Awaitable[Response]],
+    ) -> None:
+        self.app = app
+        self.path = path
+        self.endpoint = endpoint
+        self.errors = errors
+        self.on_error = on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != self.path or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive, send)
+        try:
+            response = await self.endpoint(request)
+        except self.errors as exc:
+            response = await self.on_error(request, exc)
+        await response(scope, receive, send)

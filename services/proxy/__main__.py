@@ -15,7 +15,7 @@ def main() -> None:
     settings = load(ProxySettings)
     log.configure("proxy", settings.log_level, settings.log_json)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
+                access_log=False, timeout_keep_alive=KEEP_ALIVE_S, proxy_headers=False,  # no client address is read
                 timeout_graceful_shutdown=settings.shutdown_timeout_s)
 
 

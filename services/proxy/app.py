@@ -3,7 +3,9 @@
 Reads like a table of contents: the lifespan builds the engine connection pools, the engine
 handles, the Kafka publisher, the pause controller and the :class:`ProxyService`
 (no module globals; each app instance owns its own). Routes parse HTTP and call
-the service. Errors are mapped to HTTP in one place (:func:`_install_error_handlers`):
+the service; the chat route, the hot one, is answered by a :class:`~shared.http_server.DirectRoute`
+past FastAPI's per-route layers. Errors are mapped to HTTP in one place (:func:`_install_error_handlers`,
+whose ``ReinError`` handler the direct route uses too):
 every :class:`shared.errors.ReinError` becomes ``{"detail": {...}}`` with its status,
 validation errors become 422 naming the field, anything else a logged 500.
 """
@@ -26,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.proxy.engine_client import EngineHandle, Sampling
+from services.proxy.engine_client import EngineHandle, NetworkBackend, Sampling
 from services.proxy.generation import PauseController
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.openai_api import (
@@ -53,7 +55,7 @@ from shared.errors import (
     Unauthorized,
     http_body,
 )
-from shared.http_server import BodyLimit
+from shared.http_server import BodyLimit, DirectRoute
 from shared.lender import Lender
 from shared.model import load_family
 
@@ -72,9 +74,10 @@ def create_app(settings: ProxySettings) -> FastAPI:
         timeouts = {"connect": settings.engine_connect_timeout_s, "read": settings.engine_timeout_s,
                     "write": settings.engine_timeout_s, "pool": settings.engine_timeout_s}
         tls = httpx.create_ssl_context()  # one for every pool: each would load the CA bundle (~50 ms)
+        backend = NetworkBackend()
         clients = Lender(lambda: httpcore.AsyncConnectionPool(
             ssl_context=tls, max_connections=None, max_keepalive_connections=len(settings.engine_urls),
-            keepalive_expiry=5.0,
+            keepalive_expiry=5.0, network_backend=backend,
         ))
         try:
             engines = [EngineHandle(url, clients, settings.context_window, settings.engine_connect_timeout_s, timeouts)
@@ -108,9 +111,10 @@ def create_app(settings: ProxySettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         service: ProxyService = request.state.service
-        ids = _call_ids(request)
+        headers = _Headers(request.scope["headers"])
+        ids = _call_ids(headers)
         body = _parse(ChatRequest, await request.body())
-        soft = settings.soft_reject or request.headers.get("x-rein-soft-reject", "").strip().lower() in _TRUE
+        soft = settings.soft_reject or headers.get(b"x-rein-soft-reject").strip().lower() in _TRUE
         sampling = Sampling(
             temperature=body.temperature if body.temperature is not None else settings.temperature,
             top_p=body.top_p if body.top_p is not None else 1.0,
@@ -187,6 +191,9 @@ def create_app(settings: ProxySettings) -> FastAPI:
         body, content_type = metrics.render(proxy_metrics.registry)
         return Response(body, media_type=content_type)
 
+    # the chat route, routed above as well, is answered past FastAPI's per-route layers (inside these two)
+    app.add_middleware(DirectRoute, path="/v1/chat/completions", endpoint=chat_completions, errors=(ReinError,),
+                       on_error=_rein_error)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, reject=_too_large)
     app.add_middleware(RequestCounter)
     return app
@@ -220,20 +227,32 @@ async def _expire_idle_sessions(service: ProxyService) -> None:
             _log.exception("idle_sweep_failed")
 
 
-def _call_ids(request: Request) -> CallIds:
-    headers = request.headers
-    session_id = headers.get("x-session-id", "").strip()
+class _Headers:
+    """A request's headers by name, read in one pass: Starlette's ``Headers.get`` scans them all per lookup
+    and raises inside for an absent one, and the openai client sends a dozen. First occurrence wins, as there;
+    names are lowercase in ASGI."""
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self._by_name = dict(reversed(raw))
+
+    def get(self, name: bytes, default: str = "") -> str:
+        value = self._by_name.get(name)
+        return default if value is None else value.decode("latin-1")
+
+
+def _call_ids(headers: _Headers) -> CallIds:
+    session_id = headers.get(b"x-session-id").strip()
     if not session_id:
         raise MissingHeader("header X-Session-Id is required: one id per agent conversation", header="X-Session-Id")
-    attempt_text = headers.get("x-attempt", "0").strip() or "0"
+    attempt_text = headers.get(b"x-attempt", "0").strip() or "0"
     if not (attempt_text.isascii() and attempt_text.isdigit()):  # '²'.isdigit() but int('²') fails
         raise InvalidRequest(f"header X-Attempt must be an integer >= 0, got {attempt_text!r}",
                              fields=[{"field": "X-Attempt", "message": "not an integer >= 0"}])
     return CallIds(
         session_id=session_id,
-        group_id=headers.get("x-group-id", "").strip(),
-        turn_id=headers.get("x-turn-id", "").strip(),
-        prompt_id=headers.get("x-prompt-id", "").strip(),
+        group_id=headers.get(b"x-group-id").strip(),
+        turn_id=headers.get(b"x-turn-id").strip(),
+        prompt_id=headers.get(b"x-prompt-id").strip(),
         attempt=int(attempt_text),
     )
 
@@ -266,14 +285,15 @@ def _require_admin(request: Request, token: str) -> None:
 # --------------------------------------------------------------------------- errors and middleware
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    async def rein_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, ReinError)
-        if exc.status >= 500:
-            _log.warning("request_failed", path=request.url.path, status=exc.status, error=exc.code,
-                         message=exc.message)
-        return JSONResponse(http_body(exc), status_code=exc.status)
+async def _rein_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ReinError)
+    if exc.status >= 500:
+        _log.warning("request_failed", path=request.url.path, status=exc.status, error=exc.code,
+                     message=exc.message)
+    return JSONResponse(http_body(exc), status_code=exc.status)
 
+
+def _install_error_handlers(app: FastAPI) -> None:
     async def validation_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         fields = [{"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]} for err in exc.errors()]
@@ -283,7 +303,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         _log.error("unhandled_error", path=request.url.path, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         return JSONResponse(http_body(ReinError(f"internal error: {type(exc).__name__}")), status_code=500)
 
-    app.add_exception_handler(ReinError, rein_error)
+    app.add_exception_handler(ReinError, _rein_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, unexpected)
 

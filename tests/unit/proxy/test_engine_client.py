@@ -10,7 +10,7 @@ from typing import Any
 import httpcore
 import pytest
 
-from services.proxy.engine_client import EngineHandle, context_window_of
+from services.proxy.engine_client import EngineHandle, NetworkBackend, context_window_of
 from shared.errors import EngineError
 from shared.lender import Lender
 
@@ -82,3 +82,46 @@ def test_missing_fields_and_routes_are_clear_errors() -> None:
     no_server_info, _ = handle({"/get_model_info": SGLANG_MODEL_INFO})
     with pytest.raises(EngineError, match="404 on /get_server_info"):
         asyncio.run(no_server_info.window())
+
+
+def test_an_idle_connection_the_engine_closed_is_seen_and_not_reused() -> None:
+    """The idle check of :class:`NetworkBackend`'s streams sees the server's close (loopback socket)."""
+
+    async def scenario() -> tuple[list[tuple[bool, bool]], list[int], int]:
+        connections = 0
+        close_now, closed = asyncio.Event(), asyncio.Event()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            connections += 1
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
+            await writer.drain()
+            await close_now.wait()  # the connection stays open (idle in the pool) until the test says
+            writer.close()
+            await writer.wait_closed()
+            closed.set()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/get_model_info"
+        expired: list[tuple[bool, bool]] = []
+        statuses: list[int] = []
+        async with server, httpcore.AsyncConnectionPool(network_backend=NetworkBackend()) as pool:
+            for _ in range(2):
+                close_now.clear()
+                closed.clear()
+                statuses.append((await pool.request("GET", url)).status)
+                [connection] = pool.connections
+                open_ = connection.has_expired()
+                close_now.set()
+                await asyncio.wait_for(closed.wait(), 5)
+                for _ in range(500):  # the FIN crosses loopback at once; bounded in any case
+                    if connection.has_expired():
+                        break
+                    await asyncio.sleep(0.001)
+                expired.append((open_, connection.has_expired()))
+        return expired, statuses, connections
+
+    expired, statuses, connections = asyncio.run(scenario())
+    assert expired == [(False, True), (False, True)]  # not expired while the server holds it, expired once closed
+    assert statuses == [200, 200] and connections == 2  # the second call did not reuse the closed connection
