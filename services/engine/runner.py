@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,6 +186,7 @@ class EngineRunner:
         """Load a checkpoint off the event loop and serve it from the next decode step."""
         async with self._update_lock:
             path = self.resolve_weights_path(model_path)
+            started = time.monotonic()
             try:
                 ckpt = await asyncio.to_thread(self._loader, path, self._device)
             except (checkpoint.CheckpointError, ModelError, OSError) as exc:
@@ -198,5 +200,6 @@ class EngineRunner:
                           model_path=str(path))
             old = self.batcher.swap_weights(new)
             self._log.info("weights updated", old_version=old.version, weight_version=version,
-                           digest=ckpt.digest, model_path=str(path), aborted=len(aborted))
+                           digest=ckpt.digest, model_path=str(path), aborted=len(aborted),
+                           load_s=round(time.monotonic() - started, 4))
             return UpdateResult(version=version, digest=ckpt.digest, model_path=str(path), aborted=aborted)

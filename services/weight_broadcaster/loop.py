@@ -181,19 +181,23 @@ class Broadcaster:
             updated: list[EngineAnswer] | None = None
             applied_ok = False
             pause_id = new_id("pause")
+            marks: dict[str, float] = {}
             try:
                 self.metrics.pause_rounds.inc()
                 answers = list(self._pool.map(
                     partial(self._pause_one, reason=f"weights {event.version}", pause_id=pause_id), self.s.proxy_urls
                 ))
+                marks["pause"] = time.monotonic()
                 decision = after_pause(answers, attempt, self.s.max_pause_attempts)
                 lost = self._renew_all(pause_id) if decision.action is PauseAction.UPDATE else []
+                marks["renew"] = time.monotonic()
                 for proxy in decision.unquiesced:
                     self.metrics.unquiesced.labels(proxy=proxy).inc()
                 unquiesced = decision.unquiesced + lost
                 if decision.action is PauseAction.UPDATE and not lost:
                     with _LeaseKeeper(partial(self._renew_all, pause_id), self.s.pause_lease_s / 3):
                         updated = self._update_all(event)
+                    marks["update"] = time.monotonic()
                     applied_ok = all(a.ok for a in updated)
                 else:
                     _log.warning("pause_not_quiesced", version=event.version, attempt=attempt,
@@ -201,6 +205,9 @@ class Broadcaster:
                                  errors=[a.error for a in answers if a.error])
             finally:
                 self._resume_all(event.version if applied_ok else None, pause_id)
+                marks["resume"] = time.monotonic()
+                _log.info("update_round", version=event.version, attempt=attempt, pause_id=pause_id,
+                          **_phases(started, marks))
             if updated is not None:
                 failed = [a.engine for a in updated if not a.ok]
                 if failed:
@@ -308,6 +315,18 @@ class Broadcaster:
             latest = latest_applied(weights)
             if latest is not None:
                 self._applied(latest)
+
+
+def _phases(started: float, marks: dict[str, float]) -> dict[str, float]:
+    """Seconds each phase of a round took, as the broadcaster saw it (``pause_s``: until every
+    answer was in; then ``renew_s``, ``update_s``, ``resume_s``), and ``total_s``."""
+    out: dict[str, float] = {}
+    last = started
+    for name, at in marks.items():
+        out[f"{name}_s"] = round(at - last, 4)
+        last = at
+    out["total_s"] = round(last - started, 4)
+    return out
 
 
 class _LeaseKeeper:
