@@ -165,6 +165,14 @@ class EngineRunner:
             self._wake.set()  # one more step frees their KV cache rows even if nothing else runs
         return [req.rid for req in aborted]
 
+    def abort_rids(self, rids: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Abort every active request among ``rids`` now: the rids aborted, and those already finished."""
+        aborted, finished = self.batcher.abort_rids(rids)
+        self._resolve(aborted)
+        if aborted:
+            self._wake.set()
+        return [req.rid for req in aborted], finished
+
     def finished(self, rid: str) -> bool:
         """True when ``rid`` already finished here (and is not running again)."""
         return self.batcher.finished(rid)

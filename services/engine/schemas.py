@@ -51,6 +51,14 @@ class AbortBody(BaseModel):
     abort_all: bool = False
 
 
+class AbortManyBody(BaseModel):
+    """rein's ``/abort_requests``: many rids in one call (SGLang has no such route)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rids: list[str] = Field(max_length=65536)
+
+
 class UpdateWeightsBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

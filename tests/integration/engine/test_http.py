@@ -110,6 +110,32 @@ def test_abort_mid_generation_returns_partial(engine: Engine) -> None:
     run(body)
 
 
+def test_abort_requests_ends_many_rids_in_one_call(engine: Engine) -> None:
+    """rein's ``/abort_requests``: running rids aborted now (partial answers), a finished one reported
+    as finished, an unknown one in neither list, a repeated rid once."""
+
+    async def body() -> None:
+        tag = uuid.uuid4().hex
+        running = [f"many-{i}-{tag}" for i in range(3)]
+        done, never = f"done-{tag}", f"never-{tag}"
+        async with httpx.AsyncClient(base_url=engine.url, timeout=30) as client:
+            assert (await client.post("/generate", json=slow_body(done, max_new_tokens=1))).status_code == 200
+            pending = [asyncio.create_task(client.post("/generate", json=slow_body(rid))) for rid in running]
+            for rid in running:
+                await wait_generating(client, rid)
+            r = await client.post("/abort_requests", json={"rids": [*running, done, never, running[0]]})
+            outs = [(await p).json() for p in pending]
+            bad = await client.post("/abort_requests", json={"rid": running[0]})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"success": True, "aborted": running, "finished": [done]}
+        for out in outs:
+            assert out["meta_info"]["finish_reason"]["type"] == "abort"
+            assert 0 < out["meta_info"]["completion_tokens"] < 50
+        assert bad.status_code == 422
+
+    run(body)
+
+
 def test_update_weights_mid_generation(engine: Engine) -> None:
     version = f"v-{uuid.uuid4().hex[:8]}"
     dig = checkpoint.save(engine.weights_dir / f"{version}.pt", init_policy(CFG, 11), CFG, version=version, step=11)
