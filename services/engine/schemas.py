@@ -59,6 +59,14 @@ class AbortManyBody(BaseModel):
     rids: list[str] = Field(max_length=65536)
 
 
+class StageWeightsBody(BaseModel):
+    """rein's ``/stage_weights``: read a checkpoint ahead of ``/update_weights_from_disk``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(min_length=1)
+
+
 class UpdateWeightsBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

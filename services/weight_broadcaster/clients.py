@@ -103,6 +103,17 @@ class ControlClient:
         return EngineAnswer(engine=engine, ok=True, weight_version=real_version(data["weight_version"]),
                             digest=None if digest is None else str(digest), served=True)
 
+    def stage(self, engine: str, model_path: str, timeout_s: float) -> str | None:
+        """Ask ``engine`` to read ``model_path`` ahead of its update (rein's ``/stage_weights``):
+        empty string when it did, None when it has no such route (404/405: SGLang), else the error."""
+        try:
+            resp = self._http.post(f"{engine}/stage_weights", json={"model_path": model_path}, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            return str(exc) or type(exc).__name__
+        if resp.status_code in (404, 405):
+            return None
+        return "" if resp.status_code // 100 == 2 else _error(resp)
+
     def model_info(self, engine: str) -> EngineAnswer:
         """What ``engine`` serves: ``weight_version`` (required) and rein's ``digest`` (None if absent)."""
         try:

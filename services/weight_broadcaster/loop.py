@@ -9,7 +9,8 @@ registry before loading it (as every collector replica does from the same topic:
 Per poll: register every new version in sequence order; of the versions in the
 poll only the newest is loaded (older ones are superseded). For that version:
 skip it if the engines already serve something newer, re-announce it if they
-already serve it (a replay after a crash), else: pause every proxy (with a pause
+already serve it (a replay after a crash), else: have every engine that can read the
+checkpoint ahead (rein's ``/stage_weights``; the proxies still run) → pause every proxy (with a pause
 id and a lease) → if any did not quiesce, resume all, back off and retry (bounded,
 then give the version up) → renew the pause on every proxy (one that no longer
 holds it, its lease ran out, counts as unquiesced) → load it on every engine, renewing
@@ -124,6 +125,8 @@ class Broadcaster:
         self.applied_seq: int | None = None
         self.latest: WeightPublished | None = None
         """The newest version applied: what :meth:`reconcile` puts back on an engine that lost it."""
+        self._no_stage: set[str] = set()
+        """Engines without rein's ``/stage_weights`` (SGLang): not asked again."""
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(settings.proxy_urls), len(settings.engine_urls)),
                                         thread_name_prefix="broadcast")
 
@@ -175,6 +178,7 @@ class Broadcaster:
             self._applied(event)
             return Outcome(event.version, event.seq, "already_applied")
 
+        self._stage_all(event)
         unquiesced: list[str] = []
         for attempt in range(1, self.s.max_pause_attempts + 1):
             started = time.monotonic()
@@ -221,6 +225,18 @@ class Broadcaster:
             ):
                 break  # stopping: leave the version for the next run (offset not committed past it)
         return Outcome(event.version, event.seq, "unquiesced", unquiesced=unquiesced)
+
+    def _stage_all(self, event: WeightPublished) -> None:
+        """Have every engine that can (rein's) read the checkpoint before the proxies are paused, so
+        the update inside the pause only swaps it in. Best effort: an engine that failed to stage
+        reads the file in the update, which reports any real problem."""
+        engines = [e for e in self.s.engine_urls if e not in self._no_stage]
+        answers = self._pool.map(lambda e: self.client.stage(e, event.path, self.s.update_timeout_s), engines)
+        for engine, error in zip(engines, answers, strict=True):
+            if error is None:
+                self._no_stage.add(engine)
+            elif error:
+                _log.warning("stage_failed", engine=engine, version=event.version, error=error)
 
     def _update_all(self, event: WeightPublished) -> list[EngineAnswer]:
         def one(engine: str) -> EngineAnswer:

@@ -36,6 +36,10 @@ class FakeClient:
     """True: updates succeed but keep the old label (an engine ignoring ``weight_version``)."""
     update_says_served: bool = False
     """True: the update's answer says what the engine serves now (rein's engine)."""
+    stages: bool = False
+    """True: engines take ``/stage_weights`` (rein's; the calls are logged); False: 404, as SGLang."""
+    stage_asks: list[str] = field(default_factory=list)
+    """Every engine asked to stage, logged or not."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _log(self, *call: str) -> None:
@@ -68,6 +72,14 @@ class FakeClient:
         served = self.engine_version.get(engine, "v0")
         return EngineAnswer(engine, ok=True, weight_version=served,
                             digest=self.digest.get(f"/w/{served}.pt", "d-initial"), served=True)
+
+    def stage(self, engine: str, model_path: str, timeout_s: float) -> str | None:
+        with self._lock:
+            self.stage_asks.append(engine)
+        if not self.stages:
+            return None
+        self._log("stage", engine, model_path)
+        return ""
 
     def model_info(self, engine: str) -> EngineAnswer:
         with self._lock:
@@ -301,3 +313,23 @@ def test_a_pause_lost_before_the_update_means_no_update_and_another_round() -> N
     assert len(set(client.pause_ids)) == 2  # one id per round
     assert _value(b, "rein_broadcaster_pause_leases_lost_total", proxy="http://p1") == 1.0
     assert [r.version for r in producer.sent if isinstance(r, WeightApplied)] == ["v1"]
+
+
+def test_engines_that_can_stage_read_the_checkpoint_before_the_pause() -> None:
+    """rein's engines are asked to stage each version before any proxy is paused; engines without
+    the route (SGLang's 404) are asked once, then never again."""
+    b, client, _, _ = make([True])
+    client.stages = True
+    b.handle([ev(1)])
+    assert [c[0] for c in client.calls] == ["stage", "stage", "pause", "pause", "renew", "renew",
+                                            "update", "update", "resume", "resume"]
+    assert {c for c in client.calls if c[0] == "stage"} == {("stage", "http://e1", "/w/v1.pt"),
+                                                            ("stage", "http://e2", "/w/v1.pt")}
+    b.close()
+
+    b, client, _, _ = make([True])
+    b.handle([ev(1)])
+    b.handle([ev(2)])
+    assert sorted(client.stage_asks) == ["http://e1", "http://e2"]
+    assert [o.outcome for o in b.handle([ev(3)])] == ["applied"]
+    b.close()
