@@ -88,6 +88,10 @@ class BroadcasterMetrics:
             "Engine update calls that failed or after which the engine did not serve the version", ("engine",))
         self.resume_failures = metrics.counter(registry, "broadcaster/resume_failures", "Resume calls that failed",
                                                ("proxy",))
+        self.staged_updates = metrics.counter(
+            registry, "broadcaster/staged_updates",
+            "Engine updates that swapped in the checkpoint staged before the pause (no read while paused)",
+            ("engine",))
         self.applied_seq = metrics.gauge(registry, "broadcaster/applied_seq", "Sequence of the newest applied version")
         self.update_seconds = metrics.gauge(registry, "broadcaster/update_seconds",
                                             "Pause-to-resume time of the last applied version")
@@ -247,6 +251,8 @@ class Broadcaster:
                 if answer.ok:
                     answer = self._verify(engine, event, answer)
                 if answer.ok:
+                    if answer.staged:
+                        self.metrics.staged_updates.labels(engine=engine).inc()
                     return answer
                 self.metrics.update_failures.labels(engine=engine).inc()
                 _log.error("engine_update_failed", engine=engine, version=event.version, attempt=attempt,

@@ -71,7 +71,7 @@ class FakeClient:
             return EngineAnswer(engine, ok=True)
         served = self.engine_version.get(engine, "v0")
         return EngineAnswer(engine, ok=True, weight_version=served,
-                            digest=self.digest.get(f"/w/{served}.pt", "d-initial"), served=True)
+                            digest=self.digest.get(f"/w/{served}.pt", "d-initial"), served=True, staged=self.stages)
 
     def stage(self, engine: str, model_path: str, timeout_s: float) -> str | None:
         with self._lock:
@@ -319,12 +319,13 @@ def test_engines_that_can_stage_read_the_checkpoint_before_the_pause() -> None:
     """rein's engines are asked to stage each version before any proxy is paused; engines without
     the route (SGLang's 404) are asked once, then never again."""
     b, client, _, _ = make([True])
-    client.stages = True
+    client.stages = client.update_says_served = True
     b.handle([ev(1)])
     assert [c[0] for c in client.calls] == ["stage", "stage", "pause", "pause", "renew", "renew",
                                             "update", "update", "resume", "resume"]
     assert {c for c in client.calls if c[0] == "stage"} == {("stage", "http://e1", "/w/v1.pt"),
                                                             ("stage", "http://e2", "/w/v1.pt")}
+    assert _value(b, "rein_broadcaster_staged_updates_total", engine="http://e1") == 1.0
     b.close()
 
     b, client, _, _ = make([True])
