@@ -222,10 +222,10 @@ async def _abort_until_released(
 ) -> None:
     """Abort one engine's ``requests`` until each is stopped: an abort the engine confirms stops a
     request at once; one only accepted waits for its release; a rid the engine did not know yet
-    (the abort overtook its ``/generate``) is sent again with backoff, alone with the others in
-    that case. Bounded by ``deadline``."""
+    (the abort overtook its ``/generate``) is sent again with backoff, in one call with any other
+    such rid. Bounded by ``deadline``."""
     delay = first_delay
-    send = list(requests)
+    send = [r for r in requests if not r.stopped.is_set()]
     while send:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
