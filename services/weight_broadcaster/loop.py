@@ -12,9 +12,9 @@ skip it if the engines already serve something newer, re-announce it if they
 already serve it (a replay after a crash), else: have every engine that can read the
 checkpoint ahead (rein's ``/stage_weights``; the proxies still run) → pause every proxy (with a pause
 id and a lease) → if any did not quiesce, resume all, back off and retry (bounded,
-then give the version up) → renew the pause on every proxy (one that no longer
-holds it, its lease ran out, counts as unquiesced) → load it on every engine, renewing
-the lease meanwhile, and check what each then serves (the label, and the digest where the
+then give the version up) → if the round took over a third of the lease, renew the pause
+on every proxy (one that no longer holds it, its lease ran out, counts as unquiesced) → load
+it on every engine, renewing the lease meanwhile, and check what each then serves (the label, and the digest where the
 engine reports one: from rein's update answer, else ``/get_model_info``) → resume every
 proxy (always, in ``finally``, naming the pause; with the version when it was applied) → publish
 ``WeightApplied``. Killed mid-update, the proxies resume by themselves when the lease
@@ -49,6 +49,7 @@ from services.weight_broadcaster.decide import (
     latest_applied,
     not_served,
     plan_events,
+    renew_before_update,
 )
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import log, metrics
@@ -197,7 +198,9 @@ class Broadcaster:
                 ))
                 marks["pause"] = time.monotonic()
                 decision = after_pause(answers, attempt, self.s.max_pause_attempts)
-                lost = self._renew_all(pause_id) if decision.action is PauseAction.UPDATE else []
+                renew = decision.action is PauseAction.UPDATE and renew_before_update(
+                    marks["pause"] - started, self.s.pause_lease_s)
+                lost = self._renew_all(pause_id) if renew else []
                 marks["renew"] = time.monotonic()
                 for proxy in decision.unquiesced:
                     self.metrics.unquiesced.labels(proxy=proxy).inc()
