@@ -30,9 +30,11 @@ waited_s``, reopened at ``resumed``)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -212,6 +214,8 @@ def main() -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (controls comparison)")
     p.add_argument("--demo-flag", action="append", default=[],
                    help="a flag of make demo for --compare demo, e.g. --demo-flag=--concurrent-groups=8")
+    p.add_argument("--keep-logs", type=Path, default=None,
+                   help="--compare demo: copy the stack's logs here before its run directory is removed")
     args = p.parse_args()
     if args.compare in ("controls", "learning"):
         return compare_controls(args)
@@ -319,6 +323,25 @@ def pause_stalls(lines: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+def update_phases(lines: list[str]) -> dict[str, dict[str, float]]:
+    """p50 / p99 ms of each phase of an applied update as the broadcaster saw it (its ``update_round``
+    lines: every pause answer in, the renewal, the engines' update, every resume answer in)."""
+    rounds: list[dict[str, Any]] = []
+    for line in lines:
+        if line.startswith("{") and '"update_round"' in line:
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                if "update_s" in rec:
+                    rounds.append(rec)
+    out: dict[str, dict[str, float]] = {}
+    for key in ("pause_s", "renew_s", "update_s", "resume_s", "total_s"):
+        ordered = sorted(float(r[key]) * 1e3 for r in rounds if key in r)
+        if ordered:
+            p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+            out[key.removesuffix("_s")] = {"p50_ms": round(statistics.median(ordered), 1), "p99_ms": round(p99, 1)}
+    return out
+
+
 def stall_summary(stalls: list[dict[str, Any]]) -> dict[str, Any]:
     ms = [s["stall_ms"] for s in stalls]
     if not ms:
@@ -341,7 +364,9 @@ def demo_config(steps: int, seed: int, run_dir: Path, demo_flags: Sequence[str] 
     )
 
 
-def run_demo(steps: int, seed: int, root: Path, timeout_s: float, demo_flags: Sequence[str] = ()) -> dict[str, Any]:
+def run_demo(
+    steps: int, seed: int, root: Path, timeout_s: float, demo_flags: Sequence[str] = (), keep_logs: Path | None = None
+) -> dict[str, Any]:
     """The demo stack for ``steps`` steps: throughput and CPU split from the end of step 1 to the end of
     step N, and the stall of every weight update of the run (v1..vN; it waits, bounded, for vN to be served)."""
     config = demo_config(steps, seed, root / "demo", demo_flags)
@@ -370,6 +395,8 @@ def run_demo(steps: int, seed: int, root: Path, timeout_s: float, demo_flags: Se
         served = _wait_served(proxy_log, f"v{steps}", timeout_s=30)
     finally:
         local.stop()
+        if keep_logs is not None:
+            shutil.copytree(config.run_dir / "logs", keep_logs, dirs_exist_ok=True)
     assert before is not None
     rows = rows_so_far(local.trainer_metrics)[:steps]
     ts = [float(r["ts"]) for r in rows]
@@ -390,6 +417,8 @@ def run_demo(steps: int, seed: int, root: Path, timeout_s: float, demo_flags: Se
         "bench_cpu_s": round(bench_cpu, 3),
         "stall": stall_summary(stalls),
         "stalls": stalls,
+        "update_phases": update_phases(
+            (config.run_dir / "logs" / "broadcaster.log").read_text(errors="replace").splitlines()),
         "last_version_served": served,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(config).items()},
     }
@@ -415,7 +444,7 @@ def compare_demo(args: argparse.Namespace) -> int:
     the ratio uses the mean of its two rates."""
     before = inprocess.run(steps=args.steps, seed=args.seed)
     with tempfile.TemporaryDirectory(prefix="rein-bench-") as tmp:
-        demo = run_demo(args.steps, args.seed, Path(tmp), args.timeout_s, args.demo_flag)
+        demo = run_demo(args.steps, args.seed, Path(tmp), args.timeout_s, args.demo_flag, args.keep_logs)
     after = inprocess.run(steps=args.steps, seed=args.seed)
     rates = [r["episodes_per_s"] for r in (before, after) if r["episodes_per_s"]]
     reference = {k: v for k, v in before.items() if k != "rows"}
@@ -438,6 +467,9 @@ def compare_demo(args: argparse.Namespace) -> int:
     st = demo["stall"]
     print(f"\npause stall per weight update ({st['updates']} updates): p50 {st['p50_ms']} ms, "
           f"p99 {st['p99_ms']} ms, max {st['max_ms']} ms")
+    if demo["update_phases"]:
+        print("as the broadcaster saw it, p50 / p99 ms: " + ", ".join(
+            f"{k} {v['p50_ms']} / {v['p99_ms']}" for k, v in demo["update_phases"].items()))
     out = {"pipeline": demo, "inprocess": reference, "pipeline_over_inprocess": ratio}
     args.out.write_text(json.dumps(out, indent=2, default=str))
     print(f"written {args.out}")

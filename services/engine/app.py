@@ -21,7 +21,14 @@ from prometheus_client import CollectorRegistry, Histogram
 from services.engine.batcher import AdmissionError, Batcher, SamplingParams, StepReport, Weights, limits
 from services.engine.batcher import Request as EngineRequest
 from services.engine.runner import EngineRunner, EngineUnavailableError, WeightUpdateError
-from services.engine.schemas import AbortBody, GenerateBody, UpdateWeightsBody, generate_response
+from services.engine.schemas import (
+    AbortBody,
+    AbortManyBody,
+    GenerateBody,
+    StageWeightsBody,
+    UpdateWeightsBody,
+    generate_response,
+)
 from services.engine.settings import EngineSettings
 from shared import log, metrics
 from shared.http_server import BodyLimit
@@ -182,6 +189,27 @@ def create_app(settings: EngineSettings) -> FastAPI:
         finished = [body.rid] if body.rid and not aborted and runner.finished(body.rid) else []
         return {"success": bool(aborted), "aborted": aborted, "finished": finished}
 
+    @app.post("/abort_requests")
+    async def abort_requests(body: AbortManyBody, request: Request) -> dict[str, Any]:
+        """rein's extension: ``/abort_request``'s exact-rid abort for many rids in one call, answered
+        as it is (``aborted`` now, ``finished`` already; any other rid is unknown here). A pausing
+        proxy stops all its requests on this engine with one round trip instead of one per request."""
+        runner: EngineRunner = request.state.runner
+        aborted, finished = runner.abort_rids(body.rids)
+        return {"success": bool(aborted), "aborted": aborted, "finished": finished}
+
+    @app.post("/stage_weights")
+    async def stage_weights(body: StageWeightsBody, request: Request) -> JSONResponse:
+        """rein's extension: read and verify ``model_path`` now, while serving, so that the
+        ``/update_weights_from_disk`` naming it (unchanged) only swaps it in. A broadcaster calls
+        it before pausing the proxies; SGLang has no such route (404), and its update reads the file."""
+        runner: EngineRunner = request.state.runner
+        try:
+            loaded = await runner.stage_weights(body.model_path)
+        except WeightUpdateError as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+        return JSONResponse({"success": True, "weight_version": loaded.version, "digest": loaded.digest})
+
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsBody, request: Request) -> dict[str, Any]:
         runner: EngineRunner = request.state.runner
@@ -193,10 +221,12 @@ def create_app(settings: EngineSettings) -> FastAPI:
             "success": True,
             "message": f"Loaded {result.model_path}. Weight version updated to {result.version}.",
             "num_paused_requests": 0,
-            # rein's extras: what is served now, and the requests abort_all_requests ended
+            # rein's extras: what is served now, the requests abort_all_requests ended, and whether
+            # the checkpoint had been staged (read ahead)
             "weight_version": result.version,
             "digest": result.digest,
             "aborted": result.aborted,
+            "staged": result.staged,
         }
 
     @app.get("/get_model_info")

@@ -261,6 +261,21 @@ class Batcher:
                 self._finish(req, "abort")
             return targets
 
+    def abort_rids(self, rids: Iterable[str]) -> tuple[list[Request], list[str]]:
+        """Finish every active request among ``rids`` as ``abort``, in one hold of the lock: the
+        requests aborted now, and the rids that had already finished here (the rest are unknown)."""
+        with self._lock:
+            aborted: list[Request] = []
+            finished: list[str] = []
+            for rid in dict.fromkeys(rids):
+                req = self._active.get(rid)
+                if req is not None:
+                    self._finish(req, "abort")
+                    aborted.append(req)
+                elif rid in self._finished:
+                    finished.append(rid)
+            return aborted, finished
+
     def finished(self, rid: str) -> bool:
         """True when a request with this rid finished here recently and none with it is active."""
         with self._lock:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,22 @@ class UpdateResult:
     digest: str
     model_path: str
     aborted: list[str]
+    staged: bool
+    """The checkpoint had been read ahead by ``/stage_weights``."""
+
+
+@dataclass(frozen=True)
+class _Staged:
+    path: Path
+    stamp: tuple[tuple[str, int, int], ...]
+    loaded: Loaded
+
+
+def _stamp(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """Name, size and mtime of the checkpoint's file (or of each file of its directory): a staged
+    checkpoint is used only while these are unchanged."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return tuple((str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in files)
 
 
 class EngineRunner:
@@ -78,6 +95,7 @@ class EngineRunner:
         self._waiters: dict[Request, asyncio.Future[Request]] = {}
         self._wake = asyncio.Event()
         self._update_lock = asyncio.Lock()
+        self._staged: _Staged | None = None
         self._task: asyncio.Task[None] | None = None
         self.error: BaseException | None = None
 
@@ -164,6 +182,14 @@ class EngineRunner:
             self._wake.set()  # one more step frees their KV cache rows even if nothing else runs
         return [req.rid for req in aborted]
 
+    def abort_rids(self, rids: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Abort every active request among ``rids`` now: the rids aborted, and those already finished."""
+        aborted, finished = self.batcher.abort_rids(rids)
+        self._resolve(aborted)
+        if aborted:
+            self._wake.set()
+        return [req.rid for req in aborted], finished
+
     def finished(self, rid: str) -> bool:
         """True when ``rid`` already finished here (and is not running again)."""
         return self.batcher.finished(rid)
@@ -179,24 +205,47 @@ class EngineRunner:
             raise WeightUpdateError(f"model_path {model_path!r} does not exist (resolved to {resolved})")
         return resolved
 
+    async def stage_weights(self, model_path: str) -> Loaded:
+        """Read and verify a checkpoint ahead of its update (rein's ``/stage_weights``), while the
+        engine keeps serving: an update naming the same unchanged file then only swaps it in, so
+        the proxies' pause waits for the swap, not for the read. One staged checkpoint at a time."""
+        path = self.resolve_weights_path(model_path)
+        stamp = _stamp(path)
+        loaded = await self._load(path)
+        self._staged = _Staged(path, stamp, loaded)
+        return loaded
+
+    async def _load(self, path: Path) -> Loaded:
+        try:
+            ckpt = await asyncio.to_thread(self._loader, path, self._device)
+        except (checkpoint.CheckpointError, ModelError, OSError) as exc:
+            raise WeightUpdateError(str(exc)) from exc
+        vocab = limits(ckpt.model)[0]
+        if vocab != self._vocab_size:
+            raise WeightUpdateError(f"checkpoint vocab_size {vocab} != served vocab_size {self._vocab_size}")
+        return ckpt
+
     async def update_weights(
         self, model_path: str, weight_version: str | None, abort_all_requests: bool
     ) -> UpdateResult:
-        """Load a checkpoint off the event loop and serve it from the next decode step."""
+        """Serve a checkpoint from the next decode step: the one staged for this path if its file
+        did not change since, else read now off the event loop."""
         async with self._update_lock:
             path = self.resolve_weights_path(model_path)
-            try:
-                ckpt = await asyncio.to_thread(self._loader, path, self._device)
-            except (checkpoint.CheckpointError, ModelError, OSError) as exc:
-                raise WeightUpdateError(str(exc)) from exc
-            vocab = limits(ckpt.model)[0]
-            if vocab != self._vocab_size:
-                raise WeightUpdateError(f"checkpoint vocab_size {vocab} != served vocab_size {self._vocab_size}")
+            started = time.monotonic()
+            staged, self._staged = self._staged, None
+            if staged is not None and staged.path == path and staged.stamp == _stamp(path):
+                ckpt = staged.loaded
+            else:
+                staged = None
+                ckpt = await self._load(path)
             aborted = self.abort(None, abort_all=True) if abort_all_requests else []
             version = weight_version if weight_version is not None else ckpt.version
             new = Weights(model=ckpt.model, version=version, digest=ckpt.digest, step=ckpt.step,
                           model_path=str(path))
             old = self.batcher.swap_weights(new)
             self._log.info("weights updated", old_version=old.version, weight_version=version,
-                           digest=ckpt.digest, model_path=str(path), aborted=len(aborted))
-            return UpdateResult(version=version, digest=ckpt.digest, model_path=str(path), aborted=aborted)
+                           digest=ckpt.digest, model_path=str(path), aborted=len(aborted),
+                           staged=staged is not None, load_s=round(time.monotonic() - started, 4))
+            return UpdateResult(version=version, digest=ckpt.digest, model_path=str(path), aborted=aborted,
+                                staged=staged is not None)

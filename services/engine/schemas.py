@@ -51,6 +51,22 @@ class AbortBody(BaseModel):
     abort_all: bool = False
 
 
+class AbortManyBody(BaseModel):
+    """rein's ``/abort_requests``: many rids in one call (SGLang has no such route)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rids: list[str] = Field(max_length=65536)
+
+
+class StageWeightsBody(BaseModel):
+    """rein's ``/stage_weights``: read a checkpoint ahead of ``/update_weights_from_disk``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(min_length=1)
+
+
 class UpdateWeightsBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

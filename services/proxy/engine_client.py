@@ -17,6 +17,7 @@ body becomes 502 ``engine_error``.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import select
@@ -99,6 +100,8 @@ class EngineHandle:
         """Tokens of prompt + output a generation may reach: the settings', else the engine's."""
         self.requests = 0
         """Generate calls sent (for state and tests)."""
+        self.bulk_abort: bool | None = None
+        """The engine takes rein's ``/abort_requests`` (None: not tried yet; False: it has no such route)."""
 
     def observe(self, label: object) -> None:
         """Remember a real version this engine reported (unreal labels change nothing)."""
@@ -161,6 +164,28 @@ class EngineHandle:
         if rid in (data.get("finished") or ()):
             return "finished"
         return "accepted" if data.get("success", True) else "unknown"
+
+    async def abort_many(self, rids: Sequence[str], timeout_s: float) -> dict[str, AbortOutcome]:
+        """Abort every rid of ``rids``; what the engine says of each (:data:`AbortOutcome`).
+
+        rein's engine takes them in one ``/abort_requests`` call. An engine without that route
+        (SGLang: 404) is remembered as such and gets one ``/abort_request`` per rid, concurrently;
+        a rid whose call failed counts as ``unknown`` (sent again by the caller)."""
+        if self.bulk_abort is not False:
+            try:
+                data = await self._call("POST", "/abort_requests", {"rids": list(rids)}, timeout=timeout_s)
+            except EngineError as exc:
+                if exc.fields.get("engine_status") not in (404, 405):
+                    raise
+                self.bulk_abort = False
+            else:
+                self.bulk_abort = True
+                aborted = set(data.get("aborted") or ()) if isinstance(data, dict) else set()
+                finished = set(data.get("finished") or ()) if isinstance(data, dict) else set()
+                return {rid: "aborted" if rid in aborted else "finished" if rid in finished else "unknown"
+                        for rid in rids}
+        answers = await asyncio.gather(*(self.abort(rid, timeout_s) for rid in rids), return_exceptions=True)
+        return {rid: a if isinstance(a, str) else "unknown" for rid, a in zip(rids, answers, strict=True)}
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float | None) -> Any:
         content = None if body is None else json.dumps(  # as httpx encodes ``json=``

@@ -1,7 +1,8 @@
 """Preemptible generation and the pause controller (no HTTP, no Kafka here).
 
 Pause is ONE flag for the whole proxy (a weight update concerns every engine this
-proxy talks to); aborts are per request id. Lifecycle of one engine request::
+proxy talks to); aborts name request ids, every rid in flight on one engine in one call
+where the engine takes that (rein's ``/abort_requests``). Lifecycle of one engine request::
 
     admit (waits while paused) ─▶ active ─▶ stopped on the engine ─▶ engine answers ─▶ on_chunk
     (submit the chunk's records, record it, post-checks) ─▶ released (its ``done`` event fires)
@@ -31,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -78,7 +79,9 @@ ResumeStatus = Literal["resumed", "already_running", "stale"]
 """``stale``: the resume named a pause that is not the proxy's current one (refused, nothing changed)."""
 
 
-AbortFn = Callable[[ActiveRequest], Awaitable[AbortOutcome]]
+AbortFn = Callable[[Sequence[ActiveRequest]], Awaitable[Mapping[str, AbortOutcome]]]
+"""Aborts requests that all run on one engine (one call where the engine takes many rids); what
+the engine said of each rid (a rid missing from the answer counts as ``unknown``)."""
 
 
 class PauseController:
@@ -162,7 +165,11 @@ class PauseController:
         targets = self.active()
         deadline = start + timeout_s
         if targets:
-            tasks = [asyncio.create_task(_abort_until_released(t, abort, deadline, abort_retry_s)) for t in targets]
+            by_engine: dict[str, list[ActiveRequest]] = {}
+            for t in targets:
+                by_engine.setdefault(t.engine, []).append(t)
+            tasks = [asyncio.create_task(_abort_until_released(group, abort, deadline, abort_retry_s))
+                     for group in by_engine.values()]
             _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
             for task in pending:
                 task.cancel()
@@ -210,30 +217,45 @@ class PauseController:
         return "resumed" if was else "already_running"
 
 
-async def _abort_until_released(request: ActiveRequest, abort: AbortFn, deadline: float, first_delay: float) -> None:
-    """Abort ``request`` until it is stopped: an abort the engine confirms stops it at once; one only
-    accepted waits for the release; one for a rid the engine did not know yet (the abort overtook
-    the ``/generate``) is sent again with backoff. Bounded by ``deadline``."""
+async def _abort_until_released(
+    requests: Sequence[ActiveRequest], abort: AbortFn, deadline: float, first_delay: float
+) -> None:
+    """Abort one engine's ``requests`` until each is stopped: an abort the engine confirms stops a
+    request at once; one only accepted waits for its release; a rid the engine did not know yet
+    (the abort overtook its ``/generate``) is sent again with backoff, in one call with any other
+    such rid. Bounded by ``deadline``."""
     delay = first_delay
-    while not request.stopped.is_set():
+    send = [r for r in requests if not r.stopped.is_set()]
+    while send:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return
         try:
-            outcome = await abort(request)
+            outcomes = await abort(send)
         except (EngineUnavailable, EngineError):
-            outcome = "unknown"
-        if outcome in ("aborted", "finished"):
-            request.engine_aborted = outcome == "aborted"
-            request.stopped.set()
-            return
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return
-        wait_s = remaining if outcome == "accepted" else min(delay, remaining)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(request.stopped.wait(), wait_s)
-        delay = min(delay * 2, 1.0)
+            outcomes = {}
+        retry: list[ActiveRequest] = []
+        for request in send:
+            outcome = outcomes.get(request.rid, "unknown")
+            if outcome in ("aborted", "finished"):
+                request.engine_aborted = outcome == "aborted"
+                request.stopped.set()
+            elif outcome == "unknown" and not request.stopped.is_set():
+                retry.append(request)
+        send = retry
+        if send:
+            await _stopped(send, min(delay, deadline - time.monotonic()))
+            send = [r for r in send if not r.stopped.is_set()]
+            delay = min(delay * 2, 1.0)
+    await _stopped(requests, deadline - time.monotonic())  # the accepted ones: until their release
+
+
+async def _stopped(requests: Sequence[ActiveRequest], timeout_s: float) -> None:
+    """Until every request of ``requests`` is stopped, at most ``timeout_s``."""
+    if timeout_s <= 0:
+        return
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*(r.stopped.wait() for r in requests)), timeout_s)
 
 
 # --------------------------------------------------------------------------- the generation loop

@@ -292,8 +292,9 @@ class ProxyService:
     ) -> dict[str, Any]:
         engines = {e.url: e for e in self.engines}
 
-        async def abort(request: ActiveRequest) -> AbortOutcome:
-            return await engines[request.engine].abort(request.rid, self.settings.engine_connect_timeout_s)
+        async def abort(requests: Sequence[ActiveRequest]) -> dict[str, AbortOutcome]:
+            engine = engines[requests[0].engine]
+            return await engine.abort_many([r.rid for r in requests], self.settings.engine_connect_timeout_s)
 
         result: PauseResult = await self.controller.pause(
             reason, timeout_s or self.settings.pause_timeout_s, abort, self.settings.abort_retry_s,

@@ -29,6 +29,8 @@ class EngineAnswer:
     error: str = ""
     served: bool = False
     """The answer says what the engine serves (``/get_model_info``, or rein's update answer)."""
+    staged: bool = False
+    """rein's update answer: the engine swapped in the checkpoint it had staged (read before the pause)."""
 
 
 def _error(exc: Exception | httpx.Response) -> str:
@@ -101,7 +103,19 @@ class ControlClient:
             return EngineAnswer(engine=engine, ok=True)
         digest = data.get("digest")
         return EngineAnswer(engine=engine, ok=True, weight_version=real_version(data["weight_version"]),
-                            digest=None if digest is None else str(digest), served=True)
+                            digest=None if digest is None else str(digest), served=True,
+                            staged=data.get("staged") is True)
+
+    def stage(self, engine: str, model_path: str, timeout_s: float) -> str | None:
+        """Ask ``engine`` to read ``model_path`` ahead of its update (rein's ``/stage_weights``):
+        empty string when it did, None when it has no such route (404/405: SGLang), else the error."""
+        try:
+            resp = self._http.post(f"{engine}/stage_weights", json={"model_path": model_path}, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            return str(exc) or type(exc).__name__
+        if resp.status_code in (404, 405):
+            return None
+        return "" if resp.status_code // 100 == 2 else _error(resp)
 
     def model_info(self, engine: str) -> EngineAnswer:
         """What ``engine`` serves: ``weight_version`` (required) and rein's ``digest`` (None if absent)."""

@@ -6,6 +6,7 @@
   or something newer.
 - :func:`after_pause`: given every proxy's pause answer, update, or resume and retry
   later, or give up this version (DESIGN: never update while a proxy did not quiesce).
+- :func:`renew_before_update`: whether the pause round took long enough that a lease may have run out.
 - :func:`backoff_s`: bounded exponential backoff between attempts.
 - :func:`not_served`: why an engine's ``/get_model_info`` shows it is not serving an event's
   version (its ``weight_version``, and rein's ``digest`` where the engine reports one).
@@ -110,6 +111,15 @@ def after_pause(answers: Sequence[PauseAnswer], attempt: int, max_attempts: int)
     if attempt >= max_attempts:
         return PauseDecision(PauseAction.GIVE_UP, bad)
     return PauseDecision(PauseAction.RETRY, bad)
+
+
+def renew_before_update(elapsed_s: float, lease_s: float) -> bool:
+    """Whether every proxy's pause must be renewed before the update starts, ``elapsed_s`` after the
+    pause round began. Each proxy's lease started after that (when its quiesce wait ended), so
+    each has at least ``lease_s - elapsed_s`` left, and the update's keeper renews every
+    ``lease_s / 3``: within the first third of the lease no lease can have run out, and the
+    renewal (one more call to every paused proxy) is skipped."""
+    return elapsed_s > lease_s / 3
 
 
 def backoff_s(attempt: int, base_s: float, max_s: float) -> float:

@@ -9,11 +9,12 @@ registry before loading it (as every collector replica does from the same topic:
 Per poll: register every new version in sequence order; of the versions in the
 poll only the newest is loaded (older ones are superseded). For that version:
 skip it if the engines already serve something newer, re-announce it if they
-already serve it (a replay after a crash), else: pause every proxy (with a pause
+already serve it (a replay after a crash), else: have every engine that can read the
+checkpoint ahead (rein's ``/stage_weights``; the proxies still run) → pause every proxy (with a pause
 id and a lease) → if any did not quiesce, resume all, back off and retry (bounded,
-then give the version up) → renew the pause on every proxy (one that no longer
-holds it, its lease ran out, counts as unquiesced) → load it on every engine, renewing
-the lease meanwhile, and check what each then serves (the label, and the digest where the
+then give the version up) → if the round took over a third of the lease, renew the pause
+on every proxy (one that no longer holds it, its lease ran out, counts as unquiesced) → load
+it on every engine, renewing the lease meanwhile, and check what each then serves (the label, and the digest where the
 engine reports one: from rein's update answer, else ``/get_model_info``) → resume every
 proxy (always, in ``finally``, naming the pause; with the version when it was applied) → publish
 ``WeightApplied``. Killed mid-update, the proxies resume by themselves when the lease
@@ -48,6 +49,7 @@ from services.weight_broadcaster.decide import (
     latest_applied,
     not_served,
     plan_events,
+    renew_before_update,
 )
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import log, metrics
@@ -87,6 +89,10 @@ class BroadcasterMetrics:
             "Engine update calls that failed or after which the engine did not serve the version", ("engine",))
         self.resume_failures = metrics.counter(registry, "broadcaster/resume_failures", "Resume calls that failed",
                                                ("proxy",))
+        self.staged_updates = metrics.counter(
+            registry, "broadcaster/staged_updates",
+            "Engine updates that swapped in the checkpoint staged before the pause (no read while paused)",
+            ("engine",))
         self.applied_seq = metrics.gauge(registry, "broadcaster/applied_seq", "Sequence of the newest applied version")
         self.update_seconds = metrics.gauge(registry, "broadcaster/update_seconds",
                                             "Pause-to-resume time of the last applied version")
@@ -124,6 +130,8 @@ class Broadcaster:
         self.applied_seq: int | None = None
         self.latest: WeightPublished | None = None
         """The newest version applied: what :meth:`reconcile` puts back on an engine that lost it."""
+        self._no_stage: set[str] = set()
+        """Engines without rein's ``/stage_weights`` (SGLang): not asked again."""
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(settings.proxy_urls), len(settings.engine_urls)),
                                         thread_name_prefix="broadcast")
 
@@ -175,25 +183,32 @@ class Broadcaster:
             self._applied(event)
             return Outcome(event.version, event.seq, "already_applied")
 
+        self._stage_all(event)
         unquiesced: list[str] = []
         for attempt in range(1, self.s.max_pause_attempts + 1):
             started = time.monotonic()
             updated: list[EngineAnswer] | None = None
             applied_ok = False
             pause_id = new_id("pause")
+            marks: dict[str, float] = {}
             try:
                 self.metrics.pause_rounds.inc()
                 answers = list(self._pool.map(
                     partial(self._pause_one, reason=f"weights {event.version}", pause_id=pause_id), self.s.proxy_urls
                 ))
+                marks["pause"] = time.monotonic()
                 decision = after_pause(answers, attempt, self.s.max_pause_attempts)
-                lost = self._renew_all(pause_id) if decision.action is PauseAction.UPDATE else []
+                renew = decision.action is PauseAction.UPDATE and renew_before_update(
+                    marks["pause"] - started, self.s.pause_lease_s)
+                lost = self._renew_all(pause_id) if renew else []
+                marks["renew"] = time.monotonic()
                 for proxy in decision.unquiesced:
                     self.metrics.unquiesced.labels(proxy=proxy).inc()
                 unquiesced = decision.unquiesced + lost
                 if decision.action is PauseAction.UPDATE and not lost:
                     with _LeaseKeeper(partial(self._renew_all, pause_id), self.s.pause_lease_s / 3):
                         updated = self._update_all(event)
+                    marks["update"] = time.monotonic()
                     applied_ok = all(a.ok for a in updated)
                 else:
                     _log.warning("pause_not_quiesced", version=event.version, attempt=attempt,
@@ -201,6 +216,9 @@ class Broadcaster:
                                  errors=[a.error for a in answers if a.error])
             finally:
                 self._resume_all(event.version if applied_ok else None, pause_id)
+                marks["resume"] = time.monotonic()
+                _log.info("update_round", version=event.version, attempt=attempt, pause_id=pause_id,
+                          **_phases(started, marks))
             if updated is not None:
                 failed = [a.engine for a in updated if not a.ok]
                 if failed:
@@ -215,6 +233,18 @@ class Broadcaster:
                 break  # stopping: leave the version for the next run (offset not committed past it)
         return Outcome(event.version, event.seq, "unquiesced", unquiesced=unquiesced)
 
+    def _stage_all(self, event: WeightPublished) -> None:
+        """Have every engine that can (rein's) read the checkpoint before the proxies are paused, so
+        the update inside the pause only swaps it in. Best effort: an engine that failed to stage
+        reads the file in the update, which reports any real problem."""
+        engines = [e for e in self.s.engine_urls if e not in self._no_stage]
+        answers = self._pool.map(lambda e: self.client.stage(e, event.path, self.s.update_timeout_s), engines)
+        for engine, error in zip(engines, answers, strict=True):
+            if error is None:
+                self._no_stage.add(engine)
+            elif error:
+                _log.warning("stage_failed", engine=engine, version=event.version, error=error)
+
     def _update_all(self, event: WeightPublished) -> list[EngineAnswer]:
         def one(engine: str) -> EngineAnswer:
             answer = EngineAnswer(engine=engine, ok=False, error="not attempted")
@@ -224,6 +254,8 @@ class Broadcaster:
                 if answer.ok:
                     answer = self._verify(engine, event, answer)
                 if answer.ok:
+                    if answer.staged:
+                        self.metrics.staged_updates.labels(engine=engine).inc()
                     return answer
                 self.metrics.update_failures.labels(engine=engine).inc()
                 _log.error("engine_update_failed", engine=engine, version=event.version, attempt=attempt,
@@ -308,6 +340,18 @@ class Broadcaster:
             latest = latest_applied(weights)
             if latest is not None:
                 self._applied(latest)
+
+
+def _phases(started: float, marks: dict[str, float]) -> dict[str, float]:
+    """Seconds each phase of a round took, as the broadcaster saw it (``pause_s``: until every
+    answer was in; then ``renew_s``, ``update_s``, ``resume_s``), and ``total_s``."""
+    out: dict[str, float] = {}
+    last = started
+    for name, at in marks.items():
+        out[f"{name}_s"] = round(at - last, 4)
+        last = at
+    out["total_s"] = round(last - started, 4)
+    return out
 
 
 class _LeaseKeeper:

@@ -34,7 +34,8 @@ class BroadcasterSettings(ServiceSettings):
     pause_lease_s: float = Field(default=30.0, gt=0)
     """Lease of each pause: a proxy that hears no renew for this long resumes by itself (so a
     broadcaster killed mid-update cannot hold every agent). Renewed every third of it while the
-    engines update; every proxy must confirm the pause right before an update starts."""
+    engines update; a pause round that took over a third of it is renewed on every proxy before the
+    update starts (a shorter one cannot have lost a lease)."""
     max_pause_attempts: int = Field(default=5, ge=1)
     """Pause rounds per version before giving it up (proxies are resumed between rounds)."""
     backoff_base_s: float = Field(default=0.5, ge=0)

@@ -171,6 +171,8 @@ def test_published_version_is_applied_everywhere(stack: Stack) -> None:
         registry = RedisRegistry(connect(stack.redis), RedisKeys(stack.redis.key_prefix))
         assert registry.ordered() == [("v1", 1)]
         assert _sample(port, 'rein_broadcaster_versions_total{outcome="applied"}') == 1.0
+        # the engine read the checkpoint before the pause; the update inside it only swapped it in
+        assert _sample(port, "rein_broadcaster_staged_updates_total") == 1.0
     finally:
         stop.set()
         thread.join(30)

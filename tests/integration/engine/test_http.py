@@ -110,6 +110,60 @@ def test_abort_mid_generation_returns_partial(engine: Engine) -> None:
     run(body)
 
 
+def test_abort_requests_ends_many_rids_in_one_call(engine: Engine) -> None:
+    """rein's ``/abort_requests``: running rids aborted now (partial answers), a finished one reported
+    as finished, an unknown one in neither list, a repeated rid once."""
+
+    async def body() -> None:
+        tag = uuid.uuid4().hex
+        running = [f"many-{i}-{tag}" for i in range(3)]
+        done, never = f"done-{tag}", f"never-{tag}"
+        async with httpx.AsyncClient(base_url=engine.url, timeout=30) as client:
+            assert (await client.post("/generate", json=slow_body(done, max_new_tokens=1))).status_code == 200
+            pending = [asyncio.create_task(client.post("/generate", json=slow_body(rid))) for rid in running]
+            for rid in running:
+                await wait_generating(client, rid)
+            r = await client.post("/abort_requests", json={"rids": [*running, done, never, running[0]]})
+            outs = [(await p).json() for p in pending]
+            bad = await client.post("/abort_requests", json={"rid": running[0]})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"success": True, "aborted": running, "finished": [done]}
+        for out in outs:
+            assert out["meta_info"]["finish_reason"]["type"] == "abort"
+            assert 0 < out["meta_info"]["completion_tokens"] < 50
+        assert bad.status_code == 422
+
+    run(body)
+
+
+def test_a_staged_checkpoint_is_swapped_in_unless_its_file_changed(engine: Engine) -> None:
+    """rein's ``/stage_weights`` reads a checkpoint ahead; the update naming it then uses what was
+    read (``staged``), except when the file changed since: then it reads the file again."""
+    a_path, a_digest = engine.checkpoint("stage-a", seed=21)
+    b_path, _ = engine.checkpoint("stage-b", seed=22)
+
+    def post(route: str, path: Path | str) -> httpx.Response:
+        return httpx.post(f"{engine.url}{route}", json={"model_path": str(path)}, timeout=30)
+
+    staged = post("/stage_weights", a_path)
+    assert staged.status_code == 200, staged.text
+    assert staged.json() == {"success": True, "weight_version": "stage-a", "digest": a_digest}
+    updated = post("/update_weights_from_disk", a_path).json()
+    assert updated["staged"] is True and updated["digest"] == a_digest and updated["weight_version"] == "stage-a"
+    assert engine.model_info()["digest"] == a_digest
+
+    assert post("/stage_weights", b_path).status_code == 200
+    b_digest = checkpoint.save(b_path, init_policy(CFG, 23), CFG, version="stage-b2", step=23)  # rewritten
+    updated = post("/update_weights_from_disk", b_path).json()
+    assert updated["staged"] is False and updated["digest"] == b_digest and updated["weight_version"] == "stage-b2"
+    assert post("/update_weights_from_disk", a_path).json()["staged"] is False  # staging is used once
+
+    outside = post("/stage_weights", "/etc/passwd")
+    missing = post("/stage_weights", engine.weights_dir / "missing.pt")
+    assert outside.status_code == missing.status_code == 400
+    assert outside.json()["success"] is False and "outside" in outside.json()["message"]
+
+
 def test_update_weights_mid_generation(engine: Engine) -> None:
     version = f"v-{uuid.uuid4().hex[:8]}"
     dig = checkpoint.save(engine.weights_dir / f"{version}.pt", init_policy(CFG, 11), CFG, version=version, step=11)

@@ -364,3 +364,65 @@ def test_weights_swapped_mid_request_give_per_token_versions_on_the_chunk(
     assert [label for label, _ in chunk.token_versions] == [a, b], chunk.token_versions
     assert chunk.output_versions()[0] == a and chunk.output_versions()[-1] == b
     assert chunk.version == b  # the label the engine reported when it answered
+
+
+class CountingFront:
+    """Forwards every call to the real engine and counts them by path. ``bulk=False`` hides rein's
+    ``/abort_requests`` (404, as SGLang, which has no such route)."""
+
+    def __init__(self, engine_url: str, bulk: bool) -> None:
+        self.engine_url = engine_url
+        self.bulk = bulk
+        self.calls: dict[str, int] = {}
+        self.app = Starlette(
+            routes=[Route(p, self.post, methods=["POST"]) for p in ("/generate", "/abort_request", "/abort_requests")]
+            + [Route(p, self.get, methods=["GET"]) for p in ("/get_model_info", "/get_server_info")]
+        )
+
+    async def post(self, request: Request) -> JSONResponse:
+        path = request.url.path
+        self.calls[path] = self.calls.get(path, 0) + 1
+        if path == "/abort_requests" and not self.bulk:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        async with httpx.AsyncClient(timeout=60) as client:
+            answer = await client.post(f"{self.engine_url}{path}", json=await request.json())
+        return JSONResponse(answer.json(), status_code=answer.status_code)
+
+    async def get(self, request: Request) -> JSONResponse:
+        async with httpx.AsyncClient(timeout=10) as client:
+            return JSONResponse((await client.get(f"{self.engine_url}{request.url.path}")).json())
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["rein", "sglang"])
+def test_pause_aborts_every_generation_in_one_call(engine: Engine, proxy_factory: ProxyFactory, bulk: bool) -> None:
+    """Three generations in flight: rein's engine gets one ``/abort_requests`` naming all three; an
+    engine without it (404) gets one ``/abort_request`` each, and is not asked in bulk again."""
+    (a,) = labels(1)
+    engine.load(a)
+    front = CountingFront(engine.url, bulk)
+    server = ServerThread(front.app, free_port())
+    server.start()
+    try:
+        proxy = proxy_factory([server.url])
+        joins = [in_background(lambda i=i: ask(proxy.client(f"s{i}-{uuid.uuid4().hex}", "g"), USER, max_tokens=30))
+                 for i in range(3)]
+
+        def all_generating() -> bool:
+            rids = set(proxy.state()["active_rids"])
+            return len(rids) == 3 and all(
+                r["completion_tokens"] >= 2 for r in engine.active() if r["rid"] in rids
+            ) and rids <= {r["rid"] for r in engine.active()}
+
+        for _ in range(2):
+            wait_until(all_generating, what="three generations in flight")
+            paused = proxy.pause()
+            assert paused["quiesced"] is True and len(paused["preempted"]) == 3
+            proxy.resume()
+        for join in joins:
+            assert join().choices[0].finish_reason == "length"
+        if bulk:
+            assert front.calls.get("/abort_requests") == 2 and "/abort_request" not in front.calls
+        else:
+            assert front.calls.get("/abort_requests") == 1 and front.calls.get("/abort_request") == 6
+    finally:
+        server.stop()

@@ -13,6 +13,7 @@ from services.weight_broadcaster.decide import (
     classify,
     not_served,
     plan_events,
+    renew_before_update,
 )
 from shared.schemas import WeightPublished
 
@@ -98,3 +99,10 @@ def test_backoff(attempt: int, expected: float) -> None:
 def test_not_served(version: str | None, digest: str | None, reason: str) -> None:
     got = not_served(ev(1), version, digest)
     assert (got == "") if not reason else (reason in got)
+
+
+def test_a_renewal_before_the_update_only_after_a_third_of_the_lease() -> None:
+    assert not renew_before_update(0.05, 30.0)
+    assert not renew_before_update(10.0, 30.0)
+    assert renew_before_update(10.01, 30.0)
+    assert renew_before_update(1e-6, 1e-6)

@@ -36,6 +36,10 @@ class FakeClient:
     """True: updates succeed but keep the old label (an engine ignoring ``weight_version``)."""
     update_says_served: bool = False
     """True: the update's answer says what the engine serves now (rein's engine)."""
+    stages: bool = False
+    """True: engines take ``/stage_weights`` (rein's; the calls are logged); False: 404, as SGLang."""
+    stage_asks: list[str] = field(default_factory=list)
+    """Every engine asked to stage, logged or not."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _log(self, *call: str) -> None:
@@ -67,7 +71,15 @@ class FakeClient:
             return EngineAnswer(engine, ok=True)
         served = self.engine_version.get(engine, "v0")
         return EngineAnswer(engine, ok=True, weight_version=served,
-                            digest=self.digest.get(f"/w/{served}.pt", "d-initial"), served=True)
+                            digest=self.digest.get(f"/w/{served}.pt", "d-initial"), served=True, staged=self.stages)
+
+    def stage(self, engine: str, model_path: str, timeout_s: float) -> str | None:
+        with self._lock:
+            self.stage_asks.append(engine)
+        if not self.stages:
+            return None
+        self._log("stage", engine, model_path)
+        return ""
 
     def model_info(self, engine: str) -> EngineAnswer:
         with self._lock:
@@ -132,7 +144,7 @@ def test_pause_update_resume_announce() -> None:
     [outcome] = b.handle([ev(1)])
     assert outcome.outcome == "applied"
     kinds = [c[0] for c in client.calls]
-    assert kinds == ["pause", "pause", "renew", "renew", "update", "update", "resume", "resume"]
+    assert kinds == ["pause", "pause", "update", "update", "resume", "resume"]  # a short round: no renewal
     resumes = {c for c in client.calls if c[0] == "resume"}
     assert resumes == {("resume", "http://p1", "v1"), ("resume", "http://p2", "v1")}
     assert registry.published == [("v1", 1)]
@@ -258,7 +270,7 @@ def test_reconcile_reloads_the_newest_version_on_an_engine_that_restarted() -> N
     client.engine_version["http://e2"] = "v0"  # e2 crashed and came back on its start checkpoint
     outcome = b.reconcile()
     assert outcome is not None and outcome.outcome == "applied" and outcome.version == "v2"
-    assert [c[0] for c in client.calls] == ["pause", "pause", "renew", "renew", "update", "update", "resume", "resume"]
+    assert [c[0] for c in client.calls] == ["pause", "pause", "update", "update", "resume", "resume"]
     assert client.engine_version == {"http://e1": "v2", "http://e2": "v2"}
     assert isinstance(producer.sent[-1], WeightApplied) and producer.sent[-1].version == "v2"
     assert _value(b, "rein_broadcaster_reconciles_total") == 1.0
@@ -291,7 +303,7 @@ def test_recover_learns_the_newest_applied_version_from_the_topic() -> None:
 def test_a_pause_lost_before_the_update_means_no_update_and_another_round() -> None:
     """A proxy whose lease ran out (it resumed by itself) refuses the renew: the engines are not
     touched in that round, every proxy is resumed, and the next round (a new pause id) applies it."""
-    b, client, _, producer = make([True], max_pause_attempts=2)
+    b, client, _, producer = make([True], max_pause_attempts=2, pause_lease_s=1e-6)  # every round is long
     client.renew_errors = ["HTTP 409: stale_pause"]
     [outcome] = b.handle([ev(1)])
     assert outcome.outcome == "applied"
@@ -301,3 +313,24 @@ def test_a_pause_lost_before_the_update_means_no_update_and_another_round() -> N
     assert len(set(client.pause_ids)) == 2  # one id per round
     assert _value(b, "rein_broadcaster_pause_leases_lost_total", proxy="http://p1") == 1.0
     assert [r.version for r in producer.sent if isinstance(r, WeightApplied)] == ["v1"]
+
+
+def test_engines_that_can_stage_read_the_checkpoint_before_the_pause() -> None:
+    """rein's engines are asked to stage each version before any proxy is paused; engines without
+    the route (SGLang's 404) are asked once, then never again."""
+    b, client, _, _ = make([True])
+    client.stages = client.update_says_served = True
+    b.handle([ev(1)])
+    assert [c[0] for c in client.calls] == ["stage", "stage", "pause", "pause", "update", "update", "resume",
+                                            "resume"]
+    assert {c for c in client.calls if c[0] == "stage"} == {("stage", "http://e1", "/w/v1.pt"),
+                                                            ("stage", "http://e2", "/w/v1.pt")}
+    assert _value(b, "rein_broadcaster_staged_updates_total", engine="http://e1") == 1.0
+    b.close()
+
+    b, client, _, _ = make([True])
+    b.handle([ev(1)])
+    b.handle([ev(2)])
+    assert sorted(client.stage_asks) == ["http://e1", "http://e2"]
+    assert [o.outcome for o in b.handle([ev(3)])] == ["applied"]
+    b.close()

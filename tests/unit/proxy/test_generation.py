@@ -56,6 +56,7 @@ class FakeEngine:
     confirms: bool = False
     """Answer as rein's engine: ``aborted`` for a call it ended now, ``finished`` for one already answered."""
     aborts: list[str] = field(default_factory=list)
+    bulk_calls: list[list[str]] = field(default_factory=list)
 
     async def generate(
         self, rid: str, input_ids: Sequence[int], max_new_tokens: int, sampling: Sampling, stop_ids: Sequence[int]
@@ -89,6 +90,12 @@ class FakeEngine:
                 if call.rid == request.rid:
                     self.answer(call, self.partial.get(call.rid, []), "abort")
         return outcome
+
+
+    async def abort_many(self, requests: Sequence[ActiveRequest]) -> dict[str, AbortOutcome]:
+        """One call for many rids, as rein's ``/abort_requests`` (each rid answered as by ``abort``)."""
+        self.bulk_calls.append([r.rid for r in requests])
+        return {r.rid: await self.abort(r) for r in requests}
 
 
 def out(rid: str, ids: list[int], reason: FinishReason, version: str) -> EngineOutput:
@@ -172,7 +179,7 @@ def test_pause_preempts_holds_and_resumes_with_remaining_budget() -> None:
         task = asyncio.create_task(h.generate(request(budget=10)))
         first = await h.engine.wait_calls(1)
         h.engine.partial["rid-0"] = [7, 8, 9]
-        result = await h.controller.pause("weight_update", 2.0, h.engine.abort)
+        result = await h.controller.pause("weight_update", 2.0, h.engine.abort_many)
         assert result.status == "paused" and result.quiesced and result.active == 0
         assert result.preempted == ["rid-0"]
         assert first.result.result().finish_reason == "abort"
@@ -203,7 +210,7 @@ def test_natural_stop_is_never_resumed_even_if_abort_succeeded() -> None:
         call = await h.engine.wait_calls(1)
         h.engine.answer(call, [7, 0], "stop")  # finished naturally; abort arrives after
         h.engine.abort_finds = ["accepted"]
-        result = await h.controller.pause("weight_update", 2.0, h.engine.abort)
+        result = await h.controller.pause("weight_update", 2.0, h.engine.abort_many)
         gen = await task
         assert result.quiesced and result.preempted == []
         assert gen.output_ids == [7, 0] and gen.finish_reason == "stop"
@@ -226,7 +233,7 @@ def test_pause_quiesces_on_the_engines_word_before_the_answers_are_processed() -
         second = await h.engine.wait_calls(2)
         h.engine.answer(second, [4, 0], "stop")  # ended on the engine, its answer not processed yet
         h.engine.partial[first.rid] = [7, 8]
-        result = await h.controller.pause("weight_update", 2.0, h.engine.abort)
+        result = await h.controller.pause("weight_update", 2.0, h.engine.abort_many)
         assert result.quiesced and result.active == 0
         assert result.preempted == [first.rid] and sorted(result.aborts_sent) == sorted([first.rid, second.rid])
         assert len(h.controller.active()) == 2 and h.chunks == []  # quiesced, still being recorded
@@ -252,12 +259,12 @@ def test_unconfirmed_abort_waits_for_the_answer_to_be_processed() -> None:
         h.recording.clear()
         task = asyncio.create_task(h.generate(request(partial=False)))
         await h.engine.wait_calls(1)
-        result = await h.controller.pause("weight_update", 0.05, h.engine.abort)
+        result = await h.controller.pause("weight_update", 0.05, h.engine.abort_many)
         assert not result.quiesced and result.active == 1 and result.preempted == []
         h.recording.set()
         with pytest.raises(GenerationPreempted):
             await task
-        again = await h.controller.pause("weight_update", 0.05, h.engine.abort)
+        again = await h.controller.pause("weight_update", 0.05, h.engine.abort_many)
         assert again.quiesced and again.active == 0
 
     run(body)
@@ -269,7 +276,7 @@ def test_abort_without_partial_rollout_raises_preempted() -> None:
         task = asyncio.create_task(h.generate(request(partial=False)))
         await h.engine.wait_calls(1)
         h.engine.partial["rid-0"] = [7]
-        await h.controller.pause("weight_update", 2.0, h.engine.abort)
+        await h.controller.pause("weight_update", 2.0, h.engine.abort_many)
         with pytest.raises(GenerationPreempted):
             await task
         assert len(h.chunks) == 1  # the aborted chunk was still handed over (published) first
@@ -283,7 +290,7 @@ def test_abort_with_budget_spent_finishes_as_length() -> None:
         task = asyncio.create_task(h.generate(request(budget=3)))
         await h.engine.wait_calls(1)
         h.engine.partial["rid-0"] = [7, 8, 9]
-        await h.controller.pause("weight_update", 2.0, h.engine.abort)
+        await h.controller.pause("weight_update", 2.0, h.engine.abort_many)
         gen = await task
         assert gen.finish_reason == "length" and h.controller.held == 0
 
@@ -306,7 +313,7 @@ def test_pre_check_rejects_continuation_after_resume() -> None:
         task = asyncio.create_task(h.generate(request(), reject_before=1))
         await h.engine.wait_calls(1)
         h.engine.partial["rid-0"] = [7]
-        await h.controller.pause("weight_update", 2.0, h.engine.abort)
+        await h.controller.pause("weight_update", 2.0, h.engine.abort_many)
         h.controller.resume()
         with pytest.raises(PartialRolloutStalenessExceeded):
             await task
@@ -341,14 +348,14 @@ def test_pause_timeout_reports_not_quiesced() -> None:
         h.engine.abort_finds = ["unknown"] * 1000  # the engine never finds the request
         task = asyncio.create_task(h.generate(request()))
         call = await h.engine.wait_calls(1)
-        result = await h.controller.pause("weight_update", 0.2, h.engine.abort, abort_retry_s=0.01)
+        result = await h.controller.pause("weight_update", 0.2, h.engine.abort_many, abort_retry_s=0.01)
         assert result.quiesced is False and result.active == 1 and result.preempted == []
         assert len(h.engine.aborts) > 1  # the abort was re-sent
-        again = await h.controller.pause("weight_update", 0.05, h.engine.abort, abort_retry_s=0.01)
+        again = await h.controller.pause("weight_update", 0.05, h.engine.abort_many, abort_retry_s=0.01)
         assert again.status == "already_paused" and again.quiesced is False
         h.engine.answer(call, [1], "stop")
         await task
-        third = await h.controller.pause("weight_update", 0.05, h.engine.abort)
+        third = await h.controller.pause("weight_update", 0.05, h.engine.abort_many)
         assert third.quiesced and third.active == 0
 
     run(body)
@@ -360,7 +367,7 @@ def test_abort_that_overtook_generate_is_resent() -> None:
         h.engine.abort_finds = ["unknown", "unknown", "accepted"]
         task = asyncio.create_task(h.generate(request()))
         await h.engine.wait_calls(1)
-        result = await h.controller.pause("weight_update", 2.0, h.engine.abort, abort_retry_s=0.001)
+        result = await h.controller.pause("weight_update", 2.0, h.engine.abort_many, abort_retry_s=0.001)
         assert result.quiesced and result.preempted == ["rid-0"] and len(h.engine.aborts) == 3
         h.controller.resume()
         call = await h.engine.wait_calls(2)
@@ -373,7 +380,7 @@ def test_abort_that_overtook_generate_is_resent() -> None:
 def test_admission_waits_while_paused() -> None:
     async def body() -> None:
         h = harness()
-        result = await h.controller.pause("weight_update", 1.0, h.engine.abort)
+        result = await h.controller.pause("weight_update", 1.0, h.engine.abort_many)
         assert result.quiesced and result.status == "paused"
         task = asyncio.create_task(h.generate(request()))
         for _ in range(10):
@@ -429,7 +436,8 @@ def test_pause_ids(calls: list[tuple[str, str]], answers: list[object], paused_a
         got: list[object] = []
         for call, pause_id in calls:
             if call == "pause":
-                got.append((await h.controller.pause("w", 1.0, h.engine.abort, pause_id=pause_id, lease_s=10)).status)
+                paused = await h.controller.pause("w", 1.0, h.engine.abort_many, pause_id=pause_id, lease_s=10)
+                got.append(paused.status)
             elif call == "renew":
                 got.append(h.controller.renew(pause_id, 10))
             else:
@@ -443,7 +451,7 @@ def test_pause_ids(calls: list[tuple[str, str]], answers: list[object], paused_a
 def test_pause_lease_runs_out_unless_renewed() -> None:
     async def body() -> None:
         h = harness()
-        result = await h.controller.pause("w", 1.0, h.engine.abort, pause_id="p", lease_s=1.0)
+        result = await h.controller.pause("w", 1.0, h.engine.abort_many, pause_id="p", lease_s=1.0)
         assert result.pause_id == "p" and result.lease_s == 1.0
         left = h.controller.lease_left_s()
         assert left is not None and 0 < left <= 1.0 and not h.controller.expired()
@@ -463,13 +471,66 @@ def test_admission_closed_time_runs_from_the_first_pause_to_the_resume() -> None
     async def body() -> None:
         h = harness()
         assert h.controller.closed_s() is None
-        await h.controller.pause("w", 1.0, h.engine.abort, pause_id="a")
+        await h.controller.pause("w", 1.0, h.engine.abort_many, pause_id="a")
         await asyncio.sleep(0.05)
         first = h.controller.closed_s()
-        await h.controller.pause("w", 1.0, h.engine.abort, pause_id="b")  # a takeover keeps admission closed
+        await h.controller.pause("w", 1.0, h.engine.abort_many, pause_id="b")  # a takeover keeps admission closed
         closed = h.controller.closed_s()
         assert first is not None and closed is not None and closed >= first >= 0.05
         h.controller.resume("b")
         assert h.controller.closed_s() is None
+
+    run(body)
+
+
+def test_pause_aborts_each_engines_requests_in_one_call() -> None:
+    """Three generations on one engine and one on another: one abort call per engine, carrying
+    every rid in flight there, and the pause quiesces on those two answers."""
+
+    async def body() -> None:
+        h = harness()
+        other = FakeEngine(url="fake://other", confirms=True)
+        h.engine.confirms = True
+        tasks = [asyncio.create_task(h.generate(request(), prefix=f"a{i}")) for i in range(3)]
+        await h.engine.wait_calls(3)
+        rids = (f"b-{i}" for i in itertools.count())
+        on_other = asyncio.create_task(generate_preemptible(
+            request(), engine=other, controller=h.controller, new_rid=lambda: next(rids),
+            before_chunk=lambda _: None, on_chunk=lambda c: asyncio.sleep(0),
+        ))
+        await other.wait_calls(1)
+        engines = {e.url: e for e in (h.engine, other)}
+
+        async def abort(requests: Sequence[ActiveRequest]) -> dict[str, AbortOutcome]:
+            return await engines[requests[0].engine].abort_many(requests)
+
+        result = await h.controller.pause("weight_update", 2.0, abort)
+        assert result.quiesced and sorted(result.preempted) == ["a0-0", "a1-0", "a2-0", "b-0"]
+        assert [sorted(c) for c in h.engine.bulk_calls] == [["a0-0", "a1-0", "a2-0"]]
+        assert other.bulk_calls == [["b-0"]]
+        h.controller.resume()
+        for i in range(3, 6):
+            h.engine.answer(await h.engine.wait_calls(i + 1), [1], "stop")
+        other.answer(await other.wait_calls(2), [1], "stop")
+        await asyncio.gather(*tasks, on_other)
+
+    run(body)
+
+
+def test_only_the_rids_an_engine_did_not_know_are_sent_again() -> None:
+    """An abort that overtook one /generate: the next call carries that rid alone."""
+
+    async def body() -> None:
+        h = harness()
+        h.engine.abort_finds = ["aborted", "unknown", "aborted"]  # in the order the rids are asked about
+        tasks = [asyncio.create_task(h.generate(request(), prefix=f"r{i}")) for i in range(2)]
+        await h.engine.wait_calls(2)
+        result = await h.controller.pause("weight_update", 2.0, h.engine.abort_many, abort_retry_s=0.001)
+        assert result.quiesced and sorted(result.preempted) == ["r0-0", "r1-0"]
+        assert h.engine.bulk_calls == [["r0-0", "r1-0"], ["r1-0"]]
+        h.controller.resume()
+        for i in range(2, 4):
+            h.engine.answer(await h.engine.wait_calls(i + 1), [1], "stop")
+        await asyncio.gather(*tasks)
 
     run(body)
