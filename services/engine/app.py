@@ -203,6 +203,8 @@ def create_app(settings: EngineSettings) -> FastAPI:
         """rein's extension: read and verify ``model_path`` now, while serving, so that the
         ``/update_weights_from_disk`` naming it (unchanged) only swaps it in. A broadcaster calls
         it before pausing the proxies; SGLang has no such route (404), and its update reads the file."""
+        if not settings.stage_weights:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)  # as an engine without the route
         runner: EngineRunner = request.state.runner
         try:
             loaded = await runner.stage_weights(body.model_path)

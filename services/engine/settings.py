@@ -38,6 +38,11 @@ class EngineSettings(ModelServiceSettings):
     one that alone exceeds it is refused (400)."""
     step_delay_s: float = Field(default=0.0, ge=0.0)
     """Sleep between decode steps. Tests set it to make generations slow enough to pause mid-flight."""
+    stage_weights: bool = True
+    """Serve ``/stage_weights``: read the next checkpoint while serving, so the update inside a pause
+    only swaps it in. Holds a second copy of the weights on the device meanwhile; ``false`` for a
+    model whose second copy does not fit (the route then answers 404, as SGLang's would, and the
+    broadcaster stops asking)."""
     max_request_bytes: int = Field(default=1024 * 1024, ge=1024)
     """Largest HTTP request body accepted; larger ones get 413 before being parsed."""
 

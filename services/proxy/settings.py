@@ -56,9 +56,11 @@ class ProxySettings(ModelServiceSettings):
     """How long a pause lasts without a renew when the pause request does not say. Past it the
     proxy resumes by itself on the versions its engines report (a broadcaster killed between
     pause and resume must not hold every agent forever); logged and counted."""
-    abort_retry_s: float = Field(default=0.05, gt=0)
+    abort_retry_s: float = Field(default=0.01, gt=0)
     """First delay before re-sending an abort that matched nothing on the engine (the
-    abort overtook its ``/generate``); doubles up to 1 s, bounded by the pause timeout."""
+    abort overtook its ``/generate``); doubles up to 1 s, bounded by the pause timeout. Short:
+    a retry is one call per engine for all such requests, and under load the 50 ms first delay
+    made the retry chain (50 + 100 ms) the tail of the pause stall (docs/benchmarks.md)."""
     max_chunks_per_call: int = Field(default=64, ge=1)
     """Most engine calls one chat call may make (each preempt adds one); 502 ``engine_error``
     above, so an engine that aborts everything cannot loop a call forever."""

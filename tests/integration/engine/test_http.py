@@ -164,6 +164,20 @@ def test_a_staged_checkpoint_is_swapped_in_unless_its_file_changed(engine: Engin
     assert outside.json()["success"] is False and "outside" in outside.json()["message"]
 
 
+def test_an_engine_told_not_to_stage_answers_404_as_one_without_the_route(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``REIN_STAGE_WEIGHTS=false`` (a model whose second copy does not fit): the broadcaster's
+    staging call gets SGLang's answer, and the update reads the file itself."""
+    with engine_process(tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"),
+                        extra_env={"REIN_STAGE_WEIGHTS": "false"}) as plain:
+        path, digest = plain.checkpoint("no-stage", seed=31)
+        staged = httpx.post(f"{plain.url}/stage_weights", json={"model_path": str(path)}, timeout=30)
+        assert staged.status_code == 404
+        updated = httpx.post(f"{plain.url}/update_weights_from_disk", json={"model_path": str(path)}, timeout=30)
+        assert updated.json()["staged"] is False and updated.json()["digest"] == digest
+
+
 def test_update_weights_mid_generation(engine: Engine) -> None:
     version = f"v-{uuid.uuid4().hex[:8]}"
     dig = checkpoint.save(engine.weights_dir / f"{version}.pt", init_policy(CFG, 11), CFG, version=version, step=11)
