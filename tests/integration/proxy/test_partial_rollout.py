@@ -41,12 +41,18 @@ __all__ = ["proxy_factory"]
 
 USER = [{"role": "user", "content": "guess"}]
 SLOW = {"ignore_eos": True}
+STEP_DELAY_S = 0.05
+IN_FLIGHT_TOKENS = 60
+"""Reply length of a generation a test acts on mid-flight (the most the tiny policy's context leaves
+after the prompts here): 3 s at ``STEP_DELAY_S`` per decode step. A 30-token reply at 30 ms (0.9 s)
+was once over before ``wait_until`` saw it in flight (two HTTP polls per check on a machine at load
+~20), and the test timed out waiting for it."""
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     with engine_process(
-        tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"), step_delay_s=0.03
+        tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"), step_delay_s=STEP_DELAY_S
     ) as engine:
         yield engine
 
@@ -101,7 +107,7 @@ def test_pause_update_resume_stitches_one_response(engine: Engine, proxy_factory
     proxy = proxy_factory([engine.url])
     sid = f"s-{uuid.uuid4().hex}"
     client = proxy.client(sid, "g")
-    join = in_background(lambda: ask(client, USER, max_tokens=30))
+    join = in_background(lambda: ask(client, USER, max_tokens=IN_FLIGHT_TOKENS))
     paused = preempt(proxy, engine, b)
     assert proxy.state()["paused"] is True
     assert proxy.resume(b)["status"] == "resumed"
@@ -114,7 +120,7 @@ def test_pause_update_resume_stitches_one_response(engine: Engine, proxy_factory
     assert chunks[0].rid == paused["preempted"][0] and chunks[1].context_ids == []
     assert chunks[0].output_ids and chunks[1].output_ids
     assert info["output_ids"] == chunks[0].output_ids + chunks[1].output_ids
-    assert len(info["output_ids"]) == 30 and resp.choices[0].finish_reason == "length"
+    assert len(info["output_ids"]) == IN_FLIGHT_TOKENS and resp.choices[0].finish_reason == "length"
     assert info["versions"] == [a] * len(chunks[0].output_ids) + [b] * len(chunks[1].output_ids)
     assert proxy.state()["held"] == 0 and proxy.state()["paused"] is False
 
@@ -132,7 +138,7 @@ def test_max_preempts_1_rejects_third_version_before_generating(engine: Engine, 
     r2 = ask(client, m2)
     assert {v for v in rein(r2)["versions"]} == {b}
     m3 = follow(m2, r2, "lower")
-    join = in_background(lambda: ask(client, m3, max_tokens=30))
+    join = in_background(lambda: ask(client, m3, max_tokens=IN_FLIGHT_TOKENS))
     preempt(proxy, engine, c)
     before = engine.requests_total()
     proxy.resume()  # no version: the proxy reads /get_model_info and the pre-check sees c
@@ -200,7 +206,7 @@ def test_unlimited_never_rejects(engine: Engine, proxy_factory: ProxyFactory) ->
     m2 = follow(USER, r1)
     r2 = ask(client, m2)
     m3 = follow(m2, r2)
-    join = in_background(lambda: ask(client, m3, max_tokens=30))
+    join = in_background(lambda: ask(client, m3, max_tokens=IN_FLIGHT_TOKENS))
     preempt(proxy, engine, c)
     proxy.resume(c)
     join()
@@ -218,7 +224,7 @@ def test_unknown_versions_never_count(engine: Engine, proxy_factory: ProxyFactor
     r2 = ask(client, m2)
     engine.load(" -1 ")
     m3 = follow(m2, r2)
-    join = in_background(lambda: ask(client, m3, max_tokens=30))
+    join = in_background(lambda: ask(client, m3, max_tokens=IN_FLIGHT_TOKENS))
     preempt(proxy, engine, a)
     proxy.resume()
     join()
@@ -245,7 +251,7 @@ def test_partial_rollout_off_preempt(engine: Engine, proxy_factory: ProxyFactory
     engine.load(a)
     proxy = proxy_factory([engine.url], partial_rollout=False)
     client = proxy.client(f"s-{uuid.uuid4().hex}", "g")
-    join = in_background(lambda: ask(client, USER, max_tokens=30))
+    join = in_background(lambda: ask(client, USER, max_tokens=IN_FLIGHT_TOKENS))
     wait_until(generating(proxy, engine, 2), what="a generation in flight")
     assert proxy.pause()["quiesced"] is True
     with pytest.raises(openai.APIStatusError) as info:
@@ -355,12 +361,12 @@ def test_weights_swapped_mid_request_give_per_token_versions_on_the_chunk(
     b_path, _ = engine.checkpoint(b)
     proxy = proxy_factory([engine.url])
     client = proxy.client(f"s-{uuid.uuid4().hex}", "g")
-    join = in_background(lambda: ask(client, USER, max_tokens=60))
+    join = in_background(lambda: ask(client, USER, max_tokens=IN_FLIGHT_TOKENS))
     wait_until(generating(proxy, engine, 3), what="a generation in flight")
     engine.load(b, path=b_path)  # no pause, no abort: the request goes on under b
     join()
     [chunk] = chunks_of(proxy, 1)
-    assert chunk.finish_reason == "length" and len(chunk.output_ids) == 60
+    assert chunk.finish_reason == "length" and len(chunk.output_ids) == IN_FLIGHT_TOKENS
     assert [label for label, _ in chunk.token_versions] == [a, b], chunk.token_versions
     assert chunk.output_versions()[0] == a and chunk.output_versions()[-1] == b
     assert chunk.version == b  # the label the engine reported when it answered
@@ -404,8 +410,8 @@ def test_pause_aborts_every_generation_in_one_call(engine: Engine, proxy_factory
     server.start()
     try:
         proxy = proxy_factory([server.url])
-        joins = [in_background(lambda i=i: ask(proxy.client(f"s{i}-{uuid.uuid4().hex}", "g"), USER, max_tokens=30))
-                 for i in range(3)]
+        joins = [in_background(lambda i=i: ask(proxy.client(f"s{i}-{uuid.uuid4().hex}", "g"), USER,
+                                               max_tokens=IN_FLIGHT_TOKENS)) for i in range(3)]
 
         def all_generating() -> bool:
             rids = set(proxy.state()["active_rids"])
