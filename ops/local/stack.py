@@ -210,7 +210,7 @@ def start(config: StackConfig) -> LocalStack:
                     name,
                     "services.collector",
                     env(
-                        "collector",
+                        name,
                         {
                             "REIN_REPLICA_ID": name,
                             "REIN_KEEP_VERSIONS": str(config.keep_versions),
