@@ -58,6 +58,18 @@ class Record(BaseModel):
 # --------------------------------------------------------------------------- rollout.chunks
 
 
+class SamplingParams(BaseModel):
+    """How a chunk's tokens were sampled (:mod:`shared.model.sampling`): the behaviour policy is the
+    model under these parameters, so the trainer scores the tokens with them. ``temperature`` 0 is
+    greedy (its tokens carry no gradient and are not trained); ``top_k`` <= 0 and ``top_p`` 1 keep
+    the whole vocabulary."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+
+
 class Chunk(Record):
     """One engine generation call of a session (a resumed generation has several chunks).
 
@@ -91,6 +103,9 @@ class Chunk(Record):
     finish_reason: Literal["stop", "length", "abort"]
     rid: str = ""
     engine: str = ""
+    sampling: SamplingParams | None = None
+    """The sampling parameters of the engine call (None: not recorded; the trainer assumes its
+    ``REIN_TEMPERATURE`` and no filtering, as before this field existed)."""
 
     @model_validator(mode="after")
     def _runs_cover_the_output(self) -> Chunk:
@@ -185,6 +200,21 @@ class Segment(BaseModel):
     versions: list[Label]
     """Version per token, normalised (None on context tokens)."""
     finish_reason: str = "stop"
+    sampling: list[tuple[SamplingParams | None, int]] = Field(default_factory=list)
+    """Sampling parameters per token, run-length encoded like ``Chunk.token_versions`` (None on context
+    tokens and on output tokens whose chunk recorded none); empty: none recorded."""
+
+    @model_validator(mode="after")
+    def _runs_cover_the_tokens(self) -> Segment:
+        if self.sampling:
+            total = sum(count for _, count in self.sampling)
+            if total != len(self.token_ids) or any(count < 1 for _, count in self.sampling):
+                raise ValueError(f"sampling runs cover {total} tokens, token_ids has {len(self.token_ids)}")
+        return self
+
+    def token_sampling(self) -> list[SamplingParams | None]:
+        """The sampling parameters of every token (all None when none were recorded)."""
+        return decode_runs(self.sampling) if self.sampling else [None] * len(self.token_ids)
 
 
 class Trajectory(BaseModel):

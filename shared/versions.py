@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from pydantic import BeforeValidator
+
+_T = TypeVar("_T")
 
 NOT_REAL = frozenset({"", "-1", "unknown", "none"})
 
@@ -61,20 +63,20 @@ VersionRuns = list[tuple[str | None, int]]
 """Run-length encoded per-token versions: ``[(label, count), ...]`` in token order."""
 
 
-def encode_runs(labels: Iterable[str | None]) -> VersionRuns:
-    """Consecutive equal labels as ``(label, count)`` runs (already normalised labels)."""
-    runs: VersionRuns = []
-    for label in labels:
-        if runs and runs[-1][0] == label:
-            runs[-1] = (label, runs[-1][1] + 1)
+def encode_runs(items: Iterable[_T]) -> list[tuple[_T, int]]:
+    """Consecutive equal items (normalised labels, sampling parameters) as ``(item, count)`` runs."""
+    runs: list[tuple[_T, int]] = []
+    for item in items:
+        if runs and runs[-1][0] == item:
+            runs[-1] = (item, runs[-1][1] + 1)
         else:
-            runs.append((label, 1))
+            runs.append((item, 1))
     return runs
 
 
-def decode_runs(runs: Iterable[tuple[str | None, int]]) -> list[str | None]:
-    """The per-token labels of ``runs``."""
-    return [label for label, count in runs for _ in range(count)]
+def decode_runs(runs: Iterable[tuple[_T, int]]) -> list[_T]:
+    """The per-token items of ``runs``."""
+    return [item for item, count in runs for _ in range(count)]
 
 
 class VersionRegistry:

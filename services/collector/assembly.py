@@ -36,11 +36,13 @@ from shared.schemas import (
     CompletedGroup,
     GroupDispatched,
     Record,
+    SamplingParams,
     Segment,
     SessionFinished,
     SessionRejected,
     Trajectory,
 )
+from shared.versions import encode_runs
 
 TopicPartition = tuple[str, int]
 
@@ -108,16 +110,22 @@ class Expired:
     dropped: list[str] = field(default_factory=list)
 
 
+def _runs(sampling: list[SamplingParams | None]) -> list[tuple[SamplingParams | None, int]]:
+    """A segment's sampling runs; empty when no chunk recorded any (the trainer's default applies)."""
+    return encode_runs(sampling) if any(p is not None for p in sampling) else []
+
+
 def build_trajectory(session_id: str, session: _Session) -> Trajectory:
     """Concatenate a finished session's chunks (seq order) into segments.
 
     Context tokens get mask 0, logprob 0.0, version None; output tokens mask 1,
-    their logprob and the version the engine reported for each of them. A segment's
-    finish reason is its last chunk's.
+    their logprob, the version the engine reported for each of them and their chunk's
+    sampling parameters. A segment's finish reason is its last chunk's.
     """
     end = session.end
     assert end is not None
     segments: dict[int, dict[str, list[Any]]] = {}
+    sampling: dict[int, list[SamplingParams | None]] = {}
     finish: dict[int, str] = {}
     for seq in range(session.expected()):
         chunk = session.chunks[seq]
@@ -135,8 +143,12 @@ def build_trajectory(session_id: str, session: _Session) -> Trajectory:
         seg["loss_mask"].extend([1] * n_out)
         seg["logprobs"].extend(logprobs)
         seg["versions"].extend(chunk.output_versions())
+        sampling.setdefault(chunk.segment_index, []).extend([None] * n_ctx + [chunk.sampling] * n_out)
         finish[chunk.segment_index] = chunk.finish_reason
-    built = [Segment(segment_index=index, finish_reason=finish[index], **segments[index]) for index in sorted(segments)]
+    built = [
+        Segment(segment_index=index, finish_reason=finish[index], sampling=_runs(sampling[index]), **segments[index])
+        for index in sorted(segments)
+    ]
     if isinstance(end, SessionRejected):
         return Trajectory(session_id=session_id, status="rejected", reward=0.0, error=end.error, segments=built)
     error = end.error if end.status == "failed" else ""

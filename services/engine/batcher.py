@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from shared.model.decoding import Decoder
+from shared.model.sampling import sampling_logprobs
 from shared.policy import PolicyConfig
 
 FINISHED_RIDS = 65536
@@ -122,8 +123,7 @@ class Request:
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    """log_softmax(logits / temperature) at each sampled token, before top-k/top-p filtering
-    (raw logits for greedy requests)."""
+    """Log of the probability each token had under the request's sampling distribution (0.0 greedy)."""
     versions: list[str] = field(default_factory=list)
     """Weight version that produced each output token."""
     finish_type: FinishType | None = None
@@ -391,38 +391,15 @@ def sample_next(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits[B, V]`` with per-row parameters.
 
-    Returns ``(tokens[B], logprobs[B])``. The logprob is ``log_softmax(logits / T)`` at the
-    sampled token, computed before top-k/top-p filtering (T = 1 for greedy rows, T <= 0),
-    which is what the trainer recomputes with :func:`shared.policy.token_logprobs`.
-    Top-k keeps the k largest logits; top-p then keeps the smallest prefix of the
-    renormalised distribution whose mass reaches p (always at least one token).
+    Returns ``(tokens[B], logprobs[B])``: each token is drawn from the row's sampling
+    distribution (:func:`shared.model.sampling.sampling_logprobs`: temperature, then top-k,
+    then top-p; greedy for ``T <= 0``) and its logprob is the log of the probability that
+    distribution gave it (0.0 for a greedy token), which is what the trainer recomputes
+    from the parameters the chunk records.
     """
-    logits = logits.float()
-    b, v = logits.shape
-    greedy = temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits / temp[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
-    if bool(greedy.all()):
+    logp = sampling_logprobs(logits, temperature, top_k, top_p)
+    if bool((temperature <= 0).all()):
         tokens = logits.argmax(dim=-1)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-    if not bool(((top_k > 0) & (top_k < v)).any() or (top_p < 1.0).any()):
-        # No filtering anywhere (RL samples this way): skip the sort of the whole vocabulary.
+    else:
         tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-
-    sorted_vals, sorted_idx = torch.sort(scaled, dim=-1, descending=True)
-    ranks = torch.arange(v).expand(b, v)
-    k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v))
-    removed = ranks >= k[:, None]
-    sorted_vals = sorted_vals.masked_fill(removed, float("-inf"))
-    probs = torch.softmax(sorted_vals, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    removed = mass_before >= top_p[:, None]
-    removed[:, 0] = False
-    probs = probs.masked_fill(removed, 0.0)
-    choice = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    tokens = sorted_idx.gather(-1, choice[:, None]).squeeze(-1)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

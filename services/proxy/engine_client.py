@@ -30,6 +30,7 @@ import httpcore
 
 from shared.errors import EngineError, EngineUnavailable
 from shared.lender import Lender
+from shared.schemas import SamplingParams
 from shared.versions import real_version
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -61,6 +62,10 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = -1
     ignore_eos: bool = False
+
+    def params(self) -> SamplingParams:
+        """What the chunk records: the parameters that shape the sampling distribution."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
 @dataclass(frozen=True)

@@ -275,6 +275,8 @@ class ChunkOutcome:
     context_ids: tuple[int, ...]
     """New context before this chunk's output: the turn's context for chunk 0, empty after."""
     output: EngineOutput
+    sampling: Sampling | None = None
+    """The parameters the engine sampled the output with (recorded on the chunk for the trainer)."""
 
 
 @dataclass
@@ -332,7 +334,7 @@ async def generate_preemptible(
             before_chunk(chunk_index)
             out = await engine.generate(rid, input_ids, max_new, req.sampling, req.stop_ids)
             finish = out.finish_reason
-            outcome = ChunkOutcome(chunk_index, req.context_ids if chunk_index == 0 else (), out)
+            outcome = ChunkOutcome(chunk_index, req.context_ids if chunk_index == 0 else (), out, req.sampling)
             gen.chunks.append(outcome)
             gen.output_ids.extend(out.output_ids)
             gen.logprobs.extend(out.logprobs)

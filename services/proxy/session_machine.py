@@ -189,6 +189,7 @@ class Session(Transcript):
                 chunk_index=outcome.chunk_index, context_ids=list(outcome.context_ids), output_ids=list(out.output_ids),
                 logprobs=list(out.logprobs), version=out.version, token_versions=encode_runs(out.token_versions),
                 finish_reason=out.finish_reason, rid=out.rid, engine=engine,
+                sampling=None if outcome.sampling is None else outcome.sampling.params(),
             )
         self._pending = outcome
         return () if record is None else (record,)

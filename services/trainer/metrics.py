@@ -104,6 +104,7 @@ def step_line(
         "skipped_trajectories": batch.skipped_trajectories,
         "malformed_segments": batch.malformed_segments,
         "truncated_segments": batch.truncated_segments,
+        "greedy_tokens": batch.greedy_tokens,
         "bad_group_refs": bad_refs,
         "version_gap_mean": gap.mean if gap else None,
         "version_gap_min": gap.min if gap else None,

@@ -3,7 +3,8 @@
 One sample per trajectory segment. Its loss mask is the segment's mask with the
 first token switched off (position 0 has no prefix to predict it from) and, when
 ``mask_nonlast_version`` is on, :func:`shared.staleness.mask_nonlast_version_tokens`
-applied (token-level staleness control, DESIGN "Staleness controls" 3). Rewards
+applied (token-level staleness control, DESIGN "Staleness controls" 3); tokens sampled
+greedily are switched off too (a deterministic choice has no probability to move). Rewards
 live on trajectories: every segment of a trajectory carries its reward, and the
 GRPO baseline is taken over the trajectories of a group (not over segments, so a
 trajectory cut into several segments does not weigh more in its group's mean).
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.schemas import CompletedGroup, Segment
+from shared.schemas import CompletedGroup, SamplingParams, Segment
 from shared.staleness import mask_nonlast_version_tokens
 
 TRAINABLE_STATUSES = frozenset({"completed", "truncated"})
@@ -39,6 +40,9 @@ class Sample:
     session_id: str
     versions: tuple[str | None, ...] = ()
     """Weight version that sampled each token (None on context tokens; empty: not known)."""
+    sampling: tuple[SamplingParams | None, ...] = ()
+    """Sampling parameters of each token (None on context tokens and where none were recorded;
+    empty: none recorded): the trainer scores a token under the distribution it was drawn from."""
 
 
 @dataclass
@@ -63,6 +67,9 @@ class BatchSamples:
     """Segments whose lists disagree in length or whose mask is not 0/1."""
     truncated_segments: int = 0
     """Segments cut to the policy's context window."""
+    greedy_tokens: int = 0
+    """Output tokens sampled greedily (temperature 0): a deterministic choice has no probability to
+    improve, so they are never trained."""
     degenerate_groups: int = 0
     """Groups whose kept trajectories all have the same reward (zero advantage: nothing learned)."""
 
@@ -126,12 +133,17 @@ def _segment_sample(
         out.malformed_segments += 1
         return None
     ids, mask, logprobs, versions = list(seg.token_ids), list(seg.loss_mask), list(seg.logprobs), list(seg.versions)
+    sampling = seg.token_sampling()
     if max_tokens is not None and len(ids) > max_tokens:
         cut = max_tokens
-        ids, mask, logprobs, versions = ids[:cut], mask[:cut], logprobs[:cut], versions[:cut]
+        ids, mask, logprobs, versions, sampling = ids[:cut], mask[:cut], logprobs[:cut], versions[:cut], sampling[:cut]
         out.truncated_segments += 1
     if mask:
         mask[0] = 0  # nothing predicts the first token
+    greedy = [i for i, p in enumerate(sampling) if mask[i] and p is not None and p.temperature == 0]
+    for i in greedy:
+        mask[i] = 0
+    out.greedy_tokens += len(greedy)
     before = sum(mask)
     if mask_nonlast_version:
         mask = mask_nonlast_version_tokens(mask, versions)
@@ -149,4 +161,5 @@ def _segment_sample(
         segment_index=seg.segment_index,
         session_id=session_id,
         versions=tuple(versions),
+        sampling=tuple(sampling) if seg.sampling else (),
     )

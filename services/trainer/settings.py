@@ -59,7 +59,8 @@ class TrainerSettings(ModelServiceSettings):
     mask_nonlast_version: bool = True
     """Token-level staleness control: train only tokens of a sample's last trainable version."""
     temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature of the rollouts: trainer logprobs are taken at the same temperature."""
+    """Temperature of tokens whose chunks recorded no sampling parameters (records older than that field).
+    Every chunk the proxy publishes records its own temperature, top-p and top-k, which the trainer uses."""
     micro_batch_size: int = Field(default=0, ge=0)
     """Samples per forward/backward (gradient accumulation, token-mean kept exact). 0: the whole batch at once."""
 

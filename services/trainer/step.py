@@ -22,7 +22,9 @@ from torch import nn
 
 from services.trainer.loss import grpo_advantages, ppo_clip_loss
 from services.trainer.samples import BatchSamples, Sample
-from shared.model import token_logprobs
+from shared.model import SamplingTensors, token_logprobs
+from shared.model.sampling import NO_TOP_K
+from shared.schemas import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class Hyper:
     is_truncation: float | None = 2.0
     normalize_std: bool = False
     temperature: float = 1.0
+    """Temperature of tokens whose chunk recorded no sampling parameters (older records)."""
     micro_batch_size: int = 0
 
 
@@ -60,15 +63,25 @@ class StepStats:
 
 
 def collate(
-    samples: list[Sample], advantages: torch.Tensor, device: torch.device, version: str | None = None
+    samples: list[Sample],
+    advantages: torch.Tensor,
+    device: torch.device,
+    version: str | None = None,
+    temperature: float = 1.0,
 ) -> dict[str, torch.Tensor]:
-    """Right-padded tensors: ids ``[B, T]``; mask, rollout logprobs and ``same`` (the token was sampled
-    by weights labelled ``version``) ``[B, T-1]``, aligned to ``ids[:, 1:]``."""
+    """Right-padded tensors: ids ``[B, T]``; mask, rollout logprobs, ``same`` (the token was sampled
+    by weights labelled ``version``) and each token's sampling parameters (``temperature``, ``top_k``,
+    ``top_p``; ``temperature`` and no filtering where none were recorded) ``[B, T-1]``, aligned to
+    ``ids[:, 1:]``."""
     width = max(len(s.token_ids) for s in samples)
+    default = SamplingParams(temperature=temperature)
     ids = torch.zeros((len(samples), width), dtype=torch.long)
     mask = torch.zeros((len(samples), width), dtype=torch.bool)
     same = torch.zeros((len(samples), width), dtype=torch.bool)
     rollout = torch.zeros((len(samples), width), dtype=torch.float32)
+    temp = torch.full((len(samples), width), temperature, dtype=torch.float32)
+    top_k = torch.full((len(samples), width), NO_TOP_K, dtype=torch.long)
+    top_p = torch.ones((len(samples), width), dtype=torch.float32)
     for row, s in enumerate(samples):
         n = len(s.token_ids)
         ids[row, :n] = torch.tensor(s.token_ids, dtype=torch.long)
@@ -76,6 +89,11 @@ def collate(
         rollout[row, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         if version is not None and s.versions:
             same[row, :n] = torch.tensor([v == version for v in s.versions], dtype=torch.bool)
+        if s.sampling:
+            params = [p or default for p in s.sampling]
+            temp[row, :n] = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+            top_k[row, :n] = torch.tensor([p.top_k for p in params], dtype=torch.long)
+            top_p[row, :n] = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     adv = advantages[torch.tensor([s.trajectory for s in samples], dtype=torch.long)]
     return {
         "ids": ids.to(device),
@@ -83,6 +101,9 @@ def collate(
         "same": same[:, 1:].to(device),
         "rollout": rollout[:, 1:].to(device),
         "adv": adv.to(device),
+        "temperature": temp[:, 1:].to(device),
+        "top_k": top_k[:, 1:].to(device),
+        "top_p": top_p[:, 1:].to(device),
     }
 
 
@@ -134,9 +155,10 @@ class PolicyTrainer:
         loss_sum = diff_sum = clip_sum = trunc_sum = ratio_sum = same_diff_sum = 0.0
         same_count = 0
         for chunk in self._micro_batches(batch.samples):
-            t = collate(chunk, advantages, self.device, version)
+            t = collate(chunk, advantages, self.device, version, h.temperature)
+            sampling = SamplingTensors(t["temperature"], t["top_k"], t["top_p"])
             with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext():
-                logprobs = token_logprobs(self.model, t["ids"], temperature=h.temperature)
+                logprobs = token_logprobs(self.model, t["ids"], sampling=sampling)
             loss, stats = ppo_clip_loss(
                 logprobs, t["rollout"], t["adv"], t["mask"],
                 clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total),

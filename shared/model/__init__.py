@@ -28,6 +28,7 @@ from shared.model.base import (
     UnrenderableMessages,
     state_digest,
 )
+from shared.model.sampling import LOGPROB_FLOOR, SamplingTensors, sampling_logprobs
 from shared.model.tiny import TinyFamily
 from shared.policy import PolicyConfig, TinyPolicy
 
@@ -37,6 +38,7 @@ __all__ = [
     "Loaded",
     "ModelError",
     "ModelFamily",
+    "SamplingTensors",
     "TinyFamily",
     "Turn",
     "UnrenderableMessages",
@@ -93,19 +95,32 @@ def logits(model: nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor | N
 
 
 def token_logprobs(
-    model: nn.Module, ids: torch.Tensor, temperature: float = 1.0, attention_mask: torch.Tensor | None = None
+    model: nn.Module,
+    ids: torch.Tensor,
+    temperature: float = 1.0,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    sampling: SamplingTensors | None = None,
 ) -> torch.Tensor:
     """Log-probability of ``ids[:, 1:]`` given each prefix: ``[B, T] -> [B, T-1]`` (fp32).
 
-    ``log_softmax(logits / temperature)``, the quantity the engine reports as
-    ``output_token_logprobs``, so trainer and sampler agree. Padded positions are
-    meaningless; callers mask them.
+    Without ``sampling``: ``log_softmax(logits / temperature)``. With it (each ``[B, T-1]``): the log
+    of each token's probability under its own sampling parameters
+    (:func:`~shared.model.sampling.sampling_logprobs`), which is what the engine reports as
+    ``output_token_logprobs``, so trainer and sampler agree; a token the filter excludes scores
+    :data:`~shared.model.sampling.LOGPROB_FLOOR`. Padded positions are meaningless; callers mask them.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    scaled = logits(model, ids, attention_mask)[:, :-1, :].float() / temperature
-    logp = torch.log_softmax(scaled, dim=-1)
-    return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    out = logits(model, ids, attention_mask)[:, :-1, :].float()
+    targets = ids[:, 1:].unsqueeze(-1)
+    if sampling is None:
+        return torch.log_softmax(out / temperature, dim=-1).gather(-1, targets).squeeze(-1)
+    b, t, v = out.shape
+    logp = sampling_logprobs(
+        out.reshape(b * t, v), sampling.temperature.reshape(-1), sampling.top_k.reshape(-1), sampling.top_p.reshape(-1)
+    ).reshape(b, t, v)
+    return logp.gather(-1, targets).squeeze(-1).clamp(min=LOGPROB_FLOOR)
 
 
 def context_window_of(family: ModelFamily, model: nn.Module) -> int:

@@ -18,7 +18,7 @@ import pytest
 
 from ops.local.ports import free_port
 from shared.names import Topics
-from shared.schemas import Chunk, SessionFinished, SessionRejected
+from shared.schemas import Chunk, SamplingParams, SessionFinished, SessionRejected
 from shared.tokenizer import TOKENIZER as TOK
 from tests.support.procs import Proc
 from tests.support.proxy import (
@@ -52,12 +52,17 @@ def test_multi_turn_chunks_reconstruct_engine_tokens(engine: Engine, proxy_facto
         {"role": "user", "content": "guess"},
     ]
     outputs: list[list[int]] = []
+    # each call's own sampling parameters are recorded on its chunk (the trainer scores with them)
+    sampling = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.2, top_k=5),
+                SamplingParams(temperature=0.0)]
     for turn, user in enumerate(["higher", "lower", None]):
         resp = client.chat.completions.create(
             model="rein-tiny",
             messages=messages,  # type: ignore[arg-type]
             max_tokens=4,
-            temperature=0.0,
+            temperature=sampling[turn].temperature,
+            top_p=sampling[turn].top_p,
+            extra_body={"top_k": sampling[turn].top_k},
         )
         info = rein(resp)
         assert info["segment_index"] == 0 and info["new_segment"] == (turn == 0)
@@ -77,6 +82,8 @@ def test_multi_turn_chunks_reconstruct_engine_tokens(engine: Engine, proxy_facto
     assert all(c.chunk_index == 0 and c.segment_index == 0 and c.version == "v0" for c in chunks)
     assert all(len(c.logprobs) == len(c.output_ids) for c in chunks)
     assert len({c.rid for c in chunks}) == 3
+    assert [c.sampling for c in chunks] == sampling
+    assert chunks[2].logprobs == [0.0] * len(chunks[2].output_ids)  # greedy: each token had probability 1
 
     # Independent expectation: first turn = chat template; later turns = new messages + header.
     expected = TOK.apply_chat_template(messages[:2], add_generation_prompt=True)

@@ -18,6 +18,7 @@ from shared.schemas import (
     CompletedGroup,
     GroupDispatched,
     Record,
+    SamplingParams,
     Segment,
     SessionFinished,
     SessionRejected,
@@ -324,6 +325,30 @@ def test_per_token_versions_reach_the_segment_and_the_window_view() -> None:
     [segment] = group.trajectories[0].segments
     assert segment.versions == [None, None, "v1", "v1", "v2"]
     assert window_group(group).versions == ("v2",)
+
+
+def test_each_chunks_sampling_parameters_reach_its_tokens() -> None:
+    """Two calls of one session at different temperatures (and a chunk that recorded none): every
+    output token keeps its own chunk's parameters, context tokens have none."""
+    feed = Feed()
+    feed(dispatched(["s1"]))
+    hot, cool = SamplingParams(temperature=1.2), SamplingParams(temperature=0.7, top_p=0.9)
+    feed(chunk("s1", 0, out=[7, 8]).model_copy(update={"sampling": hot}))
+    feed(chunk("s1", 1, out=[9]).model_copy(update={"sampling": cool}))
+    feed(chunk("s1", 2, ctx=[], out=[4]))
+    group = feed(finished("s1", 3))
+    assert group is not None
+    [segment] = group.trajectories[0].segments
+    assert segment.token_sampling() == [None, None, hot, hot, None, None, cool, None]
+    assert segment.sampling == [(None, 2), (hot, 2), (None, 2), (cool, 1), (None, 1)]
+
+
+def test_a_session_without_recorded_sampling_has_no_runs() -> None:
+    feed = Feed()
+    feed(dispatched(["s1"]))
+    feed(chunk("s1", 0))
+    group = feed(finished("s1", 1))
+    assert group is not None and group.trajectories[0].segments[0].sampling == []
 
 
 # --------------------------------------------------------------------------- staleness metrics helpers

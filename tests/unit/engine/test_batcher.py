@@ -267,8 +267,25 @@ def test_sample_next_filters_and_logprobs() -> None:
     for _ in range(20):
         tokens, lps = sample_next(logits, temperature=temp, top_k=top_k, top_p=top_p, generator=gen)
         assert tokens[0] == 0 and tokens[2] == 0 and tokens[3] == 0  # top-k 1, tiny top-p, greedy
-        expected = torch.log_softmax(logits / torch.tensor([1.0, 0.5, 1.0, 1.0])[:, None], -1)
-        assert torch.allclose(lps, expected.gather(-1, tokens[:, None]).squeeze(-1))
+        # the probability each token had where it was drawn: 1 for a one-token set and for greedy
+        tempered = torch.log_softmax(logits[1] / 0.5, -1)[tokens[1]]
+        assert torch.allclose(lps, torch.stack([torch.tensor(0.0), tempered, torch.tensor(0.0), torch.tensor(0.0)]))
+
+
+def test_sample_next_filtered_logprob_is_the_renormalised_probability() -> None:
+    """Draws under top-k / top-p follow the renormalised kept set, and each reported logprob is the
+    log of the frequency it is drawn with (what an importance ratio needs), not the unfiltered one."""
+    gen = torch.Generator().manual_seed(3)
+    n = 20_000
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]]).expand(n, 4).contiguous()
+    for top_k, top_p in ((3, 1.0), (-1, 0.8), (3, 0.9)):
+        tokens, lps = sample_next(logits, temperature=torch.full((n,), 0.9), top_k=torch.full((n,), top_k),
+                                  top_p=torch.full((n,), top_p), generator=gen)
+        freq = torch.bincount(tokens, minlength=4).float() / n
+        reported = torch.full((4,), float("-inf"))
+        reported[tokens] = lps
+        assert torch.allclose(freq, reported.exp(), atol=0.015), (top_k, top_p)
+        assert freq[3] == 0  # every setting here drops the least likely token
 
 
 def test_sample_next_top_k_excludes_tail() -> None:
@@ -298,6 +315,7 @@ def test_sample_next_unfiltered_draws_follow_the_tempered_softmax(mixed_greedy: 
     if mixed_greedy:
         assert bool((tokens[::2] == 0).all())
     expected = torch.log_softmax(logits / torch.where(temp > 0, temp, 1.0)[:, None], -1)
+    expected = torch.where(temp[:, None] > 0, expected, torch.zeros_like(expected))  # greedy: probability 1
     assert torch.allclose(lps, expected.gather(-1, tokens[:, None]).squeeze(-1))
 
 

@@ -16,6 +16,9 @@ from shared.schemas import (
     DecisionRecord,
     DecodeError,
     GroupRef,
+    SamplingParams,
+    Segment,
+    Trajectory,
     WeightApplied,
     WeightPublished,
     WindowInfo,
@@ -121,6 +124,23 @@ def test_chunk_carries_per_token_versions_across_the_wire() -> None:
     assert isinstance(back, Chunk) and back == chunk
     assert back.output_versions() == ["v1", "v2", "v2"]
     assert _chunk(output_ids=[5, 6], version="v3").output_versions() == ["v3", "v3"]  # no runs: one label
+
+
+def test_sampling_parameters_cross_the_wire_on_chunks_and_segments() -> None:
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40)
+    chunk = _chunk(output_ids=[5, 6], logprobs=[-1.0] * 2, sampling=params)
+    back = decode(encode(chunk))
+    assert isinstance(back, Chunk) and back.sampling == params
+    seg = Segment(segment_index=0, token_ids=[1, 5, 6], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0],
+                  versions=[None, "v1", "v1"], sampling=[(None, 1), (params, 2)])
+    group = CompletedGroup(group_id="g", prompt_id="p", failed=False,
+                           trajectories=[Trajectory(session_id="s", status="completed", segments=[seg])])
+    again = decode(encode(group))
+    assert isinstance(again, CompletedGroup)
+    assert again.trajectories[0].segments[0].token_sampling() == [None, params, params]
+    with pytest.raises(ValueError, match="sampling runs cover 2 tokens"):
+        Segment(segment_index=0, token_ids=[1, 5, 6], loss_mask=[0, 1, 1], logprobs=[0.0] * 3,
+                versions=[None] * 3, sampling=[(params, 2)])
 
 
 @pytest.mark.parametrize("runs", [[("v1", 2)], [("v1", 1), ("v2", 1), ("v3", 1), ("v1", 1)], [("v1", 3), ("v2", 0)]])

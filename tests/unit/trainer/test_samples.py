@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.trainer.samples import build_samples
-from shared.schemas import CompletedGroup, Segment, Trajectory
+from shared.schemas import CompletedGroup, SamplingParams, Segment, Trajectory
 
 
 def seg(mask: list[int], versions: list[str | None], index: int = 0) -> Segment:
@@ -76,3 +76,18 @@ def test_truncation_to_the_context_window() -> None:
     assert out.truncated_segments == 1
     assert out.samples[0].token_ids == [1, 2, 3]
     assert out.samples[0].loss_mask == [0, 1, 1]  # the cut v2 tokens no longer make it mixed
+
+
+def test_greedy_tokens_are_never_trained_and_are_counted() -> None:
+    """Temperature 0 is a deterministic choice: nothing to raise or lower, so its tokens leave the loss;
+    sampled tokens of the same segment stay, with their parameters for the trainer."""
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=20)
+    s = Segment(segment_index=0, token_ids=[1, 2, 3, 4, 5], loss_mask=[0, 1, 1, 1, 1], logprobs=[0.0] * 5,
+                versions=[None, "v1", "v1", "v1", "v1"], sampling=[(None, 1), (greedy, 2), (sampled, 2)])
+    out = build_samples([group("g", traj("s", 1.0, s))])
+    assert out.samples[0].loss_mask == [0, 0, 0, 1, 1]
+    assert out.samples[0].sampling == (None, greedy, greedy, sampled, sampled)
+    assert (out.greedy_tokens, out.trainable_tokens) == (2, 2)
+    all_greedy = Segment(segment_index=0, token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0] * 2,
+                         versions=[None, "v1"], sampling=[(None, 1), (greedy, 1)])
+    assert build_samples([group("g", traj("s", 1.0, all_greedy))]).samples == []
