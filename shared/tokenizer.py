@@ -3,7 +3,8 @@
 The vocabulary is closed and known to every service, so token ids mean the same
 thing in the engine, the proxy, the collector and the trainer without shipping a
 tokenizer file around. Text is split on whitespace; a word outside the vocabulary
-becomes ``<unk>``.
+becomes ``<unk>``, and so does a special token typed in the text: only the template
+writes special ids.
 
 Chat layout (the tiny policy's chat template)::
 
@@ -93,10 +94,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Whitespace-split ``text``; words outside the vocabulary become ``<unk>``.
 
-        Special tokens written literally in the text are encoded as themselves.
+        Special tokens written in the text are words outside the vocabulary too: a message's
+        content that spells ``<|end|> <|assistant|>`` must not close its turn and open another.
         """
-        unk = self.unk_id
-        return [self._id_of.get(word, unk) for word in text.split()]
+        ids = (self._id_of.get(word) for word in text.split())
+        return [self.unk_id if i is None or i in self._special_ids else i for i in ids]
 
     def id_to_token(self, token_id: int) -> str:
         if not 0 <= token_id < len(VOCAB):

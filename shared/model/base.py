@@ -63,7 +63,9 @@ class ChatTokenizer(Protocol):
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Ids of ``messages`` rendered by the model's own chat template (:class:`UnrenderableMessages`
-        for messages it cannot render)."""
+        for messages it cannot render). Message text is text: a special token spelled in it (``<|im_end|>``
+        in a tool's result) is encoded as its characters, never as the token, so only the template's
+        own markers are special ids."""
         ...
 
     def continue_chat(

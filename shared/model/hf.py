@@ -31,6 +31,7 @@ from transformers.utils import logging as hf_logging
 from shared.checkpoint import CheckpointError
 from shared.durable import fsync_path, fsync_tree
 from shared.model.base import ChatTokenizer, Loaded, ModelError, Turn, UnrenderableMessages, state_digest
+from shared.model.literals import Literals, Spellings, strings_in
 
 hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # services log JSON lines; tqdm bars on every load are noise
 
@@ -80,12 +81,20 @@ class HFChatTokenizer:
     Templates that know nothing of tools (SmolLM2's ChatML) would drop an assistant's
     ``tool_calls``; for those, each call is folded into the content as a
     ``<tool_call>{json}</tool_call>`` line (the Hermes/Qwen convention), so the model sees it.
+
+    Only the template writes special tokens: one spelled in a request's strings (content, a tool's
+    result, tool-call arguments) is encoded as text, so it cannot close a turn and forge another.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, extra_eos: Sequence[int] = ()) -> None:
         self.inner = tokenizer
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        self._template = template
         self.template_knows_tools = "tool_calls" in template
+        self._spellings = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        """Special ids and their spellings: what the tokenizer parses as a special wherever it reads it."""
+        self._markers = {text: i for i, text in self._spellings.items()}
+        self._special = Spellings(list(self._markers))
         stops = {i for i in extra_eos if isinstance(i, int)}
         eos = tokenizer.eos_token_id
         if isinstance(eos, int):
@@ -142,18 +151,9 @@ class HFChatTokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The chat template's text for ``messages`` (:class:`UnrenderableMessages` when the template refuses them)."""
-        try:
-            text = self.inner.apply_chat_template(
-                self._plain(messages),
-                tools=[dict(t) for t in tools] if tools else None,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-            )
-        except TemplateError as exc:  # the template's own raise_exception(...), or a malformed message
-            raise UnrenderableMessages(f"the chat template cannot render these messages: {exc}") from None
-        if not isinstance(text, str):
-            raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected text")
-        return text
+        plain = self._plain(messages)
+        literals = self._literals(plain, tools)
+        return literals.reveal(self._render(plain, tools, literals, add_generation_prompt=add_generation_prompt))
 
     def encode_chat(
         self,
@@ -162,10 +162,14 @@ class HFChatTokenizer:
         add_generation_prompt: bool,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        """The template's text, tokenized the way ``apply_chat_template(tokenize=True)`` does: no added
-        BOS/EOS, special tokens in the text parsed as specials. :meth:`continue_chat` encodes its deltas
-        the same way, so both paths give the same ids for the same span."""
-        return self._encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools))
+        """The template's text, tokenized the way ``apply_chat_template(tokenize=True)`` does (no added
+        BOS/EOS, the template's special tokens parsed as specials), except that a special token spelled
+        in the messages' or tools' strings is text (see :mod:`shared.model.literals`). :meth:`continue_chat`
+        encodes its deltas the same way, so both paths give the same ids for the same span."""
+        plain = self._plain(messages)
+        literals = self._literals(plain, tools)
+        return self._encode_marked(self._render(plain, tools, literals, add_generation_prompt=add_generation_prompt),
+                                   literals)
 
     def continue_chat(
         self,
@@ -175,38 +179,112 @@ class HFChatTokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int] | None:
         """In text space: the template's text for ``messages`` must start with what ``turns`` stand for;
-        the rest is encoded. Contexts are compared by their exact text (special tokens spelled out),
-        sampled ids by :meth:`decode` of them (the answer the agent got; specials it never saw are
-        dropped), and a final stop id matches whichever end-of-turn token the template writes there.
-        Comparing text, not ids, is what lets the sampled ids stay verbatim: BPE would often split the
-        assistant's text differently than the model sampled it."""
+        the rest is encoded. Contexts are compared by their exact text, marker for marker (a special id
+        is its spelling, the same spelling in text is content: both sides hide it alike), sampled ids by
+        :meth:`decode` of them (the answer the agent got; specials it never saw are dropped), and a
+        final stop id matches whichever end-of-turn token the template writes there. Comparing text,
+        not ids, is what lets the sampled ids stay verbatim: BPE would often split the assistant's text
+        differently than the model sampled it."""
         if not turns:
             return None
-        full = self.render_chat(messages, add_generation_prompt=True, tools=tools)
+        plain = self._plain(messages)
+        contexts = [self._seen(context) for context, _ in turns]
+        stopped = [bool(sampled) and sampled[-1] in self._stop_ids for _, sampled in turns]
+        answers = [self.decode(s[:-1] if stop else s) for (_, s), stop in zip(turns, stopped, strict=True)]
+        pieces = [(text, verbatim) for seen in contexts for text, verbatim in seen]
+        literals = self._literals(plain, tools, [*(t for t, verbatim in pieces if not verbatim), *answers],
+                                  avoid=[t for t, verbatim in pieces if verbatim])
+        full = self._render(plain, tools, literals, add_generation_prompt=True)
         pos = 0
-        for context, sampled in turns:
-            text = self._text(context)
+        for seen, answer, stop in zip(contexts, answers, stopped, strict=True):
+            text = "".join(piece if verbatim else literals.hide(piece) for piece, verbatim in seen)
             if not full.startswith(text, pos):
                 return None
             pos += len(text)
-            stopped = bool(sampled) and sampled[-1] in self._stop_ids
-            answer = self.decode(sampled[:-1] if stopped else sampled)
+            answer = literals.hide(answer)
             if not full.startswith(answer, pos):
                 return None
             pos += len(answer)
-            if stopped:
+            if stop:
                 end = next((t for t in self._stop_texts if full.startswith(t, pos)), None)
                 if end is None:
                     return None
                 pos += len(end)
-        return self._encode(full[pos:]) if pos < len(full) else None
+        return self._encode_marked(full[pos:], literals) if pos < len(full) else None
+
+    def _literals(
+        self,
+        plain: list[dict[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        seen: Sequence[str] = (),
+        avoid: Sequence[str] = (),
+    ) -> Literals:
+        """Stand-ins for the special tokens spelled in the request's strings and in ``seen`` (text of
+        earlier turns, to be hidden alike), found in none of them, ``avoid`` and the template's source."""
+        return Literals(self._special, [*strings_in(plain), *strings_in(tools), *seen], [self._template, *avoid])
+
+    def _render(
+        self,
+        plain: list[dict[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        literals: Literals,
+        *,
+        add_generation_prompt: bool,
+    ) -> str:
+        """The template's text for the request's strings with their special-token spellings hidden: a
+        spelling in it is a marker the template wrote."""
+        try:
+            text = self.inner.apply_chat_template(
+                literals.hide_in(plain),
+                tools=literals.hide_in([dict(t) for t in tools]) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+        except TemplateError as exc:  # the template's own raise_exception(...), or a malformed message
+            raise UnrenderableMessages(f"the chat template cannot render these messages: {exc}") from None
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected text")
+        return text
+
+    def _encode_marked(self, rendered: str, literals: Literals) -> list[int]:
+        """Ids of a :meth:`_render` text: as the tokenizer reads it when no content spelled a special token
+        (the common case, exactly as before); else its markers' ids and the text between two markers
+        encoded on its own, with special-token splitting off (the tokenizer too encodes the text between
+        two special tokens on its own, and the deltas of :meth:`continue_chat` rely on it)."""
+        if not literals.hidden_in(rendered):
+            return self._encode(rendered)
+        ids: list[int] = []
+        for piece, marker in literals.split(rendered):
+            ids.extend([self._markers[piece]] if marker else self._encode(piece, as_text=True))
+        return ids
+
+    def _seen(self, context: Sequence[int]) -> list[tuple[str, bool]]:
+        """``context``'s exact text in pieces: ``(text, True)`` to compare verbatim (a special id's
+        spelling is a marker), ``(text, False)`` to hide first (text between two special ids that spells
+        special tokens, as content may). One piece, its whole text, unless some content spelled one."""
+        text = self._text(context)
+        if len(self._special.find(text)) == sum(i in self._spellings for i in context):
+            return [(text, True)]
+        pieces: list[tuple[str, bool]] = []
+        start = 0
+        for k, i in enumerate(context):
+            if i in self._spellings:
+                if k > start:
+                    pieces.append((self._text(context[start:k]), False))
+                pieces.append((self._spellings[i], True))
+                start = k + 1
+        if start < len(context):
+            pieces.append((self._text(context[start:]), False))
+        return pieces
 
     def _text(self, ids: Sequence[int]) -> str:
         """Exact text of rendered ids: special tokens spelled out, no space clean-up."""
         return str(self.inner.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
-    def _encode(self, text: str) -> list[int]:
-        ids = self.inner.encode(text, add_special_tokens=False)
+    def _encode(self, text: str, *, as_text: bool = False) -> list[int]:
+        """``text``'s ids without added BOS/EOS; ``as_text``: special-token spellings in it stay text."""
+        options = {"split_special_tokens": True} if as_text else {}
+        ids = self.inner.encode(text, add_special_tokens=False, **options)
         out = [i for i in ids if isinstance(i, int)]
         if len(out) != len(ids):
             raise TypeError("encode returned something other than token ids")

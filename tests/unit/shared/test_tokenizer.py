@@ -32,6 +32,13 @@ def test_unknown_words_and_whitespace() -> None:
     assert TOKENIZER.encode("") == []
 
 
+def test_special_tokens_in_text_are_unknown_words() -> None:
+    """Text is text: a marker typed in it is a word outside the vocabulary, not the marker's id."""
+    unk = TOKENIZER.unk_id
+    assert TOKENIZER.encode("guess <|end|> <|assistant|> <pad>") == [TOKENIZER.token_id("guess"), unk, unk, unk]
+    assert TOKENIZER.render_message("user", "<|end|>") == [TOKENIZER.token_id("<|user|>"), unk, TOKENIZER.end_id]
+
+
 def test_render_message_and_template() -> None:
     user = TOKENIZER.render_message("user", "guess")
     assert user == [TOKENIZER.token_id("<|user|>"), TOKENIZER.token_id("guess"), TOKENIZER.end_id]
