@@ -157,7 +157,8 @@ def collect(targets: Targets) -> dict[str, Any]:
             row = got[f"{key}:{i}"]
             rows.append(row if "url" in row else {"url": url, **row})
         report[label] = rows
-    report["rejections"] = _total_rejections(report["proxies"])
+    report["rejections"] = _total(report["proxies"], "rejections")
+    report["new_segments"] = _total(report["proxies"], "new_segments")
     report["services"] = {
         name: (row if "url" in row else {"url": targets.services[name], "ok": False, **row})
         for name in targets.services
@@ -167,11 +168,12 @@ def collect(targets: Targets) -> dict[str, Any]:
     return report
 
 
-def _total_rejections(proxies: list[dict[str, Any]]) -> dict[str, float]:
+def _total(proxies: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """One ``label -> count`` part of every proxy's row, summed."""
     total: dict[str, float] = {}
     for row in proxies:
-        for error, n in (row.get("rejections") or {}).items():
-            total[error] = total.get(error, 0.0) + n
+        for label, n in (row.get(key) or {}).items():
+            total[label] = total.get(label, 0.0) + n
     return total
 
 

@@ -24,6 +24,7 @@ from shared.versions import VersionRegistry
 from shared.window_layout import WindowReader
 
 REJECTIONS_METRIC = "rein_proxy_rejections_total"
+NEW_SEGMENTS_METRIC = "rein_proxy_new_segments_total"
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -77,17 +78,27 @@ def lag_report(
     return {"lag": total, "partitions": partitions}
 
 
-def parse_rejections(text: str) -> dict[str, float]:
-    """``error -> count`` from a proxy's ``/metrics`` text (soft and hard rejections summed)."""
+def _by_label(text: str, metric: str, label: str) -> dict[str, float]:
+    """``label value -> count`` of one counter in a ``/metrics`` text, summed over its other labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == REJECTIONS_METRIC:
-                error = sample.labels.get("error", "")
-                out[error] = out.get(error, 0.0) + sample.value
+            if sample.name == metric:
+                value = sample.labels.get(label, "")
+                out[value] = out.get(value, 0.0) + sample.value
     return out
+
+
+def parse_rejections(text: str) -> dict[str, float]:
+    """``error -> count`` from a proxy's ``/metrics`` text (soft and hard rejections summed)."""
+    return _by_label(text, REJECTIONS_METRIC, "error")
+
+
+def parse_new_segments(text: str) -> dict[str, float]:
+    """``reason -> count`` of the segments a proxy started (every reason but ``first`` re-tokenized a history)."""
+    return _by_label(text, NEW_SEGMENTS_METRIC, "reason")
 
 
 # --------------------------------------------------------------------------- parts
@@ -243,9 +254,12 @@ def proxy_part(url: str, token: str, timeout_s: float) -> dict[str, Any]:
         out["error"] = describe(exc)
         return out
     try:
-        out["rejections"] = parse_rejections(http_text(f"{base}/metrics", timeout_s))
+        text = http_text(f"{base}/metrics", timeout_s)
     except Exception as exc:
-        out["rejections_error"] = describe(exc)
+        out["metrics_error"] = describe(exc)  # no rejections, no new segments
+        return out
+    out["rejections"] = parse_rejections(text)
+    out["new_segments"] = parse_new_segments(text)
     return out
 
 

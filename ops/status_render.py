@@ -13,6 +13,16 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _segments(counts: dict[str, float]) -> str:
+    """Segments started: a session's first apart from those that re-tokenized a history, by reason."""
+    if not counts:
+        return "none"
+    fallbacks = {k: v for k, v in counts.items() if k != "first"}
+    reasons = ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(fallbacks.items(), key=lambda kv: (-kv[1], kv[0])))
+    return (f"{_fmt(sum(counts.values()))} ({_fmt(counts.get('first', 0.0))} first; "
+            f"{_fmt(sum(fallbacks.values()))} re-tokenized a history{': ' + reasons if reasons else ''})")
+
+
 def render(report: dict[str, Any]) -> str:
     """The report as a human-readable text table."""
     lines: list[str] = []
@@ -82,6 +92,7 @@ def render(report: dict[str, Any]) -> str:
     rejections = report["rejections"]
     add("rejections (proxies, since start): " + (
         ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(rejections.items())) or "none"))
+    add("new segments (proxies, since start): " + _segments(report.get("new_segments") or {}))
     if report["services"]:
         add("")
         add("services")

@@ -91,9 +91,13 @@ class PauseController:
     renewal (:meth:`expired`), so a broadcaster killed between pause and resume cannot hold
     every agent forever. A newer pause takes the pause over (its id replaces the old one);
     a renewal or resume naming any other id is refused. A resume without an id (an operator,
-    or a broadcaster's start-up recovery) always resumes."""
+    or a broadcaster's start-up recovery) always resumes.
 
-    def __init__(self) -> None:
+    ``clock`` reads the time leases and closed admission are measured in (tests move it by
+    hand); the wait for quiescence keeps time.monotonic, as the event loop's timeouts do."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._paused = False
         self.pause_id = ""
         """Id of the current (or, when running, the last) pause."""
@@ -117,7 +121,7 @@ class PauseController:
 
     def closed_s(self) -> float | None:
         """Seconds admission has been closed by the current pause; None while running."""
-        return None if self._closed_at is None or not self._paused else time.monotonic() - self._closed_at
+        return None if self._closed_at is None or not self._paused else self._clock() - self._closed_at
 
     async def wait_running(self) -> None:
         while self._paused:
@@ -156,7 +160,7 @@ class PauseController:
         status = "already_paused" if self._paused else "paused"
         if not self._paused:
             self.pauses += 1
-            self._closed_at = start
+            self._closed_at = self._clock()
         self._paused = True
         self._running.clear()
         self.reason = reason
@@ -175,7 +179,7 @@ class PauseController:
                 task.cancel()
         still = [r for r in self.active() if not r.stopped.is_set()]
         if self._paused and self.pause_id == mine:  # not resumed nor taken over meanwhile
-            self._lease_until = time.monotonic() + lease_s
+            self._lease_until = self._clock() + lease_s
         return PauseResult(
             status=status,
             quiesced=not still,
@@ -191,14 +195,14 @@ class PauseController:
         """Extend the current pause's lease; False (nothing changed) if ``pause_id`` is not the current pause."""
         if not self._paused or pause_id != self.pause_id:
             return False
-        self._lease_until = time.monotonic() + lease_s
+        self._lease_until = self._clock() + lease_s
         return True
 
     def lease_left_s(self) -> float | None:
         """Seconds until the current pause expires; None when running or while a pause waits to quiesce."""
         if not self._paused or self._lease_until is None:
             return None
-        return self._lease_until - time.monotonic()
+        return self._lease_until - self._clock()
 
     def expired(self) -> bool:
         left = self.lease_left_s()

@@ -14,6 +14,11 @@ class ProxyMetrics:
             registry, "proxy/requests", "HTTP requests answered, by route and status", ("route", "status")
         )
         self.chunks = metrics.counter(registry, "proxy/chunks_published", "Chunk records written to Kafka")
+        self.new_segments = metrics.counter(
+            registry, "proxy/new_segments",
+            "Segments started, by reason: first (a session's first), else why the call could not extend the "
+            "last segment token-exact and re-tokenized its whole history", ("reason",),
+        )
         self.tokens = metrics.counter(registry, "proxy/generated_tokens", "Output tokens received from engines")
         self.preempts = metrics.counter(registry, "proxy/preempts", "Engine requests that ended aborted (preempted)")
         self.rejections = metrics.counter(

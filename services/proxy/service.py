@@ -132,7 +132,7 @@ class ProxyService:
                 controller=self.controller,
                 new_rid=self._new_rid,
                 before_chunk=lambda _i: _raise(session.check_engine(engine.version)),
-                on_chunk=lambda outcome: self._on_chunk(session, engine, outcome),
+                on_chunk=lambda outcome: self._on_chunk(session, engine, plan, outcome),
             )
             return session.complete(gen)
         except Exception as exc:
@@ -166,7 +166,7 @@ class ProxyService:
             max_chunks=self.settings.max_chunks_per_call,
         )
 
-    async def _on_chunk(self, session: Session, engine: EngineHandle, outcome: ChunkOutcome) -> None:
+    async def _on_chunk(self, session: Session, engine: EngineHandle, plan: TurnPlan, outcome: ChunkOutcome) -> None:
         """A chunk came back: submit what the session says (not waiting for the ack), then
         tell it the chunk is sent. Its engine request is released once this returns."""
         self.metrics.tokens.inc(len(outcome.output.output_ids))
@@ -176,7 +176,18 @@ class ProxyService:
             assert isinstance(record, Chunk)
             ack = await self.publisher.submit(self.settings.topics.chunks, record)
             self._acks.setdefault(session.session_id, {})[record.seq] = ack
-        _raise(session.chunk_sent())
+        rejection = session.chunk_sent()
+        if plan.new_segment and outcome.chunk_index == 0:  # the segment exists from its first chunk on
+            self._segment_opened(session, plan)
+        _raise(rejection)
+
+    def _segment_opened(self, session: Session, plan: TurnPlan) -> None:
+        """Count a new segment by reason; log the ones that re-tokenized a history (not a session's first)."""
+        reason = plan.reason or "first"
+        self.metrics.new_segments.labels(reason=reason).inc()
+        if reason != "first":
+            _log.info("new_segment", session_id=session.session_id, group_id=session.group_id, reason=reason,
+                      segment_index=plan.segment_index, context_tokens=len(plan.context_ids))
 
     def _look(self, session: Session) -> None:
         """Feed the session every chunk Kafka refused so far; forget the answered acks."""

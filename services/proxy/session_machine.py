@@ -23,8 +23,8 @@ cannot finish; every rejection counts only the chunks before the first lost one.
 Events and what they return:
 
 ================  ==================================================================
-``begin``         turn planned: the :class:`TurnPlan` (422 for messages the template cannot render;
-                  503 ``kafka_unavailable`` once a chunk was lost: the shell feeds it to ``fail``)
+``begin``         turn planned: the :class:`TurnPlan` (a new segment's says why; 422 for messages the template
+                  cannot render; 503 ``kafka_unavailable`` once a chunk was lost: the shell feeds it to ``fail``)
 ``check_engine``  before each engine call: the rejection the engine's version would cause
 ``chunk``         chunk received: the records to submit (none untracked)
 ``chunk_sent``    the chunk's records are submitted (acks may come later): recorded; the rejection it causes
@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from services.proxy.transcript import Messages, SegmentState, Tools, Transcript, TurnPlan
+from services.proxy.transcript import Messages, NewSegmentReason, SegmentState, Tools, Transcript, TurnPlan
 from shared.errors import (
     InvalidRequest,
     KafkaUnavailable,
@@ -69,7 +69,7 @@ from shared.versions import distinct_real, encode_runs
 if TYPE_CHECKING:
     from services.proxy.generation import ChunkOutcome, Generation
 
-__all__ = ["ChatOutcome", "SegmentState", "Session", "Step", "TurnPlan", "VersionRules"]
+__all__ = ["ChatOutcome", "NewSegmentReason", "SegmentState", "Session", "Step", "TurnPlan", "VersionRules"]
 
 
 @dataclass(frozen=True)
@@ -221,6 +221,7 @@ class Session(Transcript):
         """The generation ended: the answer is the text of the sampled ids (a final stop id is no text)."""
         plan = self._call()
         content = self.tokenizer.decode(gen.output_ids)
+        self.answered(plan, content)
         self._leave_call()
         rein = {
             "session_id": self.session_id, "segment_index": plan.segment_index, "new_segment": plan.new_segment,

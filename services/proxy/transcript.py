@@ -9,6 +9,10 @@ or truncated history) starts a new segment rendered from the full chat template.
 segment whose call failed after a chunk publish was tried is closed (that record may or
 may not be on Kafka), so the next call starts a new one.
 
+A new segment re-tokenizes the whole history, so each one carries a
+:data:`NewSegmentReason` (:func:`new_segment_reason`) that the proxy counts: an agent that
+keeps editing its history shows up there instead of silently losing token exactness.
+
 Every tokenisation goes through :meth:`Transcript.plan` and the model family's
 :class:`~shared.model.base.ChatTokenizer` (``encode_chat``, ``continue_chat``), which
 alone knows the template: nothing here depends on which family is served.
@@ -16,9 +20,10 @@ alone knows the template: nothing here depends on which family is served.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from shared.versions import distinct_real
 
@@ -28,6 +33,33 @@ if TYPE_CHECKING:
 Messages = Sequence[Mapping[str, Any]]
 """OpenAI chat messages as plain dicts (role, content, tool_calls, tool_call_id), passed to the template."""
 Tools = Sequence[Mapping[str, Any]] | None
+
+NewSegmentReason = Literal[
+    "first", "publish_failed", "tools_changed", "history_diverged", "assistant_dropped", "assistant_edited",
+    "template_mismatch",
+]
+"""Why a call starts a new segment; every reason but ``first`` is a call that could not continue token-exact."""
+
+
+@dataclass(frozen=True)
+class CallKeys:
+    """A call's tools and messages, each reduced to a hash: enough to tell later how the next call differs."""
+
+    tools: int = 0
+    messages: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, messages: Messages, tools: Tools = None) -> CallKeys:
+        return cls(tools=_key(list(tools or ())), messages=tuple(_key(dict(m)) for m in messages))
+
+
+def _key(value: Any) -> int:
+    return hash(json.dumps(value, sort_keys=True, separators=(",", ":"), default=str))
+
+
+def reply_key(content: str) -> int:
+    """Key of the assistant message an agent sends back for an answer, unchanged (as the API models it)."""
+    return _key({"role": "assistant", "content": content})
 
 
 @dataclass
@@ -42,6 +74,10 @@ class SegmentState:
     """The same ids cut by call: (context ids, every id sampled in that call's chunks)."""
     open: bool = True
     """False once a call failed after publishing: the next call starts a new segment."""
+    last_call: CallKeys = field(default_factory=CallKeys)
+    """Keys of the last call recorded here (kept to say why a later call could not extend the segment)."""
+    last_reply: int | None = None
+    """:func:`reply_key` of that call's answer, once it completed."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +91,34 @@ class TurnPlan:
     generation prompt; the full template for a new segment). The first chunk's ``context_ids``."""
     prompt_ids: tuple[int, ...]
     """The whole input of the first engine call: the segment so far plus ``context_ids``."""
+    reason: NewSegmentReason | None = None
+    """Why a new segment (None when the call extends the current one)."""
+    keys: CallKeys = field(default_factory=CallKeys)
+    """The call's keys: the segment keeps them once the call records a chunk."""
+
+
+def new_segment_reason(seg: SegmentState | None, keys: CallKeys, messages: Messages) -> NewSegmentReason:
+    """Why a call (``keys`` of its ``messages``) the tokenizer could not continue from ``seg`` starts anew.
+
+    Compared with the segment's last call: its tools, its messages (still the prefix?), then the
+    message after them (the assistant's answer, sent back unchanged?). When all match, the chat
+    template itself renders the same history differently (say, it drops earlier reasoning).
+    """
+    if seg is None or not seg.turns:
+        return "first"
+    if not seg.open:
+        return "publish_failed"
+    last = seg.last_call
+    if keys.tools != last.tools:
+        return "tools_changed"
+    n = len(last.messages)
+    if keys.messages[:n] != last.messages:
+        return "history_diverged"
+    if len(messages) == n or messages[n].get("role") != "assistant":
+        return "assistant_dropped"
+    if keys.messages[n] != seg.last_reply:
+        return "assistant_edited"
+    return "template_mismatch"
 
 
 class Transcript:
@@ -78,15 +142,16 @@ class Transcript:
 
         Raises ValueError for messages the chat template cannot render.
         """
-        seg = self.current
+        seg, keys = self.current, CallKeys.of(messages, tools)
         if seg is not None and seg.open and seg.turns:
             delta = tokenizer.continue_chat(seg.turns, messages, tools=tools)
             if delta is not None:
                 return TurnPlan(segment_index=seg.index, new_segment=False, context_ids=tuple(delta),
-                                prompt_ids=(*seg.token_ids, *delta))
+                                prompt_ids=(*seg.token_ids, *delta), keys=keys)
         template = tuple(tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools))
         index = 0 if seg is None else seg.index + 1
-        return TurnPlan(segment_index=index, new_segment=True, context_ids=template, prompt_ids=template)
+        return TurnPlan(segment_index=index, new_segment=True, context_ids=template, prompt_ids=template,
+                        reason=new_segment_reason(seg, keys, messages), keys=keys)
 
     def record_chunk(
         self, plan: TurnPlan, context_ids: Sequence[int], output_ids: Sequence[int], versions: Sequence[str | None],
@@ -108,10 +173,17 @@ class Transcript:
         seg.versions.extend([*([None] * len(context_ids)), *versions])
         if context_ids or not seg.turns:  # a call's first chunk: its context is never empty (a template
             seg.turns.append((list(context_ids), list(output_ids)))  # or delta ends with the generation prompt)
+            seg.last_call, seg.last_reply = plan.keys, None
         else:  # a continuation chunk (after a preempt) samples on in the same turn
             seg.turns[-1][1].extend(output_ids)
         self.num_chunks += 1
         return self.num_chunks - 1
+
+    def answered(self, plan: TurnPlan, content: str) -> None:
+        """The call of ``plan`` completed with ``content``: what the next call should send back."""
+        seg = self.current
+        if seg is not None and seg.index == plan.segment_index:
+            seg.last_reply = reply_key(content)
 
     def close_segment(self, plan: TurnPlan) -> None:
         """A chunk publish of this segment failed or was lost: no later call may extend it."""

@@ -14,13 +14,15 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import redis
 from kafka import TopicPartition
 
 from services.collector.service import Collector
 from services.collector.settings import CollectorSettings
 from services.collector.synthetic import ChunkSpec, group_records
 from shared.bus import Consumer, Producer, ensure_topology
-from shared.names import Topics
+from shared.bus.admin import admin_client
+from shared.names import RedisKeys, Topics
 from shared.schemas import BatchManifest, Chunk, DecisionRecord, Record, WeightPublished
 from shared.settings import KafkaSettings, RedisSettings
 
@@ -134,8 +136,50 @@ class Tail:
                 raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; have {len(self.records)}")
         return self.records
 
+    def read_to_end(self, timeout_s: float = WAIT_S) -> list[Record]:
+        """Poll until every partition is read up to its end offset as of this call."""
+        raw = self.consumer.raw
+        ends = raw.end_offsets(list(raw.assignment()))
+        deadline = time.monotonic() + timeout_s
+        while any(raw.position(tp) < end for tp, end in ends.items()):
+            assert time.monotonic() < deadline, f"not read to the end offsets {ends} within {timeout_s}s"
+            self.poll()
+        return self.records
+
     def close(self) -> None:
         self.consumer.close()
+
+
+def wait_settled(settings: CollectorSettings, tails: Sequence[Tail], timeout_s: float = WAIT_S) -> None:
+    """Wait until the collectors can publish nothing more that ``tails`` have not read, so counting
+    duplicates there is final: the consumer group has committed every record of its input topics (no
+    replica reads and decides one again), the Redis outbox is empty (its entries are trimmed only after
+    Kafka acked them), and then each tail has read its topic to the end."""
+    raw = tails[0].consumer.raw
+    inputs = [TopicPartition(topic, p) for topic in (settings.topics.chunks, settings.topics.events)
+              for p in sorted(raw.partitions_for_topic(topic) or ())]
+    admin = admin_client(settings.kafka)
+    client = redis.Redis.from_url(settings.redis.url, socket_timeout=10)
+    outbox = RedisKeys(settings.redis.key_prefix).outbox
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            committed = {tp: meta.offset for tp, meta in admin.list_consumer_group_offsets(settings.group_id).items()}
+            ends = raw.end_offsets(inputs)
+            behind = {f"{tp.topic}/{tp.partition}": (committed.get(tp), end) for tp, end in ends.items()
+                      if committed.get(tp, -1) < end}
+            queued = int(client.llen(outbox))
+            if not behind and not queued:
+                break
+            assert time.monotonic() < deadline, (
+                f"not settled within {timeout_s}s: (committed, end) {behind}, {queued} outbox entries"
+            )
+            time.sleep(0.1)  # offsets and the outbox are polled: neither has an event to wait on
+    finally:
+        admin.close()
+        client.close()
+    for tail in tails:
+        tail.read_to_end(max(1.0, deadline - time.monotonic()))
 
 
 def final_decisions(records: Iterable[Record]) -> dict[str, str]:

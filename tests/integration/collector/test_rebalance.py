@@ -9,12 +9,11 @@ broadcaster/test_control_plane}.py``).
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import pytest
 
-from tests.support.collector import Running, Source, Tail, make_settings, manifests_by_index
+from tests.support.collector import Running, Source, Tail, make_settings, manifests_by_index, wait_settled
 from tests.support.rebalance import ForeignMember
 from tests.support.wait import wait_until
 
@@ -44,8 +43,8 @@ def test_collector_member_joins_and_leaves(kafka_bootstrap: str, redis_db_url: s
             for gid in kept[32:]:
                 source.group(gid, [["v1"], ["v1"]])
             batches.wait(lambda rs: len(manifests_by_index(rs)) >= 12, "every group in a manifest", 90)
-            time.sleep(1.0)  # let a duplicate manifest surface before counting (there is no event for "none")
-            manifests = manifests_by_index(batches.poll())
+            wait_settled(settings, [batches])  # any duplicate manifest is on the tail now
+            manifests = manifests_by_index(batches.records)
             rebalances = replica.collector.consumer.rebalances
             assert replica.thread.is_alive() and replica.error is None
     finally:

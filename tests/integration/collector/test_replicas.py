@@ -26,6 +26,7 @@ from tests.support.collector import (
     final_decisions,
     make_settings,
     manifests_by_index,
+    wait_settled,
 )
 from tests.support.procs import start_service
 
@@ -142,10 +143,10 @@ def test_kill_9_of_a_replica_mid_stream_loses_and_duplicates_no_group(
         for gid in failed[2:]:
             source.group(gid, [["v1"]], attempt=2, rejected=[0])
         batches.wait(lambda rs: len(manifests_by_index(rs)) >= 10, "every kept group in a manifest", 90)
-        decided = decisions.wait(lambda rs: set(failed) <= set(final_decisions(rs)), "every failed group decided")
-        time.sleep(1.0)  # let any duplicate publication surface before counting (there is no event for "none")
-        manifests = manifests_by_index(batches.poll())
-        decided = decisions.poll()
+        decisions.wait(lambda rs: set(failed) <= set(final_decisions(rs)), "every failed group decided")
+        wait_settled(settings, [batches, decisions])  # any duplicate publication is on the tails now
+        manifests = manifests_by_index(batches.records)
+        decided = decisions.records
         assert survivor.alive(), survivor.tail()
     finally:
         for proc in procs:

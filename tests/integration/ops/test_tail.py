@@ -8,9 +8,13 @@ records, and a malformed record shows as an error line without stopping the read
 from __future__ import annotations
 
 import json
+import queue
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +27,7 @@ from shared.settings import KafkaSettings
 
 pytestmark = pytest.mark.integration
 
+ROOT = Path(__file__).resolve().parents[3]
 GROUP = "grp-1"
 SESSIONS = ("sess-a", "sess-b")
 
@@ -206,27 +211,47 @@ def test_group_commits_so_a_second_run_resumes(
 
 
 def test_follow_prints_records_produced_while_running(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], producer: Producer, capsys: pytest.CaptureFixture[str]
+    kafka_bootstrap: str, unique_topic: Callable[..., str], producer: Producer
 ) -> None:
+    """``rein tail --follow`` as a process: it prints what the topic held, then each record produced
+    after that line came out (a tail that stopped at the end, or read only what it found, would not)."""
     topic = unique_topic(1)
     producer.send(topic, _chunk("sess-a", 0))
-    done: list[int] = []
-    thread = threading.Thread(
-        target=lambda: done.append(
-            main(["tail", topic, "--follow", "--from-beginning", "--max", "3", "--timeout", "60",
-                  "--bootstrap", kafka_bootstrap])
-        ),
-        daemon=True,
-    )  # fmt: skip
-    thread.start()
-    time.sleep(1.0)
-    producer.send(topic, _chunk("sess-a", 1))
-    producer.send(topic, _chunk("sess-a", 2))
-    thread.join(timeout=90)
+    command = [sys.executable, "-m", "ops.cli", "tail", topic, "--follow", "--from-beginning", "--max", "3",
+               "--timeout", "60", "--bootstrap", kafka_bootstrap]
+    lines: queue.Queue[str | None] = queue.Queue()
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as follower:
 
-    assert done == [0]
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [line["record"]["seq"] for line in lines] == [0, 1, 2]
+        def read() -> None:
+            for line in follower.stdout or ():
+                lines.put(line)
+            lines.put(None)  # the follower closed its output: it exited
+
+        def next_seq() -> int:
+            try:
+                line = lines.get(timeout=60)
+            except queue.Empty:
+                line = "(nothing within 60 s)"
+            if line is None or not line.startswith("{"):
+                follower.kill()
+                stderr = follower.stderr.read() if follower.stderr else ""
+                raise AssertionError(f"rein tail --follow printed no next record: {line or 'it exited'}; {stderr}")
+            return int(json.loads(line)["record"]["seq"])
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            assert next_seq() == 0  # the follower is reading: what is produced from now on came after its start
+            producer.send(topic, _chunk("sess-a", 1))
+            assert next_seq() == 1
+            producer.send(topic, _chunk("sess-a", 2))
+            assert next_seq() == 2
+            assert follower.wait(timeout=30) == 0  # --max 3 reached
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+            follower.wait(timeout=10)
+            reader.join(timeout=10)
 
 
 def test_unknown_topic_is_an_error(kafka_bootstrap: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,7 +14,15 @@ import pytest
 from ops.cli import build_parser
 from ops.commands.status import targets_from_args
 from ops.status import StatusSettings, Targets, collect, read_run_dir
-from ops.status_parts import engine_part, label_index, lag_report, parse_rejections, proxy_part, read_window
+from ops.status_parts import (
+    engine_part,
+    label_index,
+    lag_report,
+    parse_new_segments,
+    parse_rejections,
+    proxy_part,
+    read_window,
+)
 from ops.status_render import render
 from shared.names import RedisKeys
 
@@ -25,6 +33,11 @@ METRICS = """\
 rein_proxy_rejections_total{error="partial_rollout_staleness_exceeded",soft="false"} 3.0
 rein_proxy_rejections_total{error="partial_rollout_staleness_exceeded",soft="true"} 1.0
 rein_proxy_rejections_total{error="generation_preempted",soft="false"} 2.0
+# HELP rein_proxy_new_segments_total Segments started, by reason
+# TYPE rein_proxy_new_segments_total counter
+rein_proxy_new_segments_total{reason="first"} 12.0
+rein_proxy_new_segments_total{reason="assistant_dropped"} 30.0
+rein_proxy_new_segments_total{reason="history_diverged"} 2.0
 # HELP rein_proxy_paused 1 while the proxy is paused
 # TYPE rein_proxy_paused gauge
 rein_proxy_paused 1.0
@@ -50,6 +63,11 @@ def test_lag_report() -> None:
 def test_parse_rejections_sums_soft_and_hard() -> None:
     assert parse_rejections(METRICS) == {"partial_rollout_staleness_exceeded": 4.0, "generation_preempted": 2.0}
     assert parse_rejections("") == {}
+
+
+def test_parse_new_segments_by_reason() -> None:
+    assert parse_new_segments(METRICS) == {"first": 12.0, "assistant_dropped": 30.0, "history_diverged": 2.0}
+    assert parse_new_segments("") == {}
 
 
 class FakeRedis:
@@ -149,6 +167,7 @@ def test_proxy_and_engine_parts(fake_services: str) -> None:
     assert row["paused"] is True and row["reason"] == "weight_update" and row["held"] == 2
     assert (row["pause_id"], row["lease_left_s"]) == ("pause-1", 12.5)
     assert row["rejections"]["partial_rollout_staleness_exceeded"] == 4.0
+    assert row["new_segments"] == {"first": 12.0, "assistant_dropped": 30.0, "history_diverged": 2.0}
     no_token = proxy_part(fake_services, "", 5)
     assert "HTTP 401" in no_token["error"] and "--admin-token" in no_token["error"]
     assert no_token["paused"] is True  # from /health
@@ -162,6 +181,7 @@ def test_collect_and_render_with_http_parts_only(fake_services: str) -> None:
     assert report["engines"][0]["weight_version"] == "v7"
     assert "error" in report["engines"][1]
     assert report["rejections"] == {"partial_rollout_staleness_exceeded": 4.0, "generation_preempted": 2.0}
+    assert report["new_segments"] == {"first": 12.0, "assistant_dropped": 30.0, "history_diverged": 2.0}
     assert report["services"]["trainer"]["ok"] is True
     assert report["ok"] is False
     json.dumps(report)  # --json must serialise
@@ -170,6 +190,8 @@ def test_collect_and_render_with_http_parts_only(fake_services: str) -> None:
     assert "version v7" in text
     assert "http://127.0.0.1:1: ERROR" in text
     assert "partial_rollout_staleness_exceeded 4" in text
+    assert "new segments (proxies, since start): 44 (12 first; 32 re-tokenized a history: assistant_dropped 30, " \
+        "history_diverged 2)" in text
 
 
 def test_run_dir_fills_in_what_flags_do_not_give(tmp_path: Path) -> None:

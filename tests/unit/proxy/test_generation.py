@@ -448,35 +448,67 @@ def test_pause_ids(calls: list[tuple[str, str]], answers: list[object], paused_a
     run(body)
 
 
+class Clock:
+    """A clock the test moves by hand."""
+
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_pause_lease_runs_out_unless_renewed() -> None:
     async def body() -> None:
-        h = harness()
+        clock = Clock()
+        h = Harness(FakeEngine(), PauseController(clock=clock))
         result = await h.controller.pause("w", 1.0, h.engine.abort_many, pause_id="p", lease_s=1.0)
         assert result.pause_id == "p" and result.lease_s == 1.0
-        left = h.controller.lease_left_s()
-        assert left is not None and 0 < left <= 1.0 and not h.controller.expired()
-        await asyncio.sleep(0.6)
+        assert h.controller.lease_left_s() == 1.0 and not h.controller.expired()
+        clock.now += 0.6
         assert h.controller.renew("p", 1.0)
-        await asyncio.sleep(0.6)
+        clock.now += 0.6
+        assert h.controller.lease_left_s() == pytest.approx(0.4)
         assert not h.controller.expired()  # renewed: 1.2 s after the pause, inside the new lease
-        await asyncio.sleep(0.5)
-        assert h.controller.expired() and h.controller.paused  # the proxy's watch resumes it
+        clock.now += 0.4
+        assert h.controller.expired() and h.controller.paused  # exactly at the lease's end; the proxy's watch resumes
         assert h.controller.resume("p") == "resumed"
         assert h.controller.lease_left_s() is None and not h.controller.expired()
 
     run(body)
 
 
+def test_pause_lease_starts_when_the_wait_for_quiescence_ends() -> None:
+    async def body() -> None:
+        clock = Clock()
+        h = Harness(FakeEngine(), PauseController(clock=clock))
+        task = asyncio.create_task(h.generate(request()))
+        await h.engine.wait_calls(1)
+        h.engine.abort_finds = ["unknown"] * 1000  # the aborts find nothing: the pause waits for the release
+        pausing = asyncio.create_task(h.controller.pause("w", 5.0, h.engine.abort_many, pause_id="p", lease_s=1.0))
+        while not h.engine.aborts:
+            await asyncio.sleep(0)
+        clock.now += 30.0  # a long wait counts against no lease
+        assert h.controller.lease_left_s() is None and not h.controller.expired()
+        h.engine.answer(h.engine.calls[0], [7], "stop")
+        result = await pausing
+        assert result.quiesced and h.controller.lease_left_s() == 1.0
+        h.controller.resume("p")
+        await task
+
+    run(body)
+
+
 def test_admission_closed_time_runs_from_the_first_pause_to_the_resume() -> None:
     async def body() -> None:
-        h = harness()
+        clock = Clock()
+        h = Harness(FakeEngine(), PauseController(clock=clock))
         assert h.controller.closed_s() is None
         await h.controller.pause("w", 1.0, h.engine.abort_many, pause_id="a")
-        await asyncio.sleep(0.05)
-        first = h.controller.closed_s()
+        clock.now += 0.05
+        assert h.controller.closed_s() == pytest.approx(0.05)
         await h.controller.pause("w", 1.0, h.engine.abort_many, pause_id="b")  # a takeover keeps admission closed
-        closed = h.controller.closed_s()
-        assert first is not None and closed is not None and closed >= first >= 0.05
+        clock.now += 0.1
+        assert h.controller.closed_s() == pytest.approx(0.15)
         h.controller.resume("b")
         assert h.controller.closed_s() is None
 

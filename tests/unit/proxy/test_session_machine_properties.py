@@ -23,6 +23,7 @@ from shared.errors import (
     EngineUnavailable,
     GenerationPreempted,
     KafkaUnavailable,
+    RolloutRejected,
     SessionConflict,
 )
 from shared.schemas import Chunk, Record, SessionFinished, SessionRejected
@@ -129,8 +130,8 @@ class Shell:
             self.history = [*messages, ("assistant", answer.content)]
         except SessionConflict:
             return
-        except Exception as exc:
-            self.look(settle=True)
+        except (RolloutRejected, EngineUnavailable, KafkaUnavailable) as exc:  # what this shell and the machine
+            self.look(settle=True)  # refuse with; anything else (a RuntimeError of the machine) fails the property
             self.carry_out(s.fail(exc, soft=call.soft), down=call.rejection_lost)
         except Cancelled:
             self.carry_out(s.cancel(), down=False)

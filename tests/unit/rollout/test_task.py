@@ -137,3 +137,29 @@ def test_random_baselines() -> None:
     task = NumberGuessTask()
     simulated = simulate(task, random_policy(random.Random(0), [str(n) for n in range(32)]), 4000, seed=1)
     assert simulated == pytest.approx(expected_reward_independent(1 / 32), abs=0.02)
+    assert round(simulated, 3) == 0.104  # the figure docs/task.md quotes
+
+
+def _hit_rate(max_tokens: int, secret: int = 7) -> float:
+    """Chance that a policy uniform over the whole vocabulary replies exactly ``secret`` within
+    ``max_tokens`` sampled ids (it stops at the end id; special ids are not text, as the agent reads it)."""
+    n, hits = TOKENIZER.vocab_size, 0
+    for ids in itertools.product(range(n), repeat=max_tokens):
+        stop = next((i for i, t in enumerate(ids) if t == TOKENIZER.end_id), len(ids) - 1)
+        hits += parse_guess(TOKENIZER.decode(ids[: stop + 1])) == secret
+    return hits / n**max_tokens
+
+
+def test_one_token_reply_figures() -> None:
+    """docs/task.md's untrained-policy row and its case for one-token replies, from the tokenizer itself."""
+    assert TOKENIZER.vocab_size == 54
+    one, two = _hit_rate(1), _hit_rate(2)
+    assert one == pytest.approx(1 / 54) and round(one, 3) == 0.019
+    assert round(two, 3) == 0.004  # "N" then a special id, or a special id then "N": 11 of 54 * 54
+    assert round(expected_reward_independent(one), 3) == 0.063
+    assert round(expected_reward_independent(two), 3) == 0.013
+
+    def any_success(hit: float, group: int = 8) -> float:
+        return 1 - (1 - hit) ** (group * MAX_TURNS)
+
+    assert round(any_success(one), 2) == 0.53 and round(any_success(two), 2) == 0.14
