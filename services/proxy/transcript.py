@@ -20,7 +20,6 @@ alone knows the template: nothing here depends on which family is served.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -42,24 +41,16 @@ NewSegmentReason = Literal[
 
 
 @dataclass(frozen=True)
-class CallKeys:
-    """A call's tools and messages, each reduced to a hash: enough to tell later how the next call differs."""
+class Call:
+    """A call's tools and messages as the agent sent them, kept by reference (nothing is computed per call)
+    and compared only when a later call cannot continue the segment, to say why."""
 
-    tools: int = 0
-    messages: tuple[int, ...] = ()
+    tools: tuple[Mapping[str, Any], ...] = ()
+    messages: tuple[Mapping[str, Any], ...] = ()
 
     @classmethod
-    def of(cls, messages: Messages, tools: Tools = None) -> CallKeys:
-        return cls(tools=_key(list(tools or ())), messages=tuple(_key(dict(m)) for m in messages))
-
-
-def _key(value: Any) -> int:
-    return hash(json.dumps(value, sort_keys=True, separators=(",", ":"), default=str))
-
-
-def reply_key(content: str) -> int:
-    """Key of the assistant message an agent sends back for an answer, unchanged (as the API models it)."""
-    return _key({"role": "assistant", "content": content})
+    def of(cls, messages: Messages, tools: Tools = None) -> Call:
+        return cls(tools=tuple(tools or ()), messages=tuple(messages))
 
 
 @dataclass
@@ -74,10 +65,10 @@ class SegmentState:
     """The same ids cut by call: (context ids, every id sampled in that call's chunks)."""
     open: bool = True
     """False once a call failed after publishing: the next call starts a new segment."""
-    last_call: CallKeys = field(default_factory=CallKeys)
-    """Keys of the last call recorded here (kept to say why a later call could not extend the segment)."""
-    last_reply: int | None = None
-    """:func:`reply_key` of that call's answer, once it completed."""
+    last_call: Call = field(default_factory=Call)
+    """The last call recorded here (kept to say why a later call could not extend the segment)."""
+    last_reply: str | None = None
+    """That call's answer, once it completed: what the next call should send back as an assistant message."""
 
 
 @dataclass(frozen=True)
@@ -93,12 +84,12 @@ class TurnPlan:
     """The whole input of the first engine call: the segment so far plus ``context_ids``."""
     reason: NewSegmentReason | None = None
     """Why a new segment (None when the call extends the current one)."""
-    keys: CallKeys = field(default_factory=CallKeys)
-    """The call's keys: the segment keeps them once the call records a chunk."""
+    call: Call = field(default_factory=Call)
+    """The call itself: the segment keeps it once the call records a chunk."""
 
 
-def new_segment_reason(seg: SegmentState | None, keys: CallKeys, messages: Messages) -> NewSegmentReason:
-    """Why a call (``keys`` of its ``messages``) the tokenizer could not continue from ``seg`` starts anew.
+def new_segment_reason(seg: SegmentState | None, call: Call) -> NewSegmentReason:
+    """Why ``call``, which the tokenizer could not continue from ``seg``, starts anew.
 
     Compared with the segment's last call: its tools, its messages (still the prefix?), then the
     message after them (the assistant's answer, sent back unchanged?). When all match, the chat
@@ -109,14 +100,14 @@ def new_segment_reason(seg: SegmentState | None, keys: CallKeys, messages: Messa
     if not seg.open:
         return "publish_failed"
     last = seg.last_call
-    if keys.tools != last.tools:
+    if call.tools != last.tools:
         return "tools_changed"
     n = len(last.messages)
-    if keys.messages[:n] != last.messages:
+    if call.messages[:n] != last.messages:
         return "history_diverged"
-    if len(messages) == n or messages[n].get("role") != "assistant":
+    if len(call.messages) == n or call.messages[n].get("role") != "assistant":
         return "assistant_dropped"
-    if keys.messages[n] != seg.last_reply:
+    if dict(call.messages[n]) != {"role": "assistant", "content": seg.last_reply}:
         return "assistant_edited"
     return "template_mismatch"
 
@@ -142,16 +133,16 @@ class Transcript:
 
         Raises ValueError for messages the chat template cannot render.
         """
-        seg, keys = self.current, CallKeys.of(messages, tools)
+        seg, call = self.current, Call.of(messages, tools)
         if seg is not None and seg.open and seg.turns:
             delta = tokenizer.continue_chat(seg.turns, messages, tools=tools)
             if delta is not None:
                 return TurnPlan(segment_index=seg.index, new_segment=False, context_ids=tuple(delta),
-                                prompt_ids=(*seg.token_ids, *delta), keys=keys)
+                                prompt_ids=(*seg.token_ids, *delta), call=call)
         template = tuple(tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools))
         index = 0 if seg is None else seg.index + 1
         return TurnPlan(segment_index=index, new_segment=True, context_ids=template, prompt_ids=template,
-                        reason=new_segment_reason(seg, keys, messages), keys=keys)
+                        reason=new_segment_reason(seg, call), call=call)
 
     def record_chunk(
         self, plan: TurnPlan, context_ids: Sequence[int], output_ids: Sequence[int], versions: Sequence[str | None],
@@ -173,7 +164,7 @@ class Transcript:
         seg.versions.extend([*([None] * len(context_ids)), *versions])
         if context_ids or not seg.turns:  # a call's first chunk: its context is never empty (a template
             seg.turns.append((list(context_ids), list(output_ids)))  # or delta ends with the generation prompt)
-            seg.last_call, seg.last_reply = plan.keys, None
+            seg.last_call, seg.last_reply = plan.call, None
         else:  # a continuation chunk (after a preempt) samples on in the same turn
             seg.turns[-1][1].extend(output_ids)
         self.num_chunks += 1
@@ -183,7 +174,7 @@ class Transcript:
         """The call of ``plan`` completed with ``content``: what the next call should send back."""
         seg = self.current
         if seg is not None and seg.index == plan.segment_index:
-            seg.last_reply = reply_key(content)
+            seg.last_reply = content
 
     def close_segment(self, plan: TurnPlan) -> None:
         """A chunk publish of this segment failed or was lost: no later call may extend it."""

@@ -19,7 +19,7 @@ from services.proxy.metrics import ProxyMetrics
 from services.proxy.service import CallIds, ProxyService
 from services.proxy.session_machine import Session, TurnPlan
 from services.proxy.settings import ProxySettings
-from services.proxy.transcript import CallKeys, SegmentState, new_segment_reason
+from services.proxy.transcript import Call, SegmentState, new_segment_reason
 from shared.errors import KafkaUnavailable
 from shared.model.base import Turn
 from shared.model.tiny import TinyChatTokenizer
@@ -113,12 +113,12 @@ def test_a_segment_closed_by_a_refused_publish() -> None:
 
 
 def test_the_classification_alone() -> None:
-    keys = CallKeys.of([USER])
-    assert new_segment_reason(None, keys, [USER]) == "first"
+    keys = Call.of([USER])
+    assert new_segment_reason(None, keys) == "first"
     seg = SegmentState(index=0, turns=[([1], [2])], last_call=keys)
-    assert new_segment_reason(seg, CallKeys.of([USER, REPLY]), [USER, REPLY]) == "assistant_edited"  # no answer yet
+    assert new_segment_reason(seg, Call.of([USER, REPLY])) == "assistant_edited"  # no answer yet
     seg.open = False
-    assert new_segment_reason(seg, CallKeys.of([USER, REPLY]), [USER, REPLY]) == "publish_failed"
+    assert new_segment_reason(seg, Call.of([USER, REPLY])) == "publish_failed"
 
 
 class InstantEngine:
