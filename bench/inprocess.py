@@ -167,7 +167,7 @@ class Reference:
     def step(self) -> dict[str, Any]:
         """One trainer step on a fresh batch; the next rollout samples from the updated weights."""
         groups = self.rollout()
-        batch = build_samples(groups, mask_nonlast_version=self.trainer_settings.mask_nonlast_version,
+        batch = build_samples(groups, mask_nonlast_version=self.trainer_settings.nonlast_version_tokens == "mask",
                               max_tokens=self.context)
         stats = self.trainer.step(batch)
         self.step_no += 1

@@ -41,6 +41,8 @@ class StackConfig:
     """``async`` or ``sync`` (the runner waits for each weight update before the next wave)."""
     seed: int = 0
     mask_nonlast_version: bool = True
+    """The trainer's ``REIN_NONLAST_VERSION_TOKENS``: ``mask`` when true, ``weight`` (older-version tokens
+    trained) when false."""
     engine_step_delay_s: float = 0.0
     base_port: int = 0
     """First of a block of ports for the services; 0 picks free ports."""
@@ -139,7 +141,7 @@ def start(config: StackConfig) -> LocalStack:
                         "REIN_SEED": str(config.seed),
                         "REIN_MAX_STEPS": str(config.steps),
                         "REIN_TORCH_THREADS": "1",
-                        "REIN_MASK_NONLAST_VERSION": str(config.mask_nonlast_version).lower(),
+                        "REIN_NONLAST_VERSION_TOKENS": "mask" if config.mask_nonlast_version else "weight",
                         "REIN_METRICS_PORT": port_of("trainer"),
                         "REIN_KEEP_CHECKPOINTS": str(config.keep_checkpoints),
                         **model,

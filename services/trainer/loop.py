@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
+from services.trainer.corrections import CorrectionConfig
 from services.trainer.fetch import Fetched, FetchTimeout, GroupFetcher
 from services.trainer.metrics import TrainerMetrics, step_line
 from services.trainer.ordering import ManifestOrder
@@ -57,6 +58,10 @@ def hyper_from(settings: TrainerSettings) -> Hyper:
         lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, grad_clip=settings.grad_clip,
         ppo_clip=settings.ppo_clip, is_truncation=settings.is_truncation, normalize_std=settings.normalize_std,
         temperature=settings.temperature, micro_batch_size=settings.micro_batch_size,
+        correction=CorrectionConfig(
+            kind=settings.offpolicy_correction, tis_cap=settings.tis_cap, icepop_band=settings.icepop_band,
+            geo_mask_band=settings.geo_mask_band, m2po_threshold=settings.m2po_threshold,
+        ),
     )
 
 
@@ -209,12 +214,13 @@ class TrainerLoop:
         fetch_time = time.monotonic() - started
         if fetched.bad:
             self.metrics.bad_refs.inc(len(fetched.bad))
-        batch = build_samples(fetched.groups, mask_nonlast_version=s.mask_nonlast_version,
+        batch = build_samples(fetched.groups, mask_nonlast_version=s.nonlast_version_tokens == "mask",
                               max_tokens=self.max_tokens)
         stats = self.trainer.step(batch, version=version_label(self.step))  # the weights held: v<steps so far>
         self.step += 1
         line = step_line(step=self.step, manifest=manifest, batch=batch, stats=stats, bad_refs=len(fetched.bad),
-                         step_time_s=time.monotonic() - started, fetch_time_s=fetch_time)
+                         step_time_s=time.monotonic() - started, fetch_time_s=fetch_time,
+                         correction=s.offpolicy_correction)
         self._pending_lines.append(line)
         self.metrics.observe(line)
         _log.info("trained", step=self.step, manifest_index=manifest.index, loss=round(stats.loss, 5),

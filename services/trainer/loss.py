@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-_MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps the ratio finite so 0 * ratio stays 0
+MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps the ratio finite so 0 * ratio stays 0
 
 
 def grpo_advantages(
@@ -100,7 +100,7 @@ def ppo_clip_loss(
         adv = adv.unsqueeze(-1).expand_as(logprobs)
     rollout = torch.where(keep, rollout_logprobs.to(logprobs.dtype), torch.zeros_like(logprobs))
     current = torch.where(keep, logprobs, torch.zeros_like(logprobs))
-    log_ratio = (current - rollout).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_ratio = (current - rollout).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv

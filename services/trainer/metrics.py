@@ -22,6 +22,9 @@ GAUGES: dict[str, str] = {
     "same_version_tokens": "trainer/same_version_tokens",
     "clip_fraction": "trainer/clip_fraction",
     "truncated_fraction": "trainer/truncated_fraction",
+    "offpolicy_masked_fraction": "trainer/offpolicy_masked_fraction",
+    "offpolicy_clipped_fraction": "trainer/offpolicy_clipped_fraction",
+    "offpolicy_ess": "trainer/offpolicy_ess",
     "grad_norm": "trainer/grad_norm",
     "masked_token_fraction": "trainer/masked_token_fraction",
     "trained_tokens": "trainer/trained_tokens",
@@ -67,6 +70,7 @@ def step_line(
     bad_refs: int,
     step_time_s: float,
     fetch_time_s: float,
+    correction: str,
 ) -> dict[str, Any]:
     """The ``metrics.jsonl`` object of one step (also what the Prometheus gauges show)."""
     rewards = batch.rewards
@@ -93,6 +97,10 @@ def step_line(
         "clip_fraction": stats.clip_fraction,
         "truncated_fraction": stats.truncated_fraction,
         "ratio_mean": stats.ratio_mean,
+        "offpolicy_correction": correction,
+        "offpolicy_masked_fraction": stats.offpolicy_masked_fraction,
+        "offpolicy_clipped_fraction": stats.offpolicy_clipped_fraction,
+        "offpolicy_ess": stats.offpolicy_ess,
         "grad_norm": stats.grad_norm,
         "updated": stats.updated,
         "trained_tokens": stats.trained_tokens,

@@ -51,13 +51,33 @@ class TrainerSettings(ModelServiceSettings):
     grad_clip: float = Field(default=1.0, gt=0)
     """Global gradient-norm clip per step."""
     ppo_clip: float = Field(default=0.2, gt=0, lt=1)
-    """PPO clip ε on the trainer/rollout probability ratio."""
+    """PPO clip ε: on the trainer/rollout probability ratio (corrections ``none``, ``geo_mask``), else on the
+    current/proximal ratio."""
     is_truncation: float | None = Field(default=2.0)
-    """Cap of the importance ratio for negative advantages (dual clip); must exceed 1 + ppo_clip. None: no cap."""
+    """Cap of the importance ratio for negative advantages (dual clip; corrections ``none`` and ``geo_mask``, the
+    others bound their own weight); must exceed 1 + ppo_clip. None: no cap."""
     normalize_std: bool = False
     """Divide GRPO advantages by the group's reward std; off because it destabilised the tiny policy."""
-    mask_nonlast_version: bool = True
-    """Token-level staleness control: train only tokens of a sample's last trainable version."""
+    nonlast_version_tokens: Literal["mask", "weight"] = "mask"
+    """Token-level staleness control (DESIGN "Staleness controls" 3) for a sample's tokens of an older version
+    than its last trainable one: ``mask`` leaves them out of the loss; ``weight`` trains them, each against its
+    own behaviour logprob, weighted by the importance weight of ``offpolicy_correction`` (under ``none`` and
+    ``geo_mask``: PPO's clipped ratio)."""
+    offpolicy_correction: Literal["none", "tis", "icepop", "geo_mask", "m2po", "decoupled"] = "none"
+    """Off-policy correction of the loss (docs/architecture.md, "Off-policy corrections in the loss"):
+    ``none`` (PPO-clip on the trainer/rollout ratio), ``tis``, ``icepop``, ``geo_mask``, ``m2po`` or
+    ``decoupled``. Each logs the share of trained tokens it masked or clipped and the weights' ESS."""
+    tis_cap: float = Field(default=2.0, ge=1.0)
+    """C of ``tis`` and ``decoupled``: the behaviour importance weight is min(ratio, C) (slime's and verl's 2.0)."""
+    icepop_band: tuple[float, float] = (0.5, 5.0)
+    """[low, high] of ``icepop``: tokens whose trainer/rollout ratio lies outside leave the loss (verl's
+    ``0.5_5.0``). JSON, e.g. ``[0.5, 5.0]``; low <= 1 <= high."""
+    geo_mask_band: tuple[float, float] = (0.5, 2.0)
+    """[low, high] of ``geo_mask`` for a sample's geometric-mean ratio over its trained tokens (slime's
+    bounds 0.5 / 2.0); low <= 1 <= high."""
+    m2po_threshold: float = Field(default=0.04, gt=0)
+    """τ of ``m2po``: tokens with the largest squared log-ratio leave the loss until the batch's mean squared
+    log-ratio is at most τ (AReaL's example 0.04)."""
     temperature: float = Field(default=1.0, gt=0)
     """Temperature of tokens whose chunks recorded no sampling parameters (records older than that field).
     Every chunk the proxy publishes records its own temperature, top-p and top-k, which the trainer uses."""
@@ -92,6 +112,9 @@ class TrainerSettings(ModelServiceSettings):
                 f"is_truncation ({self.is_truncation}) must exceed 1 + ppo_clip ({1.0 + self.ppo_clip}) "
                 "(REIN_IS_TRUNCATION / REIN_PPO_CLIP)"
             )
+        for name, band in (("REIN_ICEPOP_BAND", self.icepop_band), ("REIN_GEO_MASK_BAND", self.geo_mask_band)):
+            if not 0.0 <= band[0] <= 1.0 <= band[1]:  # ratio 1 (on-policy) is always in the band
+                raise ValueError(f"{name} {band} must satisfy 0 <= low <= 1 <= high")
         if self.model_width % self.model_heads:
             raise ValueError(
                 f"model_width ({self.model_width}) must be divisible by model_heads ({self.model_heads}) "

@@ -14,13 +14,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from services.trainer.loss import grpo_advantages, ppo_clip_loss
+from services.trainer.corrections import (
+    CorrectionConfig,
+    CorrectionStats,
+    behaviour_log_ratio,
+    corrected_loss,
+    m2po_cutoff,
+)
+from services.trainer.loss import grpo_advantages
 from services.trainer.samples import BatchSamples, Sample
 from shared.model import SamplingTensors, token_logprobs
 from shared.model.sampling import NO_TOP_K
@@ -41,6 +48,8 @@ class Hyper:
     temperature: float = 1.0
     """Temperature of tokens whose chunk recorded no sampling parameters (older records)."""
     micro_batch_size: int = 0
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """Off-policy correction of the loss (``services/trainer/corrections.py``); default ``none``."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,12 @@ class StepStats:
     train_rollout_logprob_abs_diff_same_version: float | None = None
     """Mean |trainer − rollout logprob| over those tokens (None when there are none): no staleness in it,
     so it measures engine/trainer numerics alone (~1e-7 in fp32; more means they compute differently)."""
+    offpolicy_masked_fraction: float = 0.0
+    """Share of trained tokens the off-policy correction removed from the loss."""
+    offpolicy_clipped_fraction: float = 0.0
+    """Share of trained tokens whose importance weight the correction truncated."""
+    offpolicy_ess: float | None = None
+    """Normalised effective sample size of the weights the loss applied (:attr:`CorrectionStats.ess`)."""
 
 
 def collate(
@@ -154,15 +169,18 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = diff_sum = clip_sum = trunc_sum = ratio_sum = same_diff_sum = 0.0
         same_count = 0
+        corrected = CorrectionStats()
+        cutoff = self._m2po_cutoff(batch, advantages, version)
         for chunk in self._micro_batches(batch.samples):
             t = collate(chunk, advantages, self.device, version, h.temperature)
             sampling = SamplingTensors(t["temperature"], t["top_k"], t["top_p"])
             with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext():
                 logprobs = token_logprobs(self.model, t["ids"], sampling=sampling)
-            loss, stats = ppo_clip_loss(
-                logprobs, t["rollout"], t["adv"], t["mask"],
-                clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total),
+            loss, stats, correction_stats = corrected_loss(
+                logprobs, t["rollout"], t["adv"], t["mask"], correction=h.correction,
+                clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total), m2po_cutoff_value=cutoff,
             )
+            corrected += correction_stats
             loss.backward()  # type: ignore[no-untyped-call]
             same = t["same"] & t["mask"]
             same_count += int(same.sum().item())
@@ -188,4 +206,24 @@ class PolicyTrainer:
             updated=True,
             same_version_tokens=same_count,
             train_rollout_logprob_abs_diff_same_version=same_diff_sum / same_count if same_count else None,
+            offpolicy_masked_fraction=corrected.masked_fraction,
+            offpolicy_clipped_fraction=corrected.clipped_fraction,
+            offpolicy_ess=corrected.ess,
         )
+
+    def _m2po_cutoff(self, batch: BatchSamples, advantages: torch.Tensor, version: str | None) -> float | None:
+        """M2PO's cutoff over the whole batch when it is split into micro-batches (None otherwise: the loss
+        takes it from the one it sees). Costs one forward pass without gradient per micro-batch."""
+        h = self.hyper
+        chunks = list(self._micro_batches(batch.samples))
+        if h.correction.kind != "m2po" or len(chunks) < 2:
+            return None
+        squares = []
+        with torch.no_grad():
+            for chunk in chunks:
+                t = collate(chunk, advantages, self.device, version, h.temperature)
+                sampling = SamplingTensors(t["temperature"], t["top_k"], t["top_p"])
+                with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext():
+                    logprobs = token_logprobs(self.model, t["ids"], sampling=sampling)
+                squares.append(behaviour_log_ratio(logprobs, t["rollout"], t["mask"])[t["mask"]].to(torch.float64) ** 2)
+        return m2po_cutoff(torch.cat(squares), h.correction.m2po_threshold)

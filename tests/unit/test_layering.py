@@ -30,6 +30,7 @@ PURE: dict[str, frozenset[str]] = {
     "services/trainer/ordering.py": IO_CLIENTS,
     "services/trainer/samples.py": IO_CLIENTS,
     "services/trainer/loss.py": IO_CLIENTS - {"torch"},  # the loss is torch arithmetic, no I/O
+    "services/trainer/corrections.py": IO_CLIENTS - {"torch"},
     "services/weight_broadcaster/decide.py": IO_CLIENTS,
     "services/rollout/scheduler.py": IO_CLIENTS,
     "services/rollout/task.py": IO_CLIENTS,
