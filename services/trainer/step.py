@@ -172,10 +172,7 @@ class PolicyTrainer:
         corrected = CorrectionStats()
         cutoff = self._m2po_cutoff(batch, advantages, version)
         for chunk in self._micro_batches(batch.samples):
-            t = collate(chunk, advantages, self.device, version, h.temperature)
-            sampling = SamplingTensors(t["temperature"], t["top_k"], t["top_p"])
-            with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext():
-                logprobs = token_logprobs(self.model, t["ids"], sampling=sampling)
+            t, logprobs = self._score(chunk, advantages, version)
             loss, stats, correction_stats = corrected_loss(
                 logprobs, t["rollout"], t["adv"], t["mask"], correction=h.correction,
                 clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total), m2po_cutoff_value=cutoff,
@@ -211,6 +208,15 @@ class PolicyTrainer:
             offpolicy_ess=corrected.ess,
         )
 
+    def _score(
+        self, samples: list[Sample], advantages: torch.Tensor, version: str | None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The collated tensors of ``samples`` and the model's logprob of each token under its own sampling."""
+        t = collate(samples, advantages, self.device, version, self.hyper.temperature)
+        sampling = SamplingTensors(t["temperature"], t["top_k"], t["top_p"])
+        with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext():
+            return t, token_logprobs(self.model, t["ids"], sampling=sampling)
+
     def _m2po_cutoff(self, batch: BatchSamples, advantages: torch.Tensor, version: str | None) -> float | None:
         """M2PO's cutoff over the whole batch when it is split into micro-batches (None otherwise: the loss
         takes it from the one it sees). Costs one forward pass without gradient per micro-batch."""
@@ -221,9 +227,6 @@ class PolicyTrainer:
         squares = []
         with torch.no_grad():
             for chunk in chunks:
-                t = collate(chunk, advantages, self.device, version, h.temperature)
-                sampling = SamplingTensors(t["temperature"], t["top_k"], t["top_p"])
-                with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext():
-                    logprobs = token_logprobs(self.model, t["ids"], sampling=sampling)
+                t, logprobs = self._score(chunk, advantages, version)
                 squares.append(behaviour_log_ratio(logprobs, t["rollout"], t["mask"])[t["mask"]].to(torch.float64) ** 2)
         return m2po_cutoff(torch.cat(squares), h.correction.m2po_threshold)
