@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from ops.demo_presets import PRESETS
+from ops.learned import judge
 from ops.local.launcher import LaunchError
 from ops.local.stack import LocalStack, StackConfig, start
 from ops.report import plot_run, rows_so_far
@@ -167,7 +168,7 @@ def summarize(
     train_wall_s: float | None = None,
 ) -> dict[str, Any]:
     rewards = [float(r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]
-    k = max(1, min(5, len(rewards) // 4 or 1))
+    verdict = judge(config.task, rewards)
     gaps = [float(r["version_gap_mean"]) for r in rows if r.get("version_gap_mean") is not None]
     diffs = [
         float(r["train_rollout_logprob_abs_diff"]) for r in rows if r.get("train_rollout_logprob_abs_diff") is not None
@@ -175,7 +176,6 @@ def summarize(
     same = [float(r["train_rollout_logprob_abs_diff_same_version"]) for r in rows
             if r.get("train_rollout_logprob_abs_diff_same_version") is not None]
     masked = [float(r["masked_token_fraction"]) for r in rows if r.get("masked_token_fraction") is not None]
-    start_reward, end_reward = _mean(rewards[:k]), _mean(rewards[-k:])
     return {
         "model": config.model,
         "task": config.task,
@@ -184,10 +184,10 @@ def summarize(
         "wall_s": round(wall_s, 1),
         "train_wall_s": None if train_wall_s is None else round(train_wall_s, 1),
         "seconds_per_step": timing(rows, usage, train_wall_s),
-        "reward_start": start_reward,
-        "reward_end": end_reward,
-        "reward_window_steps": k,
-        "learned": start_reward is not None and end_reward is not None and end_reward > start_reward,
+        "reward_start": verdict.start,
+        "reward_end": verdict.end,
+        "reward_window_steps": verdict.window,
+        "learned": verdict.learned,  # docs/task.md's bar for the task (ops/learned.py), None if it has none
         "version_gap_mean": _mean(gaps),
         "version_gap_max": max(
             (int(r["version_gap_max"]) for r in rows if r.get("version_gap_max") is not None), default=None
