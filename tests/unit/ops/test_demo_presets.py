@@ -10,6 +10,7 @@ import pytest
 from ops.demo import EngineUsage, parse_args, progress_line, resolve_model, summarize, timing
 from ops.demo_presets import PRESETS
 from ops.local.stack import StackConfig
+from ops.report import optimizer_steps
 
 
 def test_tiny_demo_keeps_its_defaults() -> None:
@@ -83,3 +84,21 @@ def test_summary_says_learned_by_the_task_s_documented_bar(tmp_path: Path) -> No
     steps = [{"step": i + 1, "reward_mean": 0.1 * i} for i in range(1, 9)]  # 0.15 -> 0.75 (windows of 2)
     arithmetic = summarize(steps, 0, 60.0, StackConfig(run_dir=tmp_path, task="arithmetic"))
     assert arithmetic["learned"] is True and arithmetic["reward_window_steps"] == 2
+
+
+def test_a_skipped_batch_shows_in_progress_and_summary_but_is_no_step(tmp_path: Path) -> None:
+    """A batch without gradient keeps the step and version it found: the progress line says it was skipped,
+    the summary counts it apart, its reward still counts (the rollouts were played by that policy)."""
+    rows = [
+        {"step": 1, "reward_mean": 0.1, "skipped": None, "ts": 1.0, "step_time_s": 1.0},
+        {"step": 1, "reward_mean": 0.0, "skipped": "no_signal", "ts": 1.5, "step_time_s": 0.1},
+        {"step": 2, "reward_mean": 0.3, "ts": 3.0, "step_time_s": 1.0},  # a line written before skips existed
+    ]
+    line = progress_line(rows[1], 10, 0, time.monotonic())
+    assert "step   1/10" in line and "skipped (no_signal)" in line
+    assert "skipped" not in progress_line(rows[0], 10, 0, time.monotonic())
+    assert [r["step"] for r in optimizer_steps(rows)] == [1, 2]
+    summary = summarize(rows, 0, 60.0, StackConfig(run_dir=tmp_path), usage=None)
+    assert (summary["steps"], summary["batches"], summary["skipped_steps"]) == (2, 3, {"no_signal": 1})
+    assert summary["reward_start"] == 0.1 and summary["reward_window_steps"] == 1  # a quarter of 3 batches, at least 1
+    assert summary["seconds_per_step"]["step_wall_s"] == 2.0  # between the two steps, the skip inside
