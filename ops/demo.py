@@ -3,7 +3,8 @@
 Starts Kafka, Redis and every service as local processes (``ops.local.stack``), runs
 trainer steps with ``keep_versions=2``, partial rollout on and ``max_preempts=2``
 until a step count (and, for a real model, a wall-time budget) is reached, shows one
-progress line per step (reward, version gap, drops, rejections), stops every process
+progress line per step (reward, version gap, drops, rejections; a batch the trainer
+skipped for lack of gradient gets a line saying so), stops every process
 it started (also on Ctrl-C), and writes ``runs/<id>/summary.json`` and ``runs/<id>/plot.png``.
 
 ``--model`` picks what trains: ``tiny`` (default; the built-in policy on number guessing),
@@ -22,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -30,9 +32,10 @@ from typing import Any
 import httpx
 
 from ops.demo_presets import PRESETS
+from ops.learned import judge
 from ops.local.launcher import LaunchError
 from ops.local.stack import LocalStack, StackConfig, start
-from ops.report import plot_run, rows_so_far
+from ops.report import optimizer_steps, plot_run, rows_so_far
 
 _REJECTIONS = re.compile(r"^rein_proxy_rejections_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 _ENGINE_ACTIVE = re.compile(r"^rein_engine_active_requests\s+([0-9.eE+-]+)$", re.M)
@@ -166,8 +169,10 @@ def summarize(
     usage: EngineUsage | None = None,
     train_wall_s: float | None = None,
 ) -> dict[str, Any]:
-    rewards = [float(r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]
-    k = max(1, min(5, len(rewards) // 4 or 1))
+    rewards = [float(r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]  # skipped batches too
+    verdict = judge(config.task, rewards)
+    steps = optimizer_steps(rows)
+    skipped = Counter(str(r["skipped"]) for r in rows if r.get("skipped"))
     gaps = [float(r["version_gap_mean"]) for r in rows if r.get("version_gap_mean") is not None]
     diffs = [
         float(r["train_rollout_logprob_abs_diff"]) for r in rows if r.get("train_rollout_logprob_abs_diff") is not None
@@ -175,19 +180,20 @@ def summarize(
     same = [float(r["train_rollout_logprob_abs_diff_same_version"]) for r in rows
             if r.get("train_rollout_logprob_abs_diff_same_version") is not None]
     masked = [float(r["masked_token_fraction"]) for r in rows if r.get("masked_token_fraction") is not None]
-    start_reward, end_reward = _mean(rewards[:k]), _mean(rewards[-k:])
     return {
         "model": config.model,
         "task": config.task,
-        "steps": len(rows),
+        "steps": len(steps),
+        "batches": len(rows),
+        "skipped_steps": dict(sorted(skipped.items())),  # batches consumed without an update, by reason
         "stopped_by": stopped_by,
         "wall_s": round(wall_s, 1),
         "train_wall_s": None if train_wall_s is None else round(train_wall_s, 1),
-        "seconds_per_step": timing(rows, usage, train_wall_s),
-        "reward_start": start_reward,
-        "reward_end": end_reward,
-        "reward_window_steps": k,
-        "learned": start_reward is not None and end_reward is not None and end_reward > start_reward,
+        "seconds_per_step": timing(steps, usage, train_wall_s),
+        "reward_start": verdict.start,
+        "reward_end": verdict.end,
+        "reward_window_steps": verdict.window,
+        "learned": verdict.learned,  # docs/task.md's bar for the task (ops/learned.py), None if it has none
         "version_gap_mean": _mean(gaps),
         "version_gap_max": max(
             (int(r["version_gap_max"]) for r in rows if r.get("version_gap_max") is not None), default=None
@@ -218,7 +224,8 @@ def summarize(
 def progress_line(
     row: dict[str, Any], total: int, rejections: int, started: float, budget: tuple[float, float] | None = None
 ) -> str:
-    """One line per step; the bar fills by steps, or by the time budget ``(since, seconds)`` if that ends first."""
+    """One line per trainer line (a step, or a batch skipped without one: it says so); the bar fills by
+    steps, or by the time budget ``(since, seconds)`` if that ends first."""
     step = int(row.get("step", 0))
     width = 24
     fraction = step / max(total, 1)
@@ -233,6 +240,7 @@ def progress_line(
         f"  gap {gap if gap is None else f'{gap:.2f}'}"
         f"  drops {row.get('drops_cumulative', 0)}  rejections {rejections}"
         f"  {time.monotonic() - started:6.0f}s"
+        + (f"  skipped ({row['skipped']})" if row.get("skipped") else "")
     )
 
 
@@ -291,21 +299,22 @@ def run(args: argparse.Namespace) -> int:
                 for row in rows[shown:]:
                     print(progress_line(row, config.steps, rejections, started, budget), flush=True)
                 shown = len(rows)
-            if config.steps and len(rows) >= config.steps:
+            steps = len(optimizer_steps(rows))
+            if config.steps and steps >= config.steps:
                 break
             if budget is not None and time.monotonic() - budget[0] >= budget[1]:
                 stopped_by = "time"
-                print(f"time budget of {args.minutes:g} minutes reached at step {len(rows)}", flush=True)
+                print(f"time budget of {args.minutes:g} minutes reached at step {steps}", flush=True)
                 break
             dead = [s for s in local.stack.dead() if s.name != "trainer"]
             trainer_gone = any(s.name == "trainer" for s in local.stack.dead())
-            if dead or (trainer_gone and len(rows) < config.steps):
+            if dead or (trainer_gone and steps < config.steps):
                 who = dead[0] if dead else next(s for s in local.stack.services if s.name == "trainer")
                 print(f"error: {who.name} exited early; see {who.log_path}", file=sys.stderr)
                 code = 1
                 break
             if time.monotonic() > deadline:
-                print(f"error: timed out after {args.timeout_min} min at step {len(rows)}", file=sys.stderr)
+                print(f"error: timed out after {args.timeout_min} min at step {steps}", file=sys.stderr)
                 code = 1
                 break
             if usage is not None:
@@ -346,6 +355,7 @@ def write_outputs(
     png = plot_run(rows, config.run_dir / "plot.png", title=f"rein demo {config.run_dir.name}")
     keys = [
         "steps",
+        "skipped_steps",
         "reward_start",
         "reward_end",
         "learned",

@@ -1,8 +1,10 @@
 """Plots of a training run's metrics: the logic behind ``rein report`` (the demo reuses it).
 
-Input is the trainer's ``metrics.jsonl``: one JSON object per step. Every field is
-optional; a panel is drawn only for the metrics some step has, and unknown fields are
-ignored, so older and newer runs both render. Panels, in order:
+Input is the trainer's ``metrics.jsonl``: one JSON object per manifest it consumed, an
+optimizer step or a batch skipped without one (``skipped`` says why; its ``step`` is the
+previous step's, so it plots at that step). Every field is optional; a panel is drawn only
+for the metrics some line has, and unknown fields are ignored, so older and newer runs both
+render. Panels, in order:
 
 - reward: ``reward_mean``
 - version gap: ``version_gap_min`` / ``version_gap_max`` / ``version_gap_mean``
@@ -82,6 +84,11 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
 def rows_so_far(path: Path) -> list[dict[str, Any]]:
     """Rows of a ``metrics.jsonl`` a live trainer is still writing: none yet if it does not exist."""
     return load_metrics(path) if Path(path).exists() else []
+
+
+def optimizer_steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows that took an optimizer step (not a batch skipped for lack of gradient)."""
+    return [r for r in rows if not r.get("skipped")]
 
 
 def _number(value: Any) -> float | None:

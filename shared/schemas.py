@@ -342,6 +342,23 @@ class WeightApplied(Record):
         return f"{self.version}:applied"
 
 
+class BatchSkipped(Record):
+    """The trainer consumed manifest ``index`` without updating its weights (the batch carried no
+    gradient: ``reason`` as in ``metrics.jsonl``), so no version follows it; ``version`` is the one
+    it still holds. A sync-mode runner opens its next wave on it as on a ``WeightApplied``."""
+
+    topic_attr: ClassVar[str] = "weights"
+    type: Literal["batch_skipped"] = "batch_skipped"
+    index: int = Field(ge=0)
+    batch_id: str
+    reason: str
+    version: RealLabel
+
+    def key(self) -> str:
+        """One key for every skip: ``weights`` is compacted and readers need only the newest (highest) index."""
+        return "batch_skipped"
+
+
 # --------------------------------------------------------------------------- rollout.retries
 
 
@@ -374,6 +391,7 @@ AnyRecord = Annotated[
     | BatchManifest
     | WeightPublished
     | WeightApplied
+    | BatchSkipped
     | RetryRequest,
     Field(discriminator="type"),
 ]
@@ -390,6 +408,7 @@ RECORD_TYPES: dict[str, type[Record]] = {
         BatchManifest,
         WeightPublished,
         WeightApplied,
+        BatchSkipped,
         RetryRequest,
     )
 }

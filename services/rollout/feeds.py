@@ -5,8 +5,9 @@ the event loop. :class:`Feeds` starts the runner's feeds, waits until each has r
 history that existed when it got its partitions (so queued retries are known before the
 first dispatch), and turns records into :class:`~services.rollout.scheduler.Scheduler`
 events: a ``RetryRequest`` becomes queued work, a revoke drops the queued work of the
-lost partitions, a ``WeightApplied`` may open the next sync wave. A retry record's offset
-is committed once :meth:`Feeds.done` says its group is dispatched (or it needs none).
+lost partitions, a ``WeightApplied`` or ``BatchSkipped`` may open the next sync wave. A
+retry record's offset is committed once :meth:`Feeds.done` says its group is dispatched
+(or it needs none).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from services.rollout.settings import RolloutSettings
 from services.rollout.task import Task
 from shared import log
 from shared.bus import BusUnavailable, Consumer, Polled
-from shared.schemas import DecodeError, RetryRequest, WeightApplied
+from shared.schemas import BatchSkipped, DecodeError, RetryRequest, WeightApplied
 from shared.settings import KafkaSettings
 
 _log = log.get(__name__)
@@ -217,4 +218,7 @@ class Feeds:
         if isinstance(polled.record, WeightApplied):
             self.scheduler.on_weights_applied(polled.record.seq)
             self.metrics.weights_seq.set(self.scheduler.weights_seq)
+            self._wake()
+        elif isinstance(polled.record, BatchSkipped):
+            self.scheduler.on_batch_skipped(polled.record.index)
             self._wake()

@@ -2,7 +2,7 @@
 
 Consumes ``rollout.retries`` (consumer group; a record is done, and its offset
 committable, once the retry's group is dispatched) and, in sync mode, ``weights``
-(``WeightApplied`` opens the next wave).
+(``WeightApplied``, or ``BatchSkipped`` for a batch trained without an update, opens the next wave).
 Produces ``GroupDispatched`` on ``rollout.events`` — acked by Kafka *before* the
 group's sessions start, so the collector always knows a group before its chunks.
 Owns the prompt cursor in Redis (``RedisKeys.prompt_cursor``): each new prompt is

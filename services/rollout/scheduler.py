@@ -18,8 +18,10 @@ Rules:
   that many groups (retries included) are ever dispatched.
 - Sync mode dispatches ``groups_per_step`` new groups per wave. The next wave opens
   once every group in flight has ended *and* a weight version with a higher sequence
-  number than the newest one seen when the wave opened has been applied. Retries are
-  not gated: the trainer's next batch may need them, so gating them could deadlock.
+  number than the newest one seen when the wave opened has been applied, or the trainer
+  skipped a batch with a higher index than the newest skip seen then (the batch had no
+  gradient, so no version follows it). Retries are not gated: the trainer's next batch
+  may need them, so gating them could deadlock.
 """
 
 from __future__ import annotations
@@ -143,6 +145,10 @@ class Scheduler:
         """Sync mode: new groups dispatched in the current wave."""
         self.wave_baseline = weights_seq
         """Sync mode: ``weights_seq`` when the current wave opened."""
+        self.skipped_index = -1
+        """Highest manifest index the trainer consumed without an update (``BatchSkipped``) seen."""
+        self.wave_skip_baseline = -1
+        """Sync mode: ``skipped_index`` when the current wave opened."""
 
     # ------------------------------------------------------------------ inputs
 
@@ -186,6 +192,10 @@ class Scheduler:
     def on_weights_applied(self, seq: int) -> None:
         self.weights_seq = max(self.weights_seq, seq)
 
+    def on_batch_skipped(self, index: int) -> None:
+        """The trainer consumed manifest ``index`` and kept its weights: releases a sync wave like a version."""
+        self.skipped_index = max(self.skipped_index, index)
+
     def on_group_done(self) -> None:
         if self.in_flight <= 0:
             raise RuntimeError("on_group_done without a group in flight")
@@ -212,15 +222,24 @@ class Scheduler:
         return self.mode == "sync" and self.wave_new >= self.groups_per_step
 
     @property
+    def _released(self) -> bool:
+        """Sync mode: a version was applied, or a batch skipped, since the current wave opened."""
+        return self.weights_seq > self.wave_baseline or self.skipped_index > self.wave_skip_baseline
+
+    @property
     def waiting_for_weights(self) -> bool:
-        """Sync mode: the wave has ended and the next applied weight version has not arrived."""
-        return self.wave_full and self.in_flight == 0 and self.weights_seq <= self.wave_baseline
+        """Sync mode: the wave has ended and neither the next applied weight version nor a skip has arrived."""
+        return self.wave_full and self.in_flight == 0 and not self._released
 
     def open_next_wave(self) -> None:
         """Start the next sync wave now (the runner's bounded wait for weights ran out)."""
         self.wave += 1
         self.wave_new = 0
+        self._mark_baseline()
+
+    def _mark_baseline(self) -> None:
         self.wave_baseline = self.weights_seq
+        self.wave_skip_baseline = self.skipped_index
 
     def take(self) -> Work | None:
         """The next group to dispatch, or None if none may start now. Marks it in flight."""
@@ -257,11 +276,11 @@ class Scheduler:
             return None  # the runner has not claimed the next prompt yet
         if self.mode == "sync":
             if self.wave_full:
-                if self.in_flight > 0 or self.weights_seq <= self.wave_baseline:
+                if self.in_flight > 0 or not self._released:
                     return None
                 self.open_next_wave()
             if self.wave_new == 0:
-                self.wave_baseline = self.weights_seq
+                self._mark_baseline()
             self.wave_new += 1
         if self._requeued_new:
             return self._requeued_new.popleft()

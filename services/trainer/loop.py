@@ -2,7 +2,8 @@
 
 Consumes ``train.batches`` (manifests, consumer group ``consumer_group``, manual
 commit) and ``rollout.groups`` (by reference); produces checkpoints in
-``weights_dir``, ``WeightPublished`` events on ``weights`` (key = version) and
+``weights_dir``, ``WeightPublished`` events on ``weights`` (key = version),
+``BatchSkipped`` there for batches consumed without an update, and
 ``run_dir/metrics.jsonl``. Owns the policy and its optimizer; the model family
 (``REIN_MODEL``: tiny or a Hugging Face model) builds, saves and loads it.
 
@@ -15,12 +16,18 @@ Lifecycle:
   metrics line a crash lost.
 - each manifest, in index order from ``last_index + 1`` (duplicates and indices
   already trained are dropped and their offsets committed): fetch its groups →
-  samples → one optimizer step.
+  samples → one optimizer step, or none when the batch carries no gradient (every
+  trained token's advantage is 0, or the gradient is): the weights, the optimizer
+  state and the step count stay as they were, and no version is published for it.
 - every ``publish_every`` steps (and at ``max_steps`` or on stop): checkpoint →
   sidecar → metrics lines → publish → commit the manifests' offsets. A crash
   before the sidecar retrains those manifests from the previous checkpoint; a
   crash after it skips them by index. No manifest is trained twice into the
   published weights, none is skipped.
+- a skipped manifest with no step pending since the last checkpoint is made durable
+  at once without one: the sidecar alone moves its ``last_index`` on (``store.advance``),
+  then metrics line → ``BatchSkipped`` on ``weights`` (a sync-mode runner waits for a
+  version otherwise) → commit. One with steps pending waits for their checkpoint.
 """
 
 from __future__ import annotations
@@ -40,13 +47,22 @@ from services.trainer.ordering import ManifestOrder
 from services.trainer.samples import build_samples
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import Hyper, PolicyTrainer
-from services.trainer.store import MetricsLog, Sidecar, latest, prune, reconcile_metrics, save_step, version_label
+from services.trainer.store import (
+    MetricsLog,
+    Sidecar,
+    advance,
+    latest,
+    prune,
+    reconcile_metrics,
+    save_step,
+    version_label,
+)
 from shared import log
 from shared.bus import BusUnavailable, Consumer, Producer
 from shared.model import ModelFamily, context_window_of, load_family, set_gradient_checkpointing
 from shared.outage import Outage
 from shared.policy import PolicyConfig, resolve_device
-from shared.schemas import BatchManifest, DecodeError, WeightPublished
+from shared.schemas import BatchManifest, BatchSkipped, DecodeError, WeightPublished
 from shared.status_server import StatusServer
 from shared.tokenizer import TOKENIZER
 
@@ -72,6 +88,9 @@ class RunResult:
     start_step: int
     step: int
     trained_indices: list[int] = field(default_factory=list)
+    """Manifests consumed, in order (skipped ones too)."""
+    skipped_indices: list[int] = field(default_factory=list)
+    """Those consumed without an update (no gradient)."""
     published: list[WeightPublished] = field(default_factory=list)
 
 
@@ -143,6 +162,8 @@ class TrainerLoop:
         producer = Producer(s.kafka, client_suffix="trainer")
         try:
             result.published.append(self._publish(producer, sidecar))
+            if (skip := _last_skip(sidecar)) is not None:  # a crash may have come before it was sent
+                self._send(producer, skip)
             if s.max_steps and self.step >= s.max_steps:
                 return result
             server = StatusServer(s.metrics_host, s.metrics_port, self.metrics.registry, self._health).start()
@@ -193,11 +214,14 @@ class TrainerLoop:
                     if done or self.stop.is_set():
                         break  # not trained, so never durable: read again next run (a backlog
                         # of ready manifests must not hold a SIGTERM for minutes with a real model)
-                    self._train(manifest, fetcher)
+                    updated = self._train(manifest, fetcher)
                     self._last_trained = manifest.index
                     result.trained_indices.append(manifest.index)
-                    if self.step % s.publish_every == 0 or (s.max_steps and self.step >= s.max_steps):
-                        result.published.append(self._make_durable(producer, consumer))
+                    if not updated:
+                        result.skipped_indices.append(manifest.index)
+                    due = self.step % s.publish_every == 0 or (s.max_steps and self.step >= s.max_steps)
+                    if (updated and due) or self.step == self.sidecar.step:
+                        self._durable(producer, consumer, result)
                     done = bool(s.max_steps and self.step >= s.max_steps)
                 if done:
                     break
@@ -205,9 +229,14 @@ class TrainerLoop:
             self.metrics.waiting_for.set(order.next_index)
             consumer.commit()
         if self._last_trained > self.sidecar.last_index:  # stopped between publishes: keep what was trained
-            result.published.append(self._make_durable(producer, consumer))
+            self._durable(producer, consumer, result)
 
-    def _train(self, manifest: BatchManifest, fetcher: GroupFetcher) -> None:
+    def _durable(self, producer: Producer, consumer: Consumer, result: RunResult) -> None:
+        if (event := self._make_durable(producer, consumer)) is not None:
+            result.published.append(event)
+
+    def _train(self, manifest: BatchManifest, fetcher: GroupFetcher) -> bool:
+        """Fetch, build and step on ``manifest``; True when the weights were updated (the step counts)."""
         s = self.settings
         started = time.monotonic()
         fetched = self._fetch(fetcher, manifest)
@@ -217,17 +246,24 @@ class TrainerLoop:
         batch = build_samples(fetched.groups, mask_nonlast_version=s.nonlast_version_tokens == "mask",
                               max_tokens=self.max_tokens)
         stats = self.trainer.step(batch, version=version_label(self.step))  # the weights held: v<steps so far>
-        self.step += 1
+        if stats.updated:
+            self.step += 1
         line = step_line(step=self.step, manifest=manifest, batch=batch, stats=stats, bad_refs=len(fetched.bad),
                          step_time_s=time.monotonic() - started, fetch_time_s=fetch_time,
                          correction=s.offpolicy_correction)
         self._pending_lines.append(line)
         self.metrics.observe(line)
-        _log.info("trained", step=self.step, manifest_index=manifest.index, loss=round(stats.loss, 5),
-                  reward_mean=line["reward_mean"], abs_diff=round(stats.train_rollout_logprob_abs_diff, 5),
+        if not stats.updated:
+            _log.info("step_skipped", reason=stats.skipped, step=self.step, manifest_index=manifest.index,
+                      reward_mean=line["reward_mean"], trained_tokens=stats.trained_tokens,
+                      degenerate_group_fraction=line["degenerate_group_fraction"], grad_norm=stats.grad_norm)
+            return False
+        _log.info("trained", step=self.step, manifest_index=manifest.index, loss=stats.loss,
+                  reward_mean=line["reward_mean"], abs_diff=stats.train_rollout_logprob_abs_diff,
                   abs_diff_same_version=stats.train_rollout_logprob_abs_diff_same_version,
                   same_version_tokens=stats.same_version_tokens,
                   masked_token_fraction=round(batch.masked_token_fraction, 4), version_gap=line["version_gap_mean"])
+        return True
 
     def _fetch(self, fetcher: GroupFetcher, manifest: BatchManifest) -> Fetched:
         """The manifest's groups; a fetch that times out (the broker restarting) is tried again, bounded."""
@@ -242,13 +278,23 @@ class TrainerLoop:
                 _log.warning("fetch_retry", manifest_index=manifest.index, attempt=attempt, error=str(exc)[:300])
                 attempt += 1
 
-    def _make_durable(self, producer: Producer, consumer: Consumer) -> WeightPublished:
+    def _make_durable(self, producer: Producer, consumer: Consumer) -> WeightPublished | None:
+        """Make every manifest consumed so far durable, then commit their offsets. With a step since the
+        last checkpoint: a new checkpoint and its version (returned). With only skipped batches: the
+        sidecar moves on and a ``BatchSkipped`` goes out instead (None returned)."""
         last_index = self._last_trained
         s = self.settings
-        self.sidecar = save_step(s.weights_dir, self.family, self.trainer.model, self.step, last_index,
-                                 self.trainer.optimizer_state(), self._pending_lines)
-        self.metrics_log.append(self._pending_lines)
-        event = self._publish(producer, self.sidecar)
+        event: WeightPublished | None = None
+        if self.step > self.sidecar.step:
+            self.sidecar = save_step(s.weights_dir, self.family, self.trainer.model, self.step, last_index,
+                                     self.trainer.optimizer_state(), self._pending_lines)
+            self.metrics_log.append(self._pending_lines)
+            event = self._publish(producer, self.sidecar)
+        else:
+            self.sidecar = advance(s.weights_dir, self.sidecar, last_index, self._pending_lines)
+            self.metrics_log.append(self._pending_lines)
+            if (skip := _last_skip(self.sidecar)) is not None:
+                self._send(producer, skip)
         for index in [i for i in self._held if i <= last_index]:
             for topic, partition, offset in self._held.pop(index):
                 consumer.done(topic, partition, offset)
@@ -261,10 +307,16 @@ class TrainerLoop:
     def _publish(self, producer: Producer, sidecar: Sidecar) -> WeightPublished:
         event = WeightPublished(version=sidecar.version, seq=sidecar.step, path=sidecar.path, digest=sidecar.digest,
                                 step=sidecar.step)
+        self._send(producer, event)
+        self.metrics.published.inc()
+        _log.info("weights_published", version=event.version, seq=event.seq, digest=event.digest, path=event.path)
+        return event
+
+    def _send(self, producer: Producer, record: WeightPublished | BatchSkipped) -> None:
         outage: Outage | None = None
-        while True:  # the checkpoint is durable; its event must follow, so wait out a Kafka outage
+        while True:  # what it announces is durable; the record must follow, so wait out a Kafka outage
             try:
-                producer.send(self.settings.topics.weights, event)
+                producer.send(self.settings.topics.weights, record)
                 break
             except BusUnavailable as exc:
                 if self.stop.is_set():
@@ -273,9 +325,17 @@ class TrainerLoop:
                 self.stop.wait(outage.failed(exc))
         if outage is not None:
             outage.recovered()
-        self.metrics.published.inc()
-        _log.info("weights_published", version=event.version, seq=event.seq, digest=event.digest, path=event.path)
-        return event
+
+
+def _last_skip(sidecar: Sidecar) -> BatchSkipped | None:
+    """The ``BatchSkipped`` to announce for a sidecar that only skipped batches made durable (``advance``);
+    None for one that came with a checkpoint (its version is the announcement)."""
+    lines = sidecar.metrics
+    if not lines or not all(line.get("skipped") for line in lines):
+        return None
+    last = lines[-1]
+    return BatchSkipped(index=sidecar.last_index, batch_id=str(last["batch_id"]), reason=str(last["skipped"]),
+                        version=sidecar.version)
 
 
 def run(settings: TrainerSettings, stop: threading.Event | None = None) -> RunResult:

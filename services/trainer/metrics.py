@@ -1,4 +1,4 @@
-"""The trainer's Prometheus series and the per-step ``metrics.jsonl`` line."""
+"""The trainer's Prometheus series and the per-manifest ``metrics.jsonl`` line."""
 
 from __future__ import annotations
 
@@ -43,7 +43,12 @@ class TrainerMetrics:
         self.registry = registry
         self.gauges = {field: metrics.gauge(registry, name, f"Last training step's {field}")
                        for field, name in GAUGES.items()}
-        self.steps = metrics.counter(registry, "trainer/steps", "Optimizer steps taken (one per manifest)")
+        self.steps = metrics.counter(
+            registry, "trainer/steps", "Optimizer steps taken (one per manifest with a gradient)")
+        self.skipped = metrics.counter(
+            registry, "trainer/skipped_steps",
+            "Manifests consumed without an optimizer step or a new version (the batch carried no gradient)",
+            ("reason",))
         self.duplicates = metrics.counter(registry, "trainer/duplicate_manifests",
                                           "Manifests dropped because their index was already trained or buffered")
         self.bad_refs = metrics.counter(registry, "trainer/bad_group_refs", "Group references that were unusable")
@@ -54,11 +59,15 @@ class TrainerMetrics:
         self.decode_errors = metrics.DecodeErrors(registry)
 
     def observe(self, line: dict[str, Any]) -> None:
+        """Count the line's step or skip; gauges take its numbers (a skipped batch has no loss, grad norm, ...)."""
         for field, gauge in self.gauges.items():
             value = line.get(field)
             if isinstance(value, int | float):
                 gauge.set(float(value))
-        self.steps.inc()
+        if line.get("skipped"):
+            self.skipped.labels(reason=line["skipped"]).inc()
+        else:
+            self.steps.inc()
 
 
 def step_line(
@@ -72,7 +81,10 @@ def step_line(
     fetch_time_s: float,
     correction: str,
 ) -> dict[str, Any]:
-    """The ``metrics.jsonl`` object of one step (also what the Prometheus gauges show)."""
+    """The ``metrics.jsonl`` object of one consumed manifest (also what the Prometheus gauges show).
+
+    ``step`` and ``version`` name the weights after it: for a skipped batch (``skipped`` says why)
+    the ones it left unchanged, so a skip repeats the previous line's step."""
     rewards = batch.rewards
     # The collector's gap: against the newest version among the groups it had seen when it cut the batch,
     # which may lag the weights the trainer holds by a version; same_version_tokens is the trainer's own view.
@@ -103,6 +115,7 @@ def step_line(
         "offpolicy_ess": stats.offpolicy_ess,
         "grad_norm": stats.grad_norm,
         "updated": stats.updated,
+        "skipped": stats.skipped,
         "trained_tokens": stats.trained_tokens,
         "trainable_tokens": batch.trainable_tokens,
         "version_masked_tokens": batch.version_masked_tokens,

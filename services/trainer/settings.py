@@ -16,7 +16,7 @@ class TrainerSettings(ModelServiceSettings):
     weights_dir: Path = Path("weights")
     """Where checkpoints ``v<step>.pt`` and their sidecars are written; the engines load from the same directory."""
     run_dir: Path = Path("runs/trainer")
-    """Directory of ``metrics.jsonl`` (one JSON line per durable training step)."""
+    """Directory of ``metrics.jsonl`` (one JSON line per durable manifest: a step, or a batch skipped)."""
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     """Where the policy trains; ``auto`` picks CUDA when available."""
     torch_threads: int = Field(default=2, ge=1)
@@ -87,7 +87,8 @@ class TrainerSettings(ModelServiceSettings):
     publish_every: int = Field(default=1, ge=1)
     """Checkpoint, publish a weight version and commit the manifest offsets every N steps."""
     max_steps: int = Field(default=0, ge=0)
-    """Stop once the global step (= the newest checkpoint's step) reaches this; 0 runs until stopped."""
+    """Stop once the global step (= the newest checkpoint's step) reaches this; 0 runs until stopped.
+    Batches skipped without an update (no gradient) are no step."""
     first_index: int = Field(default=0, ge=0)
     """Index of the first manifest the collector emits; the trainer waits for indices in order from here."""
     consumer_group: str = "rein-trainer"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -52,18 +52,27 @@ class Hyper:
     """Off-policy correction of the loss (``services/trainer/corrections.py``); default ``none``."""
 
 
+SkipReason = Literal["no_tokens", "no_signal", "zero_gradient"]
+"""Why a batch took no optimizer update: it had no trained token; every trained token's advantage
+was exactly 0 (each group's rewards equal, or the spread only on untrained tokens); or the loss's
+gradient was exactly 0 (every token clipped). Stepping AdamW anyway would still move the weights
+(momentum, weight decay) and cost a version for nothing."""
+
+
 @dataclass(frozen=True)
 class StepStats:
-    loss: float
+    """One batch's statistics. Those of the loss are None when no forward pass ran (skipped before it)."""
+
+    loss: float | None
     trained_tokens: int
-    train_rollout_logprob_abs_diff: float
-    clip_fraction: float
-    truncated_fraction: float
-    ratio_mean: float
-    grad_norm: float
+    train_rollout_logprob_abs_diff: float | None
+    clip_fraction: float | None
+    truncated_fraction: float | None
+    ratio_mean: float | None
+    grad_norm: float | None
     advantage_abs_mean: float
-    updated: bool
-    """False when the batch had no trained token (no optimizer update was taken)."""
+    skipped: SkipReason | None = None
+    """Set when no optimizer update was taken: weights and optimizer state are exactly as before."""
     same_version_tokens: int = 0
     """Trained tokens sampled by the very weights the trainer held (version gap 0 as the trainer sees it)."""
     train_rollout_logprob_abs_diff_same_version: float | None = None
@@ -75,6 +84,10 @@ class StepStats:
     """Share of trained tokens whose importance weight the correction truncated."""
     offpolicy_ess: float | None = None
     """Normalised effective sample size of the weights the loss applied (:attr:`CorrectionStats.ess`)."""
+
+    @property
+    def updated(self) -> bool:
+        return self.skipped is None
 
 
 def collate(
@@ -149,11 +162,13 @@ class PolicyTrainer:
             yield samples[start : start + size]
 
     def step(self, batch: BatchSamples, version: str | None = None) -> StepStats:
-        """One update on ``batch``. ``version``: the label of the weights the model holds now (before
-        this update), so tokens they sampled are scored apart (:attr:`StepStats.same_version_tokens`).
+        """One update on ``batch``, or none when it carries no gradient (:data:`SkipReason`).
+        ``version``: the label of the weights the model holds now (before this update), so tokens
+        they sampled are scored apart (:attr:`StepStats.same_version_tokens`).
 
         Every statistic is taken before the update: micro-batches accumulate gradients on the same
-        weights and the optimizer steps once, after the last of them.
+        weights and the optimizer steps once, after the last of them. A batch without a trained
+        token of non-zero advantage is skipped before the forward pass.
         """
         h = self.hyper
         advantages = grpo_advantages(
@@ -163,8 +178,9 @@ class PolicyTrainer:
         )
         adv_abs = float(advantages.abs().mean().item()) if advantages.numel() else 0.0
         total = batch.trained_tokens
-        if total == 0:
-            return StepStats(0.0, 0, 0.0, 0.0, 0.0, 1.0, 0.0, adv_abs, updated=False)
+        if total == 0 or not any(advantages[s.trajectory] != 0 for s in batch.samples if any(s.loss_mask)):
+            return StepStats(None, total, None, None, None, None, None, adv_abs,
+                             skipped="no_tokens" if total == 0 else "no_signal")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = diff_sum = clip_sum = trunc_sum = ratio_sum = same_diff_sum = 0.0
@@ -189,7 +205,10 @@ class PolicyTrainer:
             trunc_sum += stats.truncated_fraction * n
             ratio_sum += stats.ratio_mean * n
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip).item())
-        self.optimizer.step()
+        skipped: SkipReason | None = "zero_gradient" if grad_norm == 0.0 else None
+        if skipped is None:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # the gradients are spent either way; free them
         self.model.eval()
         return StepStats(
             loss=loss_sum,
@@ -200,7 +219,7 @@ class PolicyTrainer:
             ratio_mean=ratio_sum / total,
             grad_norm=grad_norm,
             advantage_abs_mean=adv_abs,
-            updated=True,
+            skipped=skipped,
             same_version_tokens=same_count,
             train_rollout_logprob_abs_diff_same_version=same_diff_sum / same_count if same_count else None,
             offpolicy_masked_fraction=corrected.masked_fraction,

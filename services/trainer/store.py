@@ -6,15 +6,18 @@ Per durable step ``s`` the weights dir holds, written in this order:
    model family's ``save`` (temp file or directory + rename, digest inside);
 2. ``v<s>.optim.pt`` — AdamW state (temp file + rename), so a resumed run continues the same optimisation;
 3. ``v<s>.json`` — the sidecar: version, step, digest, ``last_index`` (the last manifest index
-   folded into these weights) and the metrics lines of the steps it made durable.
+   folded into these weights) and the metrics lines of the manifests it made durable. A manifest
+   consumed without an update (no gradient) moves ``last_index`` on by rewriting the newest
+   sidecar alone (:func:`advance`).
 
 The sidecar is the commit point: a step counts as trained only once its sidecar
 exists, and :func:`latest` resumes from the newest sidecar whose checkpoint loads
 and matches its digest. ``metrics.jsonl`` is appended only after the sidecar, and
 :func:`reconcile_metrics` restores lines a crash lost in between, so the file has
-exactly one line per durable step. With ``keep`` set, :func:`prune` deletes all but the
-newest ``keep`` durable steps (an HF checkpoint is hundreds of MB), sidecar first, so a
-half-pruned step is never taken for a durable one.
+exactly one line per durable manifest (a step, or a batch skipped; told apart by index).
+With ``keep`` set, :func:`prune` deletes all but the newest ``keep`` durable steps (an HF
+checkpoint is hundreds of MB), sidecar first, so a half-pruned step is never taken for a
+durable one.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +68,7 @@ class Sidecar:
     """Index of the last manifest these weights include (first_index − 1 for step 0)."""
     path: str
     metrics: list[dict[str, Any]] = field(default_factory=list)
-    """metrics.jsonl lines of the steps made durable by this checkpoint."""
+    """metrics.jsonl lines of the manifests made durable by this sidecar (since the previous one)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,15 @@ def save_step(
     body = json.dumps(asdict(sidecar), sort_keys=True).encode()
     atomic_write(sidecar_path(weights_dir, step), lambda fh: fh.write(body))
     return sidecar
+
+
+def advance(weights_dir: Path, sidecar: Sidecar, last_index: int, metrics: Iterable[dict[str, Any]]) -> Sidecar:
+    """Rewrite the newest sidecar with ``last_index`` moved on (atomically): manifests consumed without
+    an update (no gradient) become durable with the weights they left as they were, and no new version."""
+    moved = replace(sidecar, last_index=last_index, metrics=list(metrics))
+    body = json.dumps(asdict(moved), sort_keys=True).encode()
+    atomic_write(sidecar_path(weights_dir, sidecar.step), lambda fh: fh.write(body))
+    return moved
 
 
 def _read_sidecar(path: Path) -> Sidecar:
@@ -152,14 +164,14 @@ def prune(weights_dir: Path, family: ModelFamily, keep: int) -> list[int]:
 
 
 class MetricsLog:
-    """Append-only ``metrics.jsonl``: one JSON object per durable step."""
+    """Append-only ``metrics.jsonl``: one JSON object per durable manifest (a step, or a batch skipped)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    def steps(self) -> set[int]:
-        """Steps already recorded; a torn last line (crash mid-append) is cut off first."""
+    def indices(self) -> set[int]:
+        """Manifest indices already recorded; a torn last line (crash mid-append) is cut off first."""
         if not self.path.exists():
             return set()
         raw = self.path.read_bytes()
@@ -168,7 +180,7 @@ class MetricsLog:
             with self.path.open("r+b") as fh:
                 fh.truncate(cut)
             raw = raw[:cut]
-        return {int(json.loads(line)["step"]) for line in raw.decode().splitlines() if line.strip()}
+        return {int(json.loads(line)["manifest_index"]) for line in raw.decode().splitlines() if line.strip()}
 
     def append(self, lines: Iterable[dict[str, Any]]) -> None:
         text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
@@ -182,7 +194,7 @@ class MetricsLog:
 
 def reconcile_metrics(metrics_log: MetricsLog, sidecar: Sidecar) -> int:
     """Append the sidecar's lines that a crash kept out of ``metrics.jsonl``; returns how many."""
-    have = metrics_log.steps()
-    missing = [line for line in sidecar.metrics if int(line["step"]) not in have]
+    have = metrics_log.indices()
+    missing = [line for line in sidecar.metrics if int(line["manifest_index"]) not in have]
     metrics_log.append(missing)
     return len(missing)

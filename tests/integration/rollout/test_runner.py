@@ -29,6 +29,7 @@ from services.rollout.task import NumberGuessTask
 from shared.bus import create_topics
 from shared.names import Topics
 from shared.schemas import (
+    BatchSkipped,
     Chunk,
     GroupDispatched,
     Record,
@@ -267,9 +268,11 @@ def test_retry_request_is_dispatched_first_with_its_attempt(
         reader.close()
 
 
+@pytest.mark.parametrize("release", ["weight_applied", "batch_skipped"])
 def test_sync_mode_waits_for_a_new_weight_version(
-    stack: Stack, unique_group: str, unique_topic: Callable[..., str]
+    stack: Stack, unique_group: str, unique_topic: Callable[..., str], release: str
 ) -> None:
+    """The next wave opens on a new applied version, or on a batch the trainer consumed without one."""
     before = {g.group_id for g in _dispatched(stack)}
     port, weights = free_port(), unique_topic()
     env = _runner_env(
@@ -296,7 +299,11 @@ def test_sync_mode_waits_for_a_new_weight_version(
         state = _wait_for(health, 60, "the runner to wait for weights after its first wave")
         assert (state["dispatched"], state["in_flight"]) == (1, 0)
         assert len([g for g in _dispatched(stack) if g.group_id not in before]) == 1
-        _produce(stack.bootstrap, weights, WeightApplied(version="v-test", seq=state["weights_seq"] + 1, digest="d"))
+        opens: Record = (
+            WeightApplied(version="v-test", seq=state["weights_seq"] + 1, digest="d") if release == "weight_applied"
+            else BatchSkipped(index=0, batch_id="b-test", reason="no_signal", version="v0")
+        )
+        _produce(stack.bootstrap, weights, opens)
         _wait_exit(proc, log_path)
     finally:
         if proc.poll() is None:

@@ -3,7 +3,7 @@
 Groups go to ``rollout.groups`` and manifests to ``train.batches`` (unique topics per
 test) through ``shared.bus.Producer``; the trainer runs in-process (bounded by
 ``max_steps``) or as a subprocess killed with SIGKILL in the middle. Assertions read
-``metrics.jsonl`` (one line per durable step), the checkpoints and the ``weights`` topic.
+``metrics.jsonl`` (one line per durable manifest), the checkpoints and the ``weights`` topic.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kafka import KafkaProducer
+from kafka import KafkaProducer, TopicPartition
 
 from ops.local.ports import free_port
 from services.trainer.loop import RunResult, TrainerLoop, run
@@ -30,9 +30,11 @@ from shared.model import load_family
 from shared.names import Topics
 from shared.schemas import (
     BatchManifest,
+    BatchSkipped,
     CompletedGroup,
     GapInfo,
     GroupRef,
+    Record,
     Segment,
     Trajectory,
     WeightPublished,
@@ -52,9 +54,9 @@ pytestmark = [
 WINDOW = WindowInfo(keep_versions=2, current_version="v0", current_index=0, cutoff_index=0)
 
 
-def _group(i: int) -> CompletedGroup:
+def _group(i: int, rewards: tuple[float, ...] = (1.0, 0.0, 0.5, 0.0)) -> CompletedGroup:
     trajs = []
-    for k, reward in enumerate([1.0, 0.0, 0.5, 0.0]):
+    for k, reward in enumerate(rewards):
         ids = [3 + (i + k + j) % (TOKENIZER.vocab_size - 3) for j in range(12)]
         mask = [0] * 4 + [1] * 8
         versions: list[str | None] = [None] * 4 + ["v0"] * 4 + ["v1"] * 4  # mixed: half masked
@@ -94,10 +96,10 @@ class Env:
         self.kafka, self.topics, self.tmp, self.group = kafka, topics, tmp, group
         self.producer = Producer(kafka, client_suffix="test")
 
-    def groups(self, n: int, start: int = 0) -> list[GroupRef]:
+    def groups(self, n: int, start: int = 0, rewards: tuple[float, ...] | None = None) -> list[GroupRef]:
         refs = []
         for i in range(start, start + n):
-            d: Delivered = self.producer.send(self.topics.groups, _group(i))
+            d: Delivered = self.producer.send(self.topics.groups, _group(i) if rewards is None else _group(i, rewards))
             refs.append(GroupRef(group_id=f"g{i}", partition=d.partition, offset=d.offset))
         return refs
 
@@ -122,6 +124,23 @@ class Env:
     def lines(self) -> list[dict[str, object]]:
         path = self.tmp / "run" / "metrics.jsonl"
         return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    def weight_records(self) -> list[Record]:
+        """Every record on ``weights``, read to the end the topic has now."""
+        reader = Consumer(self.kafka, (), None, client_suffix="test-weights")
+        try:
+            raw = reader.raw
+            tps = [TopicPartition(self.topics.weights, p) for p in range(4)]
+            raw.assign(tps)
+            raw.seek_to_beginning(*tps)
+            end = raw.end_offsets(tps)
+            out: list[Record] = []
+            deadline = time.monotonic() + 30
+            while any(raw.position(tp) < end[tp] for tp in tps) and time.monotonic() < deadline:
+                out += [p.record for p in reader.poll(0.5)]
+            return out
+        finally:
+            reader.close()
 
     def published(self, want: int, timeout_s: float = 30.0) -> list[WeightPublished]:
         consumer = Consumer(self.kafka, [self.topics.weights], f"{self.group}-reader", client_suffix="test-reader")
@@ -181,6 +200,64 @@ def test_in_order_dedupe_and_restart_in_process(env: Env) -> None:
         assert x["train_rollout_logprob_abs_diff"] > 0
         assert x["trained_tokens"] == 2 * 4 * 4
     _check_checkpoints(env, env.published(5), 4)
+
+
+NO_SIGNAL = (0.5, 0.5, 0.5, 0.5)
+
+
+def test_a_batch_without_signal_is_consumed_without_a_step_or_a_version(env: Env) -> None:
+    """Manifests whose groups all have equal rewards: no update, no step counted, no WeightPublished; their
+    offsets are committed (the next run does not see them) and a BatchSkipped releases sync-mode runners,
+    sent again at start when the run stopped right after one."""
+    signal = env.groups(4)
+    flat = env.groups(6, start=4, rewards=NO_SIGNAL)
+    plan = [flat[0:2], signal[0:2], flat[2:4], flat[4:6], signal[2:4]]  # indices 0, 2, 3 carry no signal
+    env.manifests([_manifest(i, refs) for i, refs in enumerate(plan)])
+    stop = threading.Event()
+    loop = TrainerLoop(env.settings(max_steps=2), stop)
+    train = loop._train
+
+    def train_until_3(manifest: BatchManifest, fetcher: object) -> bool:
+        updated = train(manifest, fetcher)  # type: ignore[arg-type]
+        if manifest.index == 3:
+            stop.set()
+        return updated
+
+    loop._train = train_until_3  # type: ignore[method-assign]
+    first = loop.run()
+    assert (first.step, first.trained_indices, first.skipped_indices) == (1, [0, 1, 2, 3], [0, 2, 3])
+    assert [e.seq for e in first.published] == [0, 1]
+    lines = env.lines()
+    assert [(x["manifest_index"], x["step"], x["skipped"]) for x in lines] == [
+        (0, 0, "no_signal"), (1, 1, None), (2, 1, "no_signal"), (3, 1, "no_signal")]
+    assert all(x["loss"] is None and x["grad_norm"] is None for x in lines if x["skipped"])
+    sidecars = {p.name: json.loads(p.read_text()) for p in (env.tmp / "weights").glob("v*.json")}
+    assert {k: v["last_index"] for k, v in sidecars.items()} == {"v0.json": 0, "v1.json": 3}
+
+    second = run(env.settings(max_steps=2))  # the skipped manifests were committed: only index 4 is new
+    assert (second.start_step, second.step, second.trained_indices) == (1, 2, [4])
+    assert [x["manifest_index"] for x in env.lines()] == [0, 1, 2, 3, 4]
+    records = env.weight_records()
+    assert sorted(r.seq for r in records if isinstance(r, WeightPublished)) == [0, 1, 1, 2]  # v1 again at start
+    skips = [(r.index, r.version) for r in records if isinstance(r, BatchSkipped)]
+    assert skips == [(0, "v0"), (2, "v1"), (3, "v1"), (3, "v1")]  # and the skip of index 3
+    _check_checkpoints(env, env.published(3), 2)
+
+
+def test_a_skip_between_publishes_is_made_durable_with_the_next_checkpoint(env: Env) -> None:
+    """publish_every=2: the skip of index 1 waits for step 2's checkpoint, whose version announces it."""
+    signal = env.groups(6)
+    flat = env.groups(2, start=6, rewards=NO_SIGNAL)
+    env.manifests([_manifest(0, signal[0:2]), _manifest(1, flat), _manifest(2, signal[2:4])])
+    result = run(env.settings(max_steps=2, publish_every=2))
+    assert (result.step, result.trained_indices, result.skipped_indices) == (2, [0, 1, 2], [1])
+    assert [e.seq for e in result.published] == [0, 2]
+    assert [(x["step"], x["skipped"]) for x in env.lines()] == [(1, None), (1, "no_signal"), (2, None)]
+    assert json.loads((env.tmp / "weights" / "v2.json").read_text())["last_index"] == 2
+    assert not [r for r in env.weight_records() if isinstance(r, BatchSkipped)]
+    env.manifests([_manifest(3, signal[4:6])])
+    again = run(env.settings(max_steps=3, publish_every=2))  # 0..2 were committed with v2
+    assert (again.start_step, again.trained_indices) == (2, [3])
 
 
 def test_sigkill_mid_run_trains_each_manifest_once(env: Env) -> None:
@@ -320,9 +397,10 @@ def test_stop_during_a_backlog_ends_after_the_current_step(env: Env) -> None:
     loop = TrainerLoop(env.settings(max_steps=8, publish_every=1), stop)
     train = loop._train
 
-    def train_then_stop(manifest: BatchManifest, fetcher: object) -> None:
-        train(manifest, fetcher)  # type: ignore[arg-type]
+    def train_then_stop(manifest: BatchManifest, fetcher: object) -> bool:
+        updated = train(manifest, fetcher)  # type: ignore[arg-type]
         stop.set()  # as the SIGTERM handler does, while the backlog is still ready
+        return updated
 
     loop._train = train_then_stop  # type: ignore[method-assign]
     first = loop.run()

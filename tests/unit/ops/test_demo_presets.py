@@ -10,6 +10,7 @@ import pytest
 from ops.demo import EngineUsage, parse_args, progress_line, resolve_model, summarize, timing
 from ops.demo_presets import PRESETS
 from ops.local.stack import StackConfig
+from ops.report import optimizer_steps
 
 
 def test_tiny_demo_keeps_its_defaults() -> None:
@@ -67,5 +68,37 @@ def test_summary_names_the_model_task_and_why_it_stopped(tmp_path: Path) -> None
     rows = [{"step": i, "reward_mean": 0.1 * i, "ts": float(i), "step_time_s": 1.0} for i in range(1, 9)]
     summary = summarize(rows, 0, 60.0, config, stopped_by="time", train_wall_s=50.0)
     assert summary["model"] == "/m/smollm2" and summary["task"] == "arithmetic"
-    assert summary["stopped_by"] == "time" and summary["learned"] is True
+    assert summary["stopped_by"] == "time"
     assert summary["settings"]["max_tokens"] == 48 and summary["settings"]["lr"] == 1e-5
+
+
+def test_summary_says_learned_by_the_task_s_documented_bar(tmp_path: Path) -> None:
+    """docs/task.md: the last steps' mean must rise by 0.15 to above the task's floor, not merely end higher."""
+    config = StackConfig(run_dir=tmp_path, task="guess_number")
+    recorded = [{"step": i + 1, "reward_mean": r} for i, r in enumerate([0.054] * 5 + [0.12] * 20 + [0.195] * 5)]
+    summary = summarize(recorded, 0, 60.0, config)
+    assert (summary["reward_start"], summary["reward_end"]) == pytest.approx((0.054, 0.195))
+    assert summary["learned"] is False  # docs/demo.md's run on 90e162f: a rise of 0.141, below 0.219
+    rising = [{"step": i + 1, "reward_mean": 0.06 + 0.01 * i} for i in range(40)]  # 0.08 -> 0.43
+    assert summarize(rising, 0, 60.0, config)["learned"] is True
+    steps = [{"step": i + 1, "reward_mean": 0.1 * i} for i in range(1, 9)]  # 0.15 -> 0.75 (windows of 2)
+    arithmetic = summarize(steps, 0, 60.0, StackConfig(run_dir=tmp_path, task="arithmetic"))
+    assert arithmetic["learned"] is True and arithmetic["reward_window_steps"] == 2
+
+
+def test_a_skipped_batch_shows_in_progress_and_summary_but_is_no_step(tmp_path: Path) -> None:
+    """A batch without gradient keeps the step and version it found: the progress line says it was skipped,
+    the summary counts it apart, its reward still counts (the rollouts were played by that policy)."""
+    rows = [
+        {"step": 1, "reward_mean": 0.1, "skipped": None, "ts": 1.0, "step_time_s": 1.0},
+        {"step": 1, "reward_mean": 0.0, "skipped": "no_signal", "ts": 1.5, "step_time_s": 0.1},
+        {"step": 2, "reward_mean": 0.3, "ts": 3.0, "step_time_s": 1.0},  # a line written before skips existed
+    ]
+    line = progress_line(rows[1], 10, 0, time.monotonic())
+    assert "step   1/10" in line and "skipped (no_signal)" in line
+    assert "skipped" not in progress_line(rows[0], 10, 0, time.monotonic())
+    assert [r["step"] for r in optimizer_steps(rows)] == [1, 2]
+    summary = summarize(rows, 0, 60.0, StackConfig(run_dir=tmp_path), usage=None)
+    assert (summary["steps"], summary["batches"], summary["skipped_steps"]) == (2, 3, {"no_signal": 1})
+    assert summary["reward_start"] == 0.1 and summary["reward_window_steps"] == 1  # a quarter of 3 batches, at least 1
+    assert summary["seconds_per_step"]["step_wall_s"] == 2.0  # between the two steps, the skip inside

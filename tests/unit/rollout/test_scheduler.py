@@ -184,6 +184,24 @@ def test_sync_mode_weights_during_the_wave_do_not_count_twice() -> None:
     assert s.waiting_for_weights  # and not again for the next one
 
 
+def test_sync_mode_a_batch_the_trainer_skipped_opens_the_next_wave() -> None:
+    """The trainer consumed the wave's batch without an update (no gradient): no version will come."""
+    s = _sched(max_in_flight=10, mode="sync", groups_per_step=1, weights_seq=3)
+    s.on_batch_skipped(6)  # history: a skip before this wave opened
+    assert s.take() is not None
+    s.on_group_done()
+    assert s.waiting_for_weights
+    s.on_batch_skipped(6)  # the same record again opens nothing
+    assert s.take() is None
+    s.on_batch_skipped(7)
+    assert not s.waiting_for_weights
+    assert s.take() is not None and s.wave == 1
+    s.on_group_done()
+    assert s.waiting_for_weights  # the skip counted once; the next wave waits again
+    s.on_weights_applied(4)
+    assert s.take() is not None and s.wave == 2
+
+
 def test_sync_mode_retries_are_not_gated() -> None:
     s = _sched(max_in_flight=10, mode="sync", groups_per_step=1)
     assert s.take() is not None

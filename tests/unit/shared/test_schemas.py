@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from shared import schemas
 from shared.schemas import (
     BatchManifest,
+    BatchSkipped,
     Chunk,
     CompletedGroup,
     DecisionRecord,
@@ -52,6 +53,15 @@ def test_manifest_round_trip() -> None:
     )
     assert decode(encode(m)) == m
     assert m.key() == "b-1"
+
+
+def test_batch_skipped_round_trips_and_keeps_one_key_on_the_compacted_weights_topic() -> None:
+    """Readers want the highest skipped index only, so compaction may drop every older skip, never a version."""
+    skip = BatchSkipped(index=7, batch_id="b-7", reason="no_signal", version="v3 ")
+    assert decode(encode(skip)) == skip and skip.version == "v3"
+    assert skip.key() == BatchSkipped(index=8, batch_id="b-8", reason="no_tokens", version="v3").key()
+    assert skip.key() not in {"v3", WeightApplied(version="v3", seq=3, digest="d").key()}
+    assert skip.topic_attr == WeightPublished.topic_attr
 
 
 def test_each_record_has_its_own_timestamp() -> None:

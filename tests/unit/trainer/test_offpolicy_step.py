@@ -79,13 +79,13 @@ def test_micro_batches_give_the_same_update_under_every_correction(kind: str) ->
 
 def test_m2po_applies_the_whole_batchs_cutoff_to_each_micro_batch() -> None:
     # squared log-ratios: sample 0: 0, 0, 0; sample 1: .01, .04, .09. The batch's mean (.0233) fits τ = .04,
-    # so nothing goes; sample 1 alone (mean .0467) would lose its .09 token.
+    # so nothing goes; sample 1's drift alone (mean .0467) would lose its .09 tokens.
     model = init_policy(CFG, 0)
     batch = _batch(model, [1.0, 0.0], [[0.0, 0.0, 0.0], [0.1, 0.2, 0.3]])
     cfg = CorrectionConfig(kind="m2po", m2po_threshold=0.04)
     stats = PolicyTrainer(model, Hyper(micro_batch_size=1, correction=cfg), CPU).step(batch)
     assert stats.offpolicy_masked_fraction == 0.0
-    alone = _batch(init_policy(CFG, 0), [0.0], [[0.1, 0.2, 0.3]])
+    alone = _batch(init_policy(CFG, 0), [1.0, 0.0], [[0.1, 0.2, 0.3]] * 2)  # two of sample 1 (a group needs a spread)
     alone_stats = PolicyTrainer(init_policy(CFG, 0), Hyper(correction=cfg), CPU).step(alone)
     assert alone_stats.offpolicy_masked_fraction == pytest.approx(1 / 3)
 

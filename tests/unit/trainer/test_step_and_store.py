@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,15 @@ import torch
 from services.trainer.samples import BatchSamples, Sample
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import Hyper, PolicyTrainer
-from services.trainer.store import MetricsLog, checkpoint_path, latest, reconcile_metrics, save_step, sidecar_path
+from services.trainer.store import (
+    MetricsLog,
+    advance,
+    checkpoint_path,
+    latest,
+    reconcile_metrics,
+    save_step,
+    sidecar_path,
+)
 from shared.model import TinyFamily
 from shared.policy import PolicyConfig, init_policy, token_logprobs
 from shared.settings import SettingsError, load
@@ -56,8 +66,67 @@ def test_batch_without_trained_tokens_takes_no_update() -> None:
     model = init_policy(CFG, 0)
     before = [p.clone() for p in model.parameters()]
     stats = PolicyTrainer(model, Hyper(), torch.device("cpu")).step(BatchSamples())
-    assert not stats.updated
+    assert not stats.updated and stats.skipped == "no_tokens"
     assert all(torch.equal(x, y) for x, y in zip(before, model.parameters(), strict=True))
+
+
+def _state(trainer: PolicyTrainer) -> tuple[list[bytes], bytes]:
+    """The weights' bytes and the optimizer state's serialised bytes, to compare exactly."""
+    weights = [p.detach().numpy().tobytes() for p in trainer.model.parameters()]
+    buffer = io.BytesIO()
+    torch.save(trainer.optimizer_state(), buffer)
+    return weights, buffer.getvalue()
+
+
+def _spy_forward(trainer: PolicyTrainer) -> list[int]:
+    calls: list[int] = []
+    trainer.model.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("rewards", [[1.0, 1.0, 1.0], [0.0, 0.0], [0.4, 0.4, 0.4, 0.4]])
+def test_a_batch_whose_groups_all_have_equal_rewards_leaves_weights_and_optimizer_untouched(
+    rewards: list[float],
+) -> None:
+    """Every advantage is 0: AdamW would still move the weights (momentum, weight decay); it must not step."""
+    model = init_policy(CFG, 0)
+    trainer = PolicyTrainer(model, Hyper(), torch.device("cpu"))
+    trainer.step(_batch(model, [1.0, 0.0]))  # a real step first: AdamW has momentum to spend
+    batch = _batch(model, rewards)
+    before = _state(trainer)
+    forwards = _spy_forward(trainer)
+    stats = trainer.step(batch)
+    assert _state(trainer) == before
+    assert not stats.updated and stats.skipped == "no_signal"
+    assert stats.trained_tokens == 3 * len(rewards) and stats.advantage_abs_mean == 0.0
+    assert forwards == []  # decided before the forward pass: no compute spent on it
+    assert stats.loss is None and stats.grad_norm is None
+
+
+def test_advantages_only_on_untrained_tokens_carry_no_signal() -> None:
+    """Group 1 has a spread of rewards, but its samples have no trained token (all version-masked)."""
+    model = init_policy(CFG, 0)
+    trainer = PolicyTrainer(model, Hyper(), torch.device("cpu"))
+    batch = _batch(model, [0.5, 0.5, 1.0, 0.0])
+    batch.trajectory_group, batch.groups = [0, 0, 1, 1], 2
+    batch.samples[2:] = [replace(s, loss_mask=[0] * len(s.loss_mask)) for s in batch.samples[2:]]
+    before = _state(trainer)
+    stats = trainer.step(batch)
+    assert stats.skipped == "no_signal" and _state(trainer) == before
+
+
+def test_a_step_whose_gradient_is_zero_takes_no_update() -> None:
+    """Advantages are not 0, but every token's ratio is far out of PPO's clip: the loss has no gradient."""
+    model = init_policy(CFG, 0)
+    trainer = PolicyTrainer(model, Hyper(), torch.device("cpu"))
+    trainer.step(_batch(model, [1.0, 0.0]))
+    batch = _batch(model, [1.0, 0.0])
+    batch.samples = [replace(s, rollout_logprobs=[x - 5.0 for x in s.rollout_logprobs]) for s in batch.samples]
+    before = _state(trainer)
+    stats = trainer.step(batch)
+    assert stats.skipped == "zero_gradient" and stats.grad_norm == 0.0 and stats.clip_fraction is not None
+    assert _state(trainer) == before
+    assert all(p.grad is None for p in trainer.model.parameters())
 
 
 def test_save_and_resume_newest_durable_step(tmp_path: Path) -> None:
@@ -87,13 +156,29 @@ def test_corrupt_newest_falls_back(tmp_path: Path) -> None:
 
 def test_metrics_reconcile_restores_lost_lines_and_cuts_torn_ones(tmp_path: Path) -> None:
     log = MetricsLog(tmp_path / "metrics.jsonl")
-    log.append([{"step": 1}])
+    log.append([{"step": 1, "manifest_index": 0}, {"step": 2, "manifest_index": 1}])
     with log.path.open("a") as fh:
         fh.write('{"step": 2, "lo')  # crash mid-append
-    side = save_step(tmp_path, FAMILY, init_policy(CFG, 0), 3, 2, None, [{"step": 2}, {"step": 3}])
+    # a skipped batch's line keeps the step of the weights held: lines are told apart by manifest index
+    lines = [{"step": 2, "manifest_index": 2, "skipped": "no_signal"}, {"step": 3, "manifest_index": 3}]
+    side = save_step(tmp_path, FAMILY, init_policy(CFG, 0), 3, 3, None, lines)
     assert reconcile_metrics(log, side) == 2
-    assert [json.loads(x)["step"] for x in log.path.read_text().splitlines()] == [1, 2, 3]
+    assert [json.loads(x)["manifest_index"] for x in log.path.read_text().splitlines()] == [0, 1, 2, 3]
     assert reconcile_metrics(log, side) == 0
+
+
+def test_advance_makes_skipped_manifests_durable_without_a_new_checkpoint(tmp_path: Path) -> None:
+    """Batches consumed without an update move the sidecar's last_index on; the weights stay the same files."""
+    model = init_policy(CFG, 0)
+    side = save_step(tmp_path, FAMILY, model, 2, 5, None, [{"step": 2, "manifest_index": 5}])
+    weights = checkpoint_path(tmp_path, 2).read_bytes()
+    skip = {"step": 2, "manifest_index": 6, "skipped": "no_signal"}
+    moved = advance(tmp_path, side, 6, [skip])
+    assert (moved.step, moved.version, moved.digest) == (2, "v2", side.digest)
+    assert (moved.last_index, moved.metrics) == (6, [skip])
+    assert checkpoint_path(tmp_path, 2).read_bytes() == weights
+    resumed = latest(tmp_path, FAMILY, torch.device("cpu"))
+    assert resumed is not None and resumed.sidecar == moved
 
 
 def test_settings_validation() -> None:
