@@ -165,17 +165,19 @@ class Reference:
         return done
 
     def step(self) -> dict[str, Any]:
-        """One trainer step on a fresh batch; the next rollout samples from the updated weights."""
+        """One batch: rollout, then the trainer's step; the next rollout samples from the updated weights
+        (unchanged after a batch the trainer skipped)."""
         groups = self.rollout()
         batch = build_samples(groups, mask_nonlast_version=self.trainer_settings.nonlast_version_tokens == "mask",
                               max_tokens=self.context)
         stats = self.trainer.step(batch)
-        self.step_no += 1
-        self.batcher.swap_weights(self._serve(self.step_no))
+        if stats.updated:  # as the trainer does: a batch without gradient leaves weights and version alone
+            self.step_no += 1
+            self.batcher.swap_weights(self._serve(self.step_no))
         rewards = batch.rewards
         return {"step": self.step_no, "trajectories": len(rewards),
                 "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-                "trained_tokens": stats.trained_tokens, "loss": stats.loss}
+                "trained_tokens": stats.trained_tokens, "loss": stats.loss, "skipped": stats.skipped}
 
 
 def reward_at(rows: Sequence[dict[str, Any]], seconds: float, window: int = 5) -> float | None:

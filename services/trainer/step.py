@@ -65,6 +65,7 @@ class StepStats:
 
     loss: float | None
     trained_tokens: int
+    """Tokens the update trained: 0 for a skipped batch (its loss-masked tokens are ``BatchSamples.trained_tokens``)."""
     train_rollout_logprob_abs_diff: float | None
     clip_fraction: float | None
     truncated_fraction: float | None
@@ -179,7 +180,7 @@ class PolicyTrainer:
         adv_abs = float(advantages.abs().mean().item()) if advantages.numel() else 0.0
         total = batch.trained_tokens
         if total == 0 or not any(advantages[s.trajectory] != 0 for s in batch.samples if any(s.loss_mask)):
-            return StepStats(None, total, None, None, None, None, None, adv_abs,
+            return StepStats(None, 0, None, None, None, None, None, adv_abs,
                              skipped="no_tokens" if total == 0 else "no_signal")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -212,7 +213,7 @@ class PolicyTrainer:
         self.model.eval()
         return StepStats(
             loss=loss_sum,
-            trained_tokens=total,
+            trained_tokens=0 if skipped else total,
             train_rollout_logprob_abs_diff=diff_sum / total,
             clip_fraction=clip_sum / total,
             truncated_fraction=trunc_sum / total,

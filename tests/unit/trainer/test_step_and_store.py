@@ -98,7 +98,8 @@ def test_a_batch_whose_groups_all_have_equal_rewards_leaves_weights_and_optimize
     stats = trainer.step(batch)
     assert _state(trainer) == before
     assert not stats.updated and stats.skipped == "no_signal"
-    assert stats.trained_tokens == 3 * len(rewards) and stats.advantage_abs_mean == 0.0
+    assert batch.trained_tokens == 3 * len(rewards)
+    assert stats.trained_tokens == 0 and stats.advantage_abs_mean == 0.0  # nothing was trained
     assert forwards == []  # decided before the forward pass: no compute spent on it
     assert stats.loss is None and stats.grad_norm is None
 
@@ -125,7 +126,7 @@ def test_a_step_whose_gradient_is_zero_takes_no_update() -> None:
     before = _state(trainer)
     stats = trainer.step(batch)
     assert stats.skipped == "zero_gradient" and stats.grad_norm == 0.0 and stats.clip_fraction is not None
-    assert _state(trainer) == before
+    assert stats.trained_tokens == 0 and _state(trainer) == before
     assert all(p.grad is None for p in trainer.model.parameters())
 
 
