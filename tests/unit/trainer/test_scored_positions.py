@@ -1,5 +1,5 @@
-"""Logits only where the loss reads them: ``token_logprobs(where=mask)`` gives the full path's logprobs and
-gradients (to 1e-5), and the LM head really runs on the asked rows only.
+"""Logits only where the loss reads them: ``token_logprobs(where=mask)`` and the trainer's step built on it
+give the full path's logprobs and gradients (to 1e-5), and the LM head really runs on the trained rows only.
 
 Families: the tiny policy, a Llama with its head tied to the embedding and one with its own head (both split
 the head off), a Gemma 2 with logit soft-capping and a tiny-policy subclass with its own ``forward`` (both
@@ -8,14 +8,19 @@ must take the full path: applying their head alone would give other logits).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
+from services.trainer.corrections import CorrectionConfig
+from services.trainer.samples import BatchSamples, Sample
+from services.trainer.step import Hyper, PolicyTrainer
 from shared.model import SamplingTensors, features, logits, token_logprobs
 from shared.policy import PolicyConfig, TinyPolicy, init_policy
+from shared.schemas import SamplingParams
 
 TOL = 1e-5
 VOCAB = 300
@@ -162,3 +167,65 @@ def test_where_must_have_the_scored_shape() -> None:
     ids = batch_tensors()[0]
     with pytest.raises(ValueError, match="where"):
         token_logprobs(tiny(), ids, where=torch.ones(3, 40, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------ the trainer's step
+
+
+def step_batch(model: nn.Module) -> BatchSamples:
+    """Four multi-turn samples (two replies each, the loss on ~35 % of the positions), rollout logprobs a
+    little off the model's (ratios not 1), half the tokens sampled by ``v1``, sampling parameters mixed."""
+    gen = torch.Generator().manual_seed(2)
+    samples = []
+    recorded = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.9),
+                SamplingParams(temperature=1.2, top_k=20), SamplingParams()]
+    for i, n in enumerate([40, 33, 48, 25]):
+        ids = torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+        mask = [0] * n
+        for start, end in ((n // 4, n // 4 + n // 8), (n - n // 4, n)):
+            mask[start:end] = [1] * (end - start)
+        with torch.no_grad():
+            lp = token_logprobs(model, torch.tensor([ids]))[0]
+        noise = 0.3 * torch.randn(n - 1, generator=gen)
+        rollout = [0.0, *(lp + noise).tolist()]
+        versions = tuple(("v1" if t % 2 else "v0") if m else None for t, m in enumerate(mask))
+        sampling = tuple(recorded[i] if m else None for m in mask)
+        samples.append(Sample(ids, mask, rollout, i, 0, f"s{i}", versions, sampling))
+    return BatchSamples(samples=samples, rewards=[1.0, 0.0, 0.5, 0.0], trajectory_group=[0, 0, 1, 1], groups=2)
+
+
+@pytest.mark.parametrize(
+    ("name", "correction", "micro"),
+    [("tiny", "none", 0), ("tiny", "m2po", 2), ("tiny", "geo_mask", 0), ("llama-tied", "none", 2),
+     ("llama-untied", "tis", 0), ("gemma2-softcap", "none", 0)],
+)
+def test_step_on_trained_tokens_only_equals_the_full_paths_step(name: str, correction: str, micro: int) -> None:
+    make, split = FAMILIES[name]
+    model = make()
+    batch = step_batch(model)
+    hyper = Hyper(micro_batch_size=micro, correction=CorrectionConfig(kind=correction))  # type: ignore[arg-type]
+    trainers = [PolicyTrainer(copy.deepcopy(model), hyper, torch.device("cpu")) for _ in range(2)]
+    trainers[1].score_every_position = True
+    stats = []
+    for trainer in trainers:
+        stats.append(trainer.step(batch, version="v1"))
+    part, full = stats
+    assert part.updated and full.updated
+    assert part.trained_tokens == full.trained_tokens == batch.trained_tokens
+    assert part.same_version_tokens == full.same_version_tokens > 0
+    for key in ("loss", "train_rollout_logprob_abs_diff", "ratio_mean", "grad_norm", "clip_fraction",
+                "truncated_fraction", "offpolicy_masked_fraction", "offpolicy_clipped_fraction"):
+        assert getattr(part, key) == pytest.approx(getattr(full, key), abs=TOL), key
+    assert part.train_rollout_logprob_abs_diff_same_version == pytest.approx(
+        full.train_rollout_logprob_abs_diff_same_version, abs=TOL)
+    for a, b in zip(trainers[0].model.parameters(), trainers[1].model.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None
+        assert (a.grad - b.grad).abs().max() <= TOL
+
+    fresh = PolicyTrainer(copy.deepcopy(model), hyper, torch.device("cpu"))
+    rows = head_rows(fresh.model, lambda: fresh.step(batch, version="v1"))
+    positions = sum(len(s.token_ids) for s in batch.samples)
+    if split:
+        assert sum(rows) == batch.trained_tokens * (2 if correction == "m2po" and micro else 1)
+    else:
+        assert sum(rows) >= positions
