@@ -127,7 +127,7 @@ class _Block(nn.Module):
 
 
 class TinyPolicy(nn.Module):
-    """Causal transformer: ``forward(ids[B,T]) -> logits[B,T,V]``.
+    """Causal transformer: ``forward(ids[B,T]) -> logits[B,T,V]``, i.e. ``head(hidden(ids))``.
 
     Position ``t`` of the logits predicts token ``t+1``. Causal attention means right
     padding never influences earlier positions, so batches may be right-padded.
@@ -160,6 +160,12 @@ class TinyPolicy(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.head(self.hidden(ids))
+        return logits
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[B, T] -> [B, T, width]``: what :attr:`head` maps to logits, so a caller that needs the
+        logits at a few positions applies the head there only (``forward`` is ``head(hidden(ids))``)."""
         _, t = ids.shape
         if t > self.config.context:
             raise ValueError(f"sequence length {t} exceeds the context window {self.config.context}")
@@ -167,8 +173,8 @@ class TinyPolicy(nn.Module):
         x = self.drop(self.tok_emb(ids) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
-        logits: torch.Tensor = self.head(self.ln_f(x))
-        return logits
+        out: torch.Tensor = self.ln_f(x)
+        return out
 
     def forward_cached(
         self,

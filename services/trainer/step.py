@@ -150,6 +150,10 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=hyper.lr, betas=hyper.betas, weight_decay=hyper.weight_decay
         )
+        self.score_every_position = False
+        """True scores every position of a sample, not only its trained tokens: the same loss and gradients
+        at ``T x V`` logits' cost (the path before ``token_logprobs`` took ``where``), the reference that
+        tests and ``bench/trainer_step.py`` hold the default against."""
 
     def optimizer_state(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
@@ -231,11 +235,14 @@ class PolicyTrainer:
     def _score(
         self, samples: list[Sample], advantages: torch.Tensor, version: str | None
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The collated tensors of ``samples`` and the model's logprob of each token under its own sampling."""
+        """The collated tensors of ``samples`` and the model's logprob of each trained token (``t["mask"]``)
+        under its own sampling; 0 at every other position, which the loss, the corrections and the
+        statistics never read (each takes the mask first)."""
         t = collate(samples, advantages, self.device, version, self.hyper.temperature)
         sampling = SamplingTensors(t["temperature"], t["top_k"], t["top_p"])
+        where = None if self.score_every_position else t["mask"]
         with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext():
-            return t, token_logprobs(self.model, t["ids"], sampling=sampling)
+            return t, token_logprobs(self.model, t["ids"], sampling=sampling, where=where)
 
     def _m2po_cutoff(self, batch: BatchSamples, advantages: torch.Tensor, version: str | None) -> float | None:
         """M2PO's cutoff over the whole batch when it is split into micro-batches (None otherwise: the loss

@@ -92,6 +92,13 @@ def _hot_path(out: Path) -> None:
     assert rows["proxy"]["cpu_ms_per_chat"] > 0
 
 
+def _trainer_step(out: Path) -> None:
+    data = _json(out, "model", "threads", "positions", "trained_tokens", "seconds", "ratios")
+    assert data["rounds"] == 1 and 0 < data["trained_tokens"] < data["positions"]
+    assert set(data["seconds"]) == {"rein", "plain", "full"} and all(s["median"] > 0 for s in data["seconds"].values())
+    assert set(data["ratios"]) == {"rein_over_plain", "full_over_plain"}
+
+
 def _plot_controls(out: Path) -> None:
     assert out.stat().st_size > 0
 
@@ -102,6 +109,11 @@ SMOKE: dict[str, Smoke] = {
     ),
     "inprocess": Smoke(lambda out, _: ["--steps", "3", "--at", "1", "1000", "--out", str(out)], _inprocess),
     "plot_controls": Smoke(lambda out, _: [str(BENCH / "controls.json"), str(out)], _plot_controls),
+    "trainer_step": Smoke(
+        lambda out, _: ["--tiny-llama", "--samples", "2", "--min-len", "16", "--max-len", "24", "--rounds", "1",
+                        "--threads", "1", "--out", str(out)],
+        _trainer_step,
+    ),
     "collector": Smoke(
         lambda out, fx: ["--bootstrap", fx["kafka_bootstrap"], "--redis-url", fx["redis_db_url"], "--groups", "4",
                          "--steps", "10", "--versions", "10", "100", "--json", str(out)],
