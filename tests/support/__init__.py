@@ -7,4 +7,5 @@
 - ``collector``: collector settings, record sources and topic tails, a replica in a thread.
 - ``rebalance``: a foreign consumer-group member that forces rebalances.
 - ``wait``: ``wait_until``, a bounded wait on a condition.
+- ``gradients``: the gradient a trainer's optimizer stepped with (the step frees it afterwards).
 """
