@@ -322,6 +322,9 @@ class WeightPublished(Record):
     path: str
     digest: str
     step: int = Field(ge=0)
+    last_index: int | None = Field(default=None, ge=-1)
+    """Highest batch-manifest index these weights consumed (trained, or skipped without gradient); -1
+    before any. A runner paces new prompts on it (services/rollout/pacing.py). None on older records."""
 
     def key(self) -> str:
         return self.version
@@ -336,6 +339,8 @@ class WeightApplied(Record):
     seq: int = Field(ge=0)
     digest: str
     engines: list[str] = Field(default_factory=list)
+    last_index: int | None = Field(default=None, ge=-1)
+    """The applied version's :attr:`WeightPublished.last_index`."""
 
     def key(self) -> str:
         """Not the bare version: ``weights`` is compacted, and the version's ``WeightPublished`` must stay."""

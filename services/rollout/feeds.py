@@ -1,11 +1,12 @@
-"""What the rollout runner reads from Kafka: retries, and in sync mode weights, into its scheduler.
+"""What the rollout runner reads from Kafka: retries, and weights (sync mode, or async with pacing).
 
 :class:`KafkaFeed` runs one kafka-python consumer on its own thread and hands records to
 the event loop. :class:`Feeds` starts the runner's feeds, waits until each has read the
 history that existed when it got its partitions (so queued retries are known before the
 first dispatch), and turns records into :class:`~services.rollout.scheduler.Scheduler`
 events: a ``RetryRequest`` becomes queued work, a revoke drops the queued work of the
-lost partitions, a ``WeightApplied`` or ``BatchSkipped`` may open the next sync wave. A
+lost partitions, a ``WeightApplied`` or ``BatchSkipped`` may open the next sync wave and moves the
+:class:`~services.rollout.pacing.Pacer`'s count of batches the trainer consumed. A
 retry record's offset is committed once :meth:`Feeds.done` says its group is dispatched
 (or it needs none).
 """
@@ -22,6 +23,7 @@ from typing import Any
 import structlog
 
 from services.rollout.observe import RolloutMetrics
+from services.rollout.pacing import Pacer
 from services.rollout.scheduler import RetrySource, Scheduler, retry_work
 from services.rollout.settings import RolloutSettings
 from services.rollout.task import Task
@@ -128,19 +130,21 @@ class KafkaFeed:
 
 
 class Feeds:
-    """The runner's retry feed (consumer group) and, in sync mode, its weights feed (no group)."""
+    """The runner's retry feed (consumer group) and its weights feed (no group; sync mode or pacing)."""
 
     def __init__(
         self,
         settings: RolloutSettings,
         task: Task,
         scheduler: Scheduler,
+        pacer: Pacer,
         metrics: RolloutMetrics,
         logger: structlog.stdlib.BoundLogger,
         wake: Callable[[], None],
         on_error: Callable[[BaseException], None],
     ) -> None:
         self.settings, self.task, self.scheduler, self.metrics, self.log = settings, task, scheduler, metrics, logger
+        self.pacer = pacer
         self._wake, self._on_error = wake, on_error
         self._error: BaseException | None = None
         self._feeds: list[KafkaFeed] = []
@@ -152,7 +156,7 @@ class Feeds:
         self._retry_feed = KafkaFeed("retries", s.kafka, [s.topics.retries], s.retry_consumer_group, loop,
                                      self._on_retry, self._failed, self._decode_error, self._on_retries_revoked)
         self._feeds.append(self._retry_feed)
-        if s.mode == "sync":
+        if s.mode == "sync" or self.pacer.enabled:
             self._feeds.append(KafkaFeed("weights", s.kafka, [s.topics.weights], None, loop,
                                          self._on_weights, self._failed, self._decode_error))
         for feed in self._feeds:
@@ -215,10 +219,14 @@ class Feeds:
         return True
 
     def _on_weights(self, polled: Polled) -> None:
-        if isinstance(polled.record, WeightApplied):
-            self.scheduler.on_weights_applied(polled.record.seq)
+        record = polled.record
+        if isinstance(record, WeightApplied):
+            self.scheduler.on_weights_applied(record.seq)
+            # An older trainer's record has no last_index: its step count is a lower bound (skips not counted).
+            self.pacer.on_consumed(record.last_index if record.last_index is not None else record.seq - 1)
             self.metrics.weights_seq.set(self.scheduler.weights_seq)
             self._wake()
-        elif isinstance(polled.record, BatchSkipped):
-            self.scheduler.on_batch_skipped(polled.record.index)
+        elif isinstance(record, BatchSkipped):
+            self.scheduler.on_batch_skipped(record.index)
+            self.pacer.on_consumed(record.index)
             self._wake()

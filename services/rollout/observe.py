@@ -59,6 +59,13 @@ class RolloutMetrics:
             registry, "rollout/sync_wait_timeouts", "Sync-mode waves opened without a new weight version (timeout)"
         )
         self.weights_seq = metrics.gauge(registry, "rollout/weights_seq", "Newest applied weight sequence seen")
+        self.pacing_live = metrics.gauge(
+            registry, "rollout/pacing_live_prompts", "Prompts started and not yet trained or dropped (pacing's count)"
+        )
+        self.pacing_capacity = metrics.gauge(
+            registry, "rollout/pacing_capacity", "Most live prompts pacing allows (0 = off)"
+        )
+        self.pacing_held = metrics.gauge(registry, "rollout/pacing_held", "1 while pacing holds new prompts back")
         self.decode_errors = metrics.DecodeErrors(registry)
         self._recent: deque[float] = deque(maxlen=recent)
 
@@ -73,6 +80,11 @@ class RolloutMetrics:
         if result.outcome in ("completed", "truncated"):
             self._recent.append(result.reward)
             self.reward_mean.set(sum(self._recent) / len(self._recent))
+
+    def on_pacing(self, live: int, capacity: int | None, held: bool) -> None:
+        self.pacing_live.set(live)
+        self.pacing_capacity.set(capacity or 0)
+        self.pacing_held.set(int(held))
 
     @property
     def recent_reward_mean(self) -> float | None:

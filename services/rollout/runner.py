@@ -37,6 +37,7 @@ from services.rollout.agent import Agent, ProxyClients
 from services.rollout.feeds import Feeds
 from services.rollout.groups import Groups
 from services.rollout.observe import RolloutMetrics
+from services.rollout.pacing import Pacer
 from services.rollout.scheduler import BackendGate, PromptStream, Scheduler, Work
 from services.rollout.settings import RolloutSettings
 from services.rollout.task import Task
@@ -49,7 +50,10 @@ from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.schemas import GroupDispatched, new_id
 from shared.state import connect
 from shared.status_server import StatusServer
+from shared.window_layout import WindowReader
 
+PACING_READ_S = 0.5
+"""How often a pacing runner re-reads the prompt cursor, the window's drops and its settings from Redis."""
 MAX_PUBLISH_FAILURES = 5
 """Consecutive GroupDispatched publish failures (each bounded by Kafka's request timeout) before giving up."""
 
@@ -74,6 +78,7 @@ class Runner:
             groups_per_step=settings.groups_per_step,
             max_groups=settings.max_groups,
         )
+        self.pacer = Pacer(enabled=settings.mode == "async" and settings.pacing == "window")
         self.status_port: int | None = None
         self._wake = asyncio.Event()
         self._stopping = False
@@ -81,10 +86,14 @@ class Runner:
         self._fatal: BaseException | None = None
         self._gate = BackendGate()
         self._publish_failures = 0
-        self._feeds = Feeds(settings, self.task, self.scheduler, self.metrics, self.log, self._wake.set, self._fail)
+        self._feeds = Feeds(settings, self.task, self.scheduler, self.pacer, self.metrics, self.log, self._wake.set,
+                            self._fail)
         self._groups: Groups | None = None
         self._redis: redis.Redis | None = None
-        self._cursor_key = RedisKeys(settings.redis.key_prefix).prompt_cursor(self.task.name, settings.seed)
+        self._keys = RedisKeys(settings.redis.key_prefix)
+        self._cursor_key = self._keys.prompt_cursor(self.task.name, settings.seed)
+        self._pacing_read_at = 0.0
+        self._pacing_outage: Outage | None = None
         self._cursor_outage: Outage | None = None
         self._cursor_retry_at = 0.0
 
@@ -106,6 +115,8 @@ class Runner:
             "mode": self.settings.mode, "dispatched": s.dispatched, "in_flight": s.in_flight,
             "pending_retries": s.pending_retries, "waiting_for_weights": s.waiting_for_weights,
             "weights_seq": s.weights_seq, "reward_mean": self.metrics.recent_reward_mean,
+            "pacing": {"live": self.pacer.live, "capacity": self.pacer.capacity,
+                       "consumed_index": self.pacer.consumed_index} if self.pacer.enabled else None,
             "stopping": self._stopping,
         }
         return self._ready and self._fatal is None, detail
@@ -211,15 +222,20 @@ class Runner:
                 await asyncio.sleep(self._gate.delay_s)
                 if self._stopping:
                     continue
+            paced = False
             if not self.stream.available() and not sched.exhausted:
-                await self._claim_prompt()
+                paced = await self._pacing_holds()
+                if not paced:
+                    await self._claim_prompt()
             work = sched.take()
             if work is None:
                 if sched.finished:
                     self.log.info("max_groups_done", dispatched=sched.dispatched)
                     return
                 timeout: float | None = None
-                if not self.stream.available() and not sched.exhausted:  # the claim failed: Redis is down
+                if paced:  # capacity comes back with a version applied (a wake) or a drop (read from Redis)
+                    timeout = PACING_READ_S
+                elif not self.stream.available() and not sched.exhausted:  # the claim failed: Redis is down
                     timeout = max(0.0, self._cursor_retry_at - time.monotonic())
                 if sched.waiting_for_weights:
                     wait_started = wait_started or time.monotonic()
@@ -256,7 +272,42 @@ class Runner:
             self._cursor_outage.recovered()
             self._cursor_outage = None
         self.stream.claim(claimed - 1)
+        self.pacer.on_claimed(claimed)
         self.metrics.prompt_cursor.set(claimed)
+
+    async def _pacing_holds(self) -> bool:
+        """True while the admission bound holds the next new prompt back (services/rollout/pacing.py).
+
+        Redis's counters are re-read at most every ``PACING_READ_S``; while Redis cannot be read, the
+        last reading stands (the claim that would follow fails and backs off anyway)."""
+        pacer = self.pacer
+        if not pacer.enabled or self._redis is None:
+            return False
+        now = time.monotonic()
+        if now >= self._pacing_read_at:
+            self._pacing_read_at = now + PACING_READ_S
+            try:
+                await asyncio.to_thread(self._read_pacing, self._redis)
+            except DEPENDENCY_ERRORS as exc:
+                self._pacing_outage = self._pacing_outage or Outage(self.log)
+                self._pacing_read_at = now + self._pacing_outage.failed(exc)
+            else:
+                if self._pacing_outage is not None:
+                    self._pacing_outage.recovered()
+                    self._pacing_outage = None
+        held = not pacer.admits()
+        self.metrics.on_pacing(pacer.live, pacer.capacity, held)
+        return held
+
+    def _read_pacing(self, client: redis.Redis) -> None:
+        reader = WindowReader(client, self._keys)
+        config = reader.config()
+        self.pacer.on_window(
+            started=int(client.get(self._cursor_key) or 0),
+            drops=reader.window().drops_total,
+            keep_versions=config.get("keep_versions"),
+            batch_groups=config.get("batch_groups"),
+        )
 
     async def _dispatch(self, work: Work, producer: Producer, groups: Groups, probe: bool) -> None:
         """Publish the group's ``GroupDispatched`` (acked before any session starts), then run it."""

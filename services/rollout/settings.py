@@ -31,6 +31,11 @@ class RolloutSettings(ServiceSettings):
     """``async``: keep ``max_concurrent_groups`` groups in flight continuously. ``sync`` (comparison
     runs): dispatch ``groups_per_step`` new groups, wait for all of them and for the next applied weight
     version, then the next wave; nothing new is dispatched while the trainer trains."""
+    pacing: Literal["window", "off"] = "window"
+    """Async mode: ``window`` starts a new prompt only while fewer than ``keep_versions * batch_groups``
+    prompts (the collector's window settings in Redis) are started and not yet trained or dropped, so
+    the engine generates what the trainer can still train inside the window (services/rollout/pacing.py).
+    ``off``: only ``max_concurrent_groups`` bounds generation (the engine runs ahead of the trainer)."""
     groups_per_step: int = Field(default=32, ge=1)
     """Sync mode: new groups per wave. Set it to the trainer's groups per batch, or sync mode waits
     for an update that needs more groups than a wave gives (bounded by ``sync_weight_timeout_s``)."""

@@ -306,7 +306,7 @@ class TrainerLoop:
 
     def _publish(self, producer: Producer, sidecar: Sidecar) -> WeightPublished:
         event = WeightPublished(version=sidecar.version, seq=sidecar.step, path=sidecar.path, digest=sidecar.digest,
-                                step=sidecar.step)
+                                step=sidecar.step, last_index=sidecar.last_index)
         self._send(producer, event)
         self.metrics.published.inc()
         _log.info("weights_published", version=event.version, seq=event.seq, digest=event.digest, path=event.path)

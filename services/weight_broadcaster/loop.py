@@ -299,7 +299,7 @@ class Broadcaster:
 
     def _announce(self, event: WeightPublished) -> None:
         applied = WeightApplied(version=event.version, seq=event.seq, digest=event.digest,
-                                engines=list(self.s.engine_urls))
+                                engines=list(self.s.engine_urls), last_index=event.last_index)
         self.producer.send(self.s.topics.weights, applied)
         _log.info("weights_applied", version=event.version, seq=event.seq, digest=event.digest)
 

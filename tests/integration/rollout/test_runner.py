@@ -21,13 +21,14 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
 from ops.local.ports import free_port
 from services.rollout.task import NumberGuessTask
 from shared.bus import create_topics
-from shared.names import Topics
+from shared.names import RedisKeys, Topics
 from shared.schemas import (
     BatchSkipped,
     Chunk,
@@ -312,6 +313,63 @@ def test_sync_mode_waits_for_a_new_weight_version(
     new = [g for g in _dispatched(stack) if g.group_id not in before]
     assert len(new) == 2
     _check_groups(stack, new)
+
+
+def test_async_pacing_starts_prompts_only_while_the_window_can_train_them(
+    stack: Stack, unique_group: str, unique_topic: Callable[..., str]
+) -> None:
+    """keep_versions 1, batch_groups 2: two prompts start, then nothing until the trainer's progress
+    (a WeightApplied's last_index, a BatchSkipped) or a final drop frees places; retries are not paced."""
+    before = {g.group_id for g in _dispatched(stack)}
+    port, weights, retries = free_port(), unique_topic(), unique_topic()
+    keys = RedisKeys(f"t-{unique_group}")
+    client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+    client.hset(keys.window_config, mapping={"keep_versions": "1", "batch_groups": "2", "max_retries": "2",
+                                             "max_free_retries": "10"})
+    env = _runner_env(stack, unique_group, retries, weights, REIN_MAX_GROUPS="7", REIN_SEED="13",
+                      REIN_METRICS_PORT=str(port))
+    proc, log_path = _start_runner(stack, env)
+
+    def settled(dispatched: int) -> Callable[[], dict[str, Any] | None]:
+        def check() -> dict[str, Any] | None:
+            try:
+                body: dict[str, Any] = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+            except httpx.HTTPError:
+                return None
+            return body if body["dispatched"] == dispatched and body["in_flight"] == 0 else None
+        return check
+
+    def new() -> list[GroupDispatched]:
+        return [g for g in _dispatched(stack) if g.group_id not in before]
+
+    try:
+        state = _wait_for(settled(2), 60, "the first two groups to end")
+        assert state["pacing"] == {"live": 2, "capacity": 2, "consumed_index": -1}
+        _wait_for(lambda: _pacing_held(port), 10, "the pacing gauge to say held")
+        assert len(new()) == 2  # held: nothing more starts while the trainer has consumed nothing
+        _produce(stack.bootstrap, weights, WeightApplied(version="v-1", seq=1, digest="d", last_index=0))
+        _wait_for(settled(4), 60, "two more groups after batch 0 was consumed")
+        _produce(stack.bootstrap, weights, BatchSkipped(index=1, batch_id="b-1", reason="no_signal", version="v-1"))
+        _wait_for(settled(6), 60, "two more groups after batch 1 was skipped")
+        client.hset(keys.window, "drops_total", "1")  # the window dropped one prompt for good
+        _wait_for(settled(7), 60, "one more group after a drop")
+        _wait_exit(proc, log_path)
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    groups = new()
+    assert len(groups) == 7 and all(g.attempt == 0 for g in groups)
+    _check_groups(stack, groups)
+
+
+def _pacing_held(port: int) -> bool:
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return False
+    return "rein_rollout_pacing_held 1.0" in text
 
 
 def test_sigterm_drains_in_flight_groups_and_exits_zero(
