@@ -71,7 +71,8 @@ class Stack:
     def checkpoint(self, step: int) -> WeightPublished:
         path = (self.weights_dir / f"v{step}.pt").resolve()
         digest = checkpoint.save(path, init_policy(CFG, step), CFG, f"v{step}", step)
-        return WeightPublished(version=f"v{step}", seq=step, path=str(path), digest=digest, step=step)
+        return WeightPublished(version=f"v{step}", seq=step, path=str(path), digest=digest, step=step,
+                               last_index=step + 2)
 
     def publish(self, event: WeightPublished) -> None:
         producer = Producer(self.kafka, client_suffix="test")
@@ -165,7 +166,7 @@ def test_published_version_is_applied_everywhere(stack: Stack) -> None:
     try:
         wait_until(lambda: stack.model_info()["digest"] == event.digest, 60, "the engine to serve v1")
         applied = stack.applied(30)
-        assert [(a.version, a.seq, a.digest) for a in applied] == [("v1", 1, event.digest)]
+        assert [(a.version, a.seq, a.digest, a.last_index) for a in applied] == [("v1", 1, event.digest, 3)]
         assert stack.model_info()["weight_version"] == "v1"
         assert not stack.proxy_state()["paused"]
         registry = RedisRegistry(connect(stack.redis), RedisKeys(stack.redis.key_prefix))

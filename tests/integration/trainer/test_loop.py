@@ -239,6 +239,10 @@ def test_a_batch_without_signal_is_consumed_without_a_step_or_a_version(env: Env
     assert [x["manifest_index"] for x in env.lines()] == [0, 1, 2, 3, 4]
     records = env.weight_records()
     assert sorted(r.seq for r in records if isinstance(r, WeightPublished)) == [0, 1, 1, 2]  # v1 again at start
+    # each version names the last manifest its weights consumed: what async pacing counts (v1 again at
+    # start after the skips of 2 and 3, announced then by their BatchSkipped)
+    assert sorted((r.seq, r.last_index) for r in records if isinstance(r, WeightPublished)) == [
+        (0, -1), (1, 1), (1, 3), (2, 4)]
     skips = [(r.index, r.version) for r in records if isinstance(r, BatchSkipped)]
     assert skips == [(0, "v0"), (2, "v1"), (3, "v1"), (3, "v1")]  # and the skip of index 3
     _check_checkpoints(env, env.published(3), 2)
