@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import inprocess
 from bench.procstat import cpu_split, service_pids, snapshot
 from ops.demo import parse_args as demo_args
+from ops.demo import stack_config
 from ops.local.stack import LocalStack, StackConfig, start
 from ops.report import rows_so_far
 from shared.bus import read_topic
@@ -84,9 +85,10 @@ def config_for(name: str, steps: int, root: Path, seed: int) -> StackConfig:
         return StackConfig(
             **base, **learn, mode="async", keep_versions=0, max_preempts=None, mask_nonlast_version=False
         )
-    if name.startswith("cost-"):  # cost-k<keep>-p<preempts>
-        keep, preempts = (int(part[1:]) for part in name.split("-")[1:])
-        return StackConfig(**base, **high, mode="async", keep_versions=keep, max_preempts=preempts)
+    if name.startswith("cost-"):  # cost-k<keep>-p<preempts>-<pacing>
+        _, k, p, pacing = name.split("-")
+        return StackConfig(**base, **high, mode="async", keep_versions=int(k[1:]), max_preempts=int(p[1:]),
+                           pacing=pacing)
     raise ValueError(f"unknown set-up {name!r}")
 
 
@@ -212,6 +214,8 @@ def main() -> int:
         help="sync vs async throughput, or async with staleness controls vs none under high asynchrony",
     )
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (controls comparison)")
+    p.add_argument("--keep", type=int, nargs="+", default=None, help="--compare cost: keep_versions values")
+    p.add_argument("--preempts", type=int, nargs="+", default=None, help="--compare cost: max_preempts values")
     p.add_argument("--demo-flag", action="append", default=[],
                    help="a flag of make demo for --compare demo, e.g. --demo-flag=--concurrent-groups=8")
     p.add_argument("--keep-logs", type=Path, default=None,
@@ -263,20 +267,24 @@ def compare_controls(args: argparse.Namespace) -> int:
 
 
 def compare_cost(args: argparse.Namespace) -> int:
-    """Share of generated tokens never trained, for keep_versions 1/2/4 x max_preempts 0/1/2."""
+    """Share of generated tokens never trained, for keep_versions x max_preempts (1/2/4 x 0/1/2 unless
+    --keep/--preempts narrow it), each cell with the runner's pacing on (window) and off, side by side."""
     results = []
     with tempfile.TemporaryDirectory(prefix="rein-bench-") as tmp:
-        for keep in (1, 2, 4):
-            for preempts in (0, 1, 2):
-                results.append(run_mode(f"cost-k{keep}-p{preempts}", args.steps, Path(tmp), args.seed, args.timeout_s))
-                r = results[-1]
-                print(
-                    f"keep {keep} preempts {preempts}: untrained {r['untrained_fraction']:.3f} "
-                    f"(stale {r['tokens_dropped_stale']}, failed {r['tokens_failed']}, masked {r['tokens_masked']}, "
-                    f"generated {r['tokens_generated']})",
-                    flush=True,
-                )
-                args.out.write_text(json.dumps({"results": results}, indent=2))
+        for keep in args.keep or (1, 2, 4):
+            for preempts in args.preempts or (0, 1, 2):
+                for pacing in ("window", "off"):
+                    name = f"cost-k{keep}-p{preempts}-{pacing}"
+                    results.append(run_mode(name, args.steps, Path(tmp), args.seed, args.timeout_s))
+                    r = results[-1]
+                    print(
+                        f"keep {keep} preempts {preempts} pacing {pacing:<6}: untrained {r['untrained_fraction']:.3f} "
+                        f"(stale {r['tokens_dropped_stale']}, failed {r['tokens_failed']}, masked "
+                        f"{r['tokens_masked']}, generated {r['tokens_generated']}), trained tok/s "
+                        f"{r['trained_tokens_per_s']:.1f}",
+                        flush=True,
+                    )
+                    args.out.write_text(json.dumps({"results": results}, indent=2))
     return 0
 
 
@@ -355,13 +363,7 @@ def stall_summary(stalls: list[dict[str, Any]]) -> dict[str, Any]:
 def demo_config(steps: int, seed: int, run_dir: Path, demo_flags: Sequence[str] = ()) -> StackConfig:
     """What ``make demo`` starts for the tiny policy (its preset and flag defaults, or ``demo_flags``),
     bounded to ``steps``."""
-    a = demo_args(["--steps", str(steps), "--seed", str(seed), *demo_flags])
-    return StackConfig(
-        run_dir=run_dir, steps=a.steps, keep_versions=a.keep_versions, max_preempts=a.max_preempts,
-        collectors=a.collectors, batch_groups=a.batch_groups, group_size=a.group_size,
-        max_concurrent_groups=a.concurrent_groups, mode=a.mode, seed=a.seed, model="tiny", task=a.task,
-        max_tokens=a.max_tokens, lr=a.lr, weight_decay=a.weight_decay, keep_checkpoints=a.keep_checkpoints,
-    )
+    return stack_config(demo_args(["--steps", str(steps), "--seed", str(seed), *demo_flags]), "tiny", run_dir)
 
 
 def run_demo(

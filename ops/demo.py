@@ -55,8 +55,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=float,
         help="stop training after this many minutes once the stack is up (tiny: 8, HF: 20; 0 = steps only)",
     )
-    p.add_argument("--keep-versions", type=int, default=2)
-    p.add_argument("--max-preempts", type=int, default=2)
+    p.add_argument("--keep-versions", type=int, default=2, help="the collector's window (0 = off)")
+    p.add_argument("--max-preempts", type=_preempts, default=2, help="the proxy's span cap (none = no cap)")
+    p.add_argument("--pacing", choices=["window", "off"], default="window",
+                   help="async mode: start prompts only while the window can still train them (docs/task.md)")
+    p.add_argument("--correction", choices=["none", "tis", "icepop", "geo_mask", "m2po", "decoupled"],
+                   default="none", help="the trainer's off-policy correction (REIN_OFFPOLICY_CORRECTION)")
+    p.add_argument("--nonlast-version-tokens", choices=["mask", "weight"], default="mask",
+                   help="the trainer's treatment of a trajectory's tokens from older versions")
     p.add_argument("--collectors", type=int, help="collector replicas (tiny: 2, HF: 1)")
     p.add_argument("--batch-groups", type=int, help="GRPO groups per training batch (tiny: 8, HF: 2)")
     p.add_argument("--group-size", type=int, help="episodes per group (tiny: 8, HF: 4)")
@@ -82,6 +88,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.timeout_min is None:
         args.timeout_min = max(30.0, args.minutes + 15.0)
     return args
+
+
+def _preempts(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--max-preempts must be >= 0 or none, got {text}")
+    return value
 
 
 def resolve_model(spec: str) -> str:
@@ -207,6 +222,9 @@ def summarize(
         "settings": {
             "keep_versions": config.keep_versions,
             "max_preempts": config.max_preempts,
+            "pacing": config.pacing,
+            "offpolicy_correction": config.offpolicy_correction,
+            "nonlast_version_tokens": "mask" if config.mask_nonlast_version else "weight",
             "partial_rollout": config.partial_rollout,
             "collectors": config.collectors,
             "batch_groups": config.batch_groups,
@@ -244,19 +262,17 @@ def progress_line(
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    run_id = time.strftime("%Y%m%d-%H%M%S")
-    try:
-        model = resolve_model(args.model)
-    except (ValueError, OSError, subprocess.TimeoutExpired) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+def stack_config(args: argparse.Namespace, model: str, run_dir: Path) -> StackConfig:
+    """What the demo starts for parsed ``args`` and a resolved ``model`` (``resolve_model``)."""
     hf = model != "tiny"
-    config = StackConfig(
-        run_dir=args.runs_dir / run_id,
+    return StackConfig(
+        run_dir=run_dir,
         steps=args.steps,
         keep_versions=args.keep_versions,
         max_preempts=args.max_preempts,
+        pacing=args.pacing,
+        offpolicy_correction=args.correction,
+        mask_nonlast_version=args.nonlast_version_tokens == "mask",
         collectors=args.collectors,
         batch_groups=args.batch_groups,
         group_size=args.group_size,
@@ -272,6 +288,17 @@ def run(args: argparse.Namespace) -> int:
         startup_timeout_s=600.0 if hf else 120.0,
         stop_timeout_s=120.0 if hf else 20.0,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    run_id = time.strftime("%Y%m%d-%H%M%S")
+    try:
+        model = resolve_model(args.model)
+    except (ValueError, OSError, subprocess.TimeoutExpired) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    hf = model != "tiny"
+    config = stack_config(args, model, args.runs_dir / run_id)
     print(f"rein demo: run {run_id} -> {config.run_dir} (model {model}, task {config.task})", flush=True)
     print("starting Kafka, Redis, trainer, engine, proxy, broadcaster, collectors, rollout ...", flush=True)
     started = time.monotonic()

@@ -43,6 +43,10 @@ class StackConfig:
     mask_nonlast_version: bool = True
     """The trainer's ``REIN_NONLAST_VERSION_TOKENS``: ``mask`` when true, ``weight`` (older-version tokens
     trained) when false."""
+    pacing: str = "window"
+    """The rollout runner's ``REIN_PACING`` (async mode): ``window`` or ``off``."""
+    offpolicy_correction: str = "none"
+    """The trainer's ``REIN_OFFPOLICY_CORRECTION``."""
     engine_step_delay_s: float = 0.0
     base_port: int = 0
     """First of a block of ports for the services; 0 picks free ports."""
@@ -142,6 +146,7 @@ def start(config: StackConfig) -> LocalStack:
                         "REIN_MAX_STEPS": str(config.steps),
                         "REIN_TORCH_THREADS": "1",
                         "REIN_NONLAST_VERSION_TOKENS": "mask" if config.mask_nonlast_version else "weight",
+                        "REIN_OFFPOLICY_CORRECTION": config.offpolicy_correction,
                         "REIN_METRICS_PORT": port_of("trainer"),
                         "REIN_KEEP_CHECKPOINTS": str(config.keep_checkpoints),
                         **model,
@@ -236,6 +241,7 @@ def start(config: StackConfig) -> LocalStack:
                         "REIN_GROUP_SIZE": str(config.group_size),
                         "REIN_MAX_CONCURRENT_GROUPS": str(config.max_concurrent_groups),
                         "REIN_MODE": config.mode,
+                        "REIN_PACING": config.pacing,
                         "REIN_GROUPS_PER_STEP": str(config.batch_groups),
                         "REIN_METRICS_PORT": port_of("rollout"),
                         "REIN_TASK": config.task,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.demo import EngineUsage, parse_args, progress_line, resolve_model, summarize, timing
+from ops.demo import EngineUsage, parse_args, progress_line, resolve_model, stack_config, summarize, timing
 from ops.demo_presets import PRESETS
 from ops.local.stack import StackConfig
 from ops.report import optimizer_steps
@@ -31,6 +31,18 @@ def test_a_real_model_gets_the_hf_preset_and_flags_override_it() -> None:
     assert args.task == "arithmetic" and args.max_tokens == hf.max_tokens and args.lr == hf.lr
     assert args.minutes == 20 and args.keep_checkpoints == 2 and args.group_size == 2
     assert args.timeout_min >= args.minutes + 10  # the error timeout never cuts the time budget short
+
+
+def test_staleness_controls_reach_the_stack_and_can_all_be_turned_off(tmp_path: Path) -> None:
+    on = stack_config(parse_args([]), "tiny", tmp_path)
+    assert (on.keep_versions, on.max_preempts, on.pacing, on.offpolicy_correction, on.mask_nonlast_version) == (
+        2, 2, "window", "none", True)
+    off = stack_config(parse_args(["--keep-versions", "0", "--max-preempts", "none", "--pacing", "off",
+                                   "--correction", "tis", "--nonlast-version-tokens", "weight"]), "tiny", tmp_path)
+    assert (off.keep_versions, off.max_preempts, off.pacing, off.offpolicy_correction, off.mask_nonlast_version) == (
+        0, None, "off", "tis", False)
+    with pytest.raises(SystemExit):
+        parse_args(["--max-preempts", "-1"])
 
 
 def test_resolve_model_refuses_a_missing_path_and_passes_a_directory(tmp_path: Path) -> None:
