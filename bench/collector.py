@@ -127,6 +127,7 @@ def throughput(bootstrap: str, redis_url: str, replicas: int, groups: int) -> di
                 [["v1"] * CHUNKS_PER_TRAJ] * TRAJECTORIES,
                 tokens_per_chunk=OUTPUT_PER_CHUNK,
                 context_per_chunk=CONTEXT_PER_CHUNK,
+                rewards=[float(i % 2) for i in range(TRAJECTORIES)],  # signal: groups are kept and batched
             ):
                 futures.append(
                     producer.send_async(topics.chunks if isinstance(record, Chunk) else topics.events, record)

@@ -15,6 +15,7 @@ the same code the live collector uses, so the live and the replayed rule cannot 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import Any
 from shared.schemas import CompletedGroup
 from shared.staleness import Decision, SegmentEnd, WindowConfig, WindowGroup, WindowReplay
 from shared.versions import VersionRegistry, real_version
-from shared.window_view import segment_ends, window_group_from_samples
+from shared.window_view import group_rewards, segment_ends, window_group_from_samples
 
 # --------------------------------------------------------------------------- recorded events
 
@@ -38,16 +39,20 @@ class WeightEvent:
 
 @dataclass(frozen=True)
 class GroupEvent:
-    """A completed group as recorded: identity, failure, and its samples' end versions."""
+    """A completed group as recorded: identity, failure, its samples' end versions and its rewards."""
 
     group_id: str
     prompt_id: str
     attempt: int
     failed: bool
     samples: tuple[SegmentEnd, ...]
+    rewards: tuple[float, ...] | None = None
+    """Each trajectory's reward; None when the recording has none (the group then counts as carrying signal)."""
 
     def window_group(self) -> WindowGroup:
-        return window_group_from_samples(self.group_id, self.prompt_id, self.attempt, self.failed, self.samples)
+        return window_group_from_samples(
+            self.group_id, self.prompt_id, self.attempt, self.failed, self.samples, self.rewards
+        )
 
 
 ReplayEvent = WeightEvent | GroupEvent
@@ -95,12 +100,19 @@ def parse_event(obj: object, lineno: int = 0) -> ReplayEvent:
         failed = obj.get("failed", False)
         if not isinstance(failed, bool):
             raise ReplayFormatError(f"line {lineno}: failed must be true or false")
+        rewards = obj.get("rewards")
+        if rewards is not None and (
+            not isinstance(rewards, list)
+            or not all(isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r) for r in rewards)
+        ):
+            raise ReplayFormatError(f"line {lineno}: rewards must be a list of finite numbers")
         return GroupEvent(
             group_id=str(_require(obj, "group_id", str, lineno)),
             prompt_id=str(obj.get("prompt_id", "")),
             attempt=attempt,
             failed=failed,
             samples=tuple(samples),
+            rewards=None if rewards is None else tuple(float(r) for r in rewards),
         )
     raise ReplayFormatError(f"line {lineno}: kind must be 'weight' or 'group', got {kind!r}")
 
@@ -122,6 +134,7 @@ def event_to_json(event: ReplayEvent) -> dict[str, Any]:
     """The JSONL object of one event (inverse of :func:`parse_event`)."""
     if isinstance(event, WeightEvent):
         return {"kind": "weight", "version": event.version, "seq": event.seq}
+    rewards = {} if event.rewards is None else {"rewards": list(event.rewards)}
     return {
         "kind": "group",
         "group_id": event.group_id,
@@ -132,12 +145,16 @@ def event_to_json(event: ReplayEvent) -> dict[str, Any]:
             {"trajectory_id": s.trajectory_id, "segment_index": s.segment_index, "end_version": s.end_version}
             for s in event.samples
         ],
+        **rewards,
     }
 
 
 def group_event(group: CompletedGroup) -> GroupEvent:
     """A recorded group from its ``rollout.groups`` record."""
-    return GroupEvent(group.group_id, group.prompt_id, group.attempt, group.failed, tuple(segment_ends(group)))
+    return GroupEvent(
+        group.group_id, group.prompt_id, group.attempt, group.failed, tuple(segment_ends(group)),
+        tuple(group_rewards(group)),
+    )
 
 
 # --------------------------------------------------------------------------- the fold
@@ -161,6 +178,7 @@ class ReplayReport:
 
     keep_versions: int
     batch_groups: int
+    no_signal_groups: str = "drop"
     outcomes: dict[str, GroupOutcome] = field(default_factory=dict)
     batches: int = 0
     gap_min: int | None = None
@@ -188,6 +206,7 @@ class ReplayReport:
         return {
             "keep_versions": self.keep_versions,
             "batch_groups": self.batch_groups,
+            "no_signal_groups": self.no_signal_groups,
             "groups": len(self.outcomes),
             "kept": counts[Decision.KEPT.value],
             "kept_in_batches": sum(1 for o in self.outcomes.values() if o.batch is not None),
@@ -206,7 +225,7 @@ def replay(events: Iterable[ReplayEvent], config: WindowConfig) -> ReplayReport:
     """Fold recorded events through the window in order; a group id seen twice is skipped."""
     registry = VersionRegistry()
     fold = WindowReplay(config, registry.index)
-    report = ReplayReport(config.keep_versions, config.batch_groups)
+    report = ReplayReport(config.keep_versions, config.batch_groups, config.no_signal_groups.value)
     for event in events:
         if isinstance(event, WeightEvent):
             registry.publish(event.version, event.seq)

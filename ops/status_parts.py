@@ -111,6 +111,7 @@ def read_window(client: Any, keys: RedisKeys) -> dict[str, Any]:
     window = reader.window()
     config = reader.config()
     keep = config.get("keep_versions")
+    keep = keep if isinstance(keep, int) else None
     current = window.current
     current_index = None if current is None else _index(registry, current)
     cutoff = None if keep is None else cutoff_index(current_index, keep)
@@ -129,6 +130,8 @@ def read_window(client: Any, keys: RedisKeys) -> dict[str, Any]:
             "keep_versions": keep,
             "batch_groups": config.get("batch_groups"),
             "max_retries": config.get("max_retries"),
+            "no_signal_groups": config.get("no_signal_groups"),
+            "no_signal_run": window.no_signal_run,
             "pending_groups": reader.pending_count(),
             "batches": window.batches,
             "steps": window.steps,

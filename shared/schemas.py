@@ -262,7 +262,9 @@ class DecisionRecord(Record):
     group_id: str
     prompt_id: str
     attempt: int = Field(ge=0)
-    decision: Literal["kept", "dropped_stale", "dropped_retroactive", "failed_retry", "failed_dropped"]
+    decision: Literal[
+        "kept", "dropped_stale", "dropped_retroactive", "failed_retry", "failed_dropped", "dropped_no_signal"
+    ]
     versions: list[RealLabel]
     window: WindowInfo
     collector: str = ""

@@ -189,6 +189,31 @@ class Decision(enum.StrEnum):
     """A session was rejected or failed; the prompt is retried whole."""
     FAILED_DROPPED = "failed_dropped"
     """Failed on its last attempt; dropped and counted per prompt."""
+    DROPPED_NO_SIGNAL = "dropped_no_signal"
+    """Inside the window, but every trajectory got the same reward: zero advantage, no gradient
+    (only under :attr:`NoSignalGroups.DROP`). Final: the prompt is not retried."""
+
+
+class NoSignalGroups(enum.StrEnum):
+    """What the window does with a completed group that carries no GRPO signal (:func:`carries_signal`)."""
+
+    DROP = "drop"
+    """Decide it ``dropped_no_signal``: batches fill with groups that have a gradient."""
+    KEEP = "keep"
+    """Judge it like any other group: it can fill a batch slot and train nothing."""
+
+
+REWARD_TOLERANCE = 1e-9
+"""Rewards closer than this are equal for :func:`carries_signal`."""
+
+
+def carries_signal(rewards: Sequence[float]) -> bool:
+    """Whether a group's rewards give GRPO a non-zero advantage: two or more that differ.
+
+    Equal rewards (within :data:`REWARD_TOLERANCE`) centre to 0 for every trajectory, and a
+    group of one trajectory is its own baseline, so neither has a gradient.
+    """
+    return len(rewards) >= 2 and max(rewards) - min(rewards) > REWARD_TOLERANCE
 
 
 UNCHARGED_ERRORS = frozenset({
@@ -214,6 +239,9 @@ class WindowGroup:
     """Retries of the prompt so far that did not count (failures in :data:`UNCHARGED_ERRORS`)."""
     uncharged: bool = False
     """Failed, and every session that did not end normally failed with an :data:`UNCHARGED_ERRORS` error."""
+    signal: bool = True
+    """Its trajectories' rewards differ (:func:`carries_signal`); ignored for a failed group. True where
+    the rewards are unknown (a replay file without them)."""
 
 
 @dataclass(frozen=True)
@@ -222,8 +250,13 @@ class WindowConfig:
     batch_groups: int
     max_retries: int = 2
     max_free_retries: int = 10
+    no_signal_groups: NoSignalGroups = NoSignalGroups.DROP
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "no_signal_groups", NoSignalGroups(self.no_signal_groups))
+        except ValueError:
+            raise ValueError(f"no_signal_groups must be 'drop' or 'keep', got {self.no_signal_groups!r}") from None
         validate_keep_versions(self.keep_versions)
         if self.batch_groups < 1:
             raise ValueError(f"batch_groups must be >= 1, got {self.batch_groups}")
@@ -255,6 +288,8 @@ class WindowState:
     dropped_since_batch: tuple[tuple[str, str], ...] = ()
     """(group id, decision) of drops since the last manifest."""
     drops_total: int = 0
+    no_signal_run: int = 0
+    """Non-failed groups without signal in a row (any decision); 0 after one with signal."""
 
 
 @dataclass(frozen=True)
@@ -309,8 +344,11 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
     Order (DESIGN): observe the group's versions -> if the window advanced, remove
     pending groups now outside it -> judge the new group -> take a batch when
     enough groups are pending. A failed group is judged before it is observed and
-    never moves the window (the reference's W18). ``index_of`` gives registry order
-    for every label in ``group.versions`` and in pending groups.
+    never moves the window (the reference's W18). A group without signal is observed
+    like any other (it is evidence of the newest version); judged, staleness comes
+    first (a stale group without signal is ``dropped_stale``), then, under
+    :attr:`NoSignalGroups.DROP`, it is ``dropped_no_signal``. ``index_of`` gives
+    registry order for every label in ``group.versions`` and in pending groups.
     """
     keep = config.keep_versions
     decisions: list[GroupDecision] = []
@@ -357,6 +395,10 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
         kind = Decision.DROPPED_STALE
         dropped.append((group.group_id, kind.value))
         drops_total += 1
+    elif not group.signal and config.no_signal_groups is NoSignalGroups.DROP:
+        kind = Decision.DROPPED_NO_SIGNAL
+        dropped.append((group.group_id, kind.value))
+        drops_total += 1
     else:
         kind = Decision.KEPT
         pending.append(group)
@@ -371,7 +413,8 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
         batches += 1
         dropped = []
 
-    new_state = WindowState(current, tuple(pending), batches, tuple(dropped), drops_total)
+    no_signal_run = 0 if group.signal else state.no_signal_run + 1
+    new_state = WindowState(current, tuple(pending), batches, tuple(dropped), drops_total, no_signal_run)
     return StepResult(new_state, tuple(decisions), batch, advanced)
 
 

@@ -7,9 +7,10 @@ hash with :func:`encode_window` and :func:`encode_config` and decodes them with
 which never writes (no registry ``observe``, no WATCH). Layout:
 
 - ``window`` (hash): ``current``, ``batches``, ``steps``, ``drops_total``,
-  ``drops:<decision>`` (counter per drop reason), ``dropped_since`` (JSON pairs);
+  ``drops:<decision>`` (counter per drop reason), ``dropped_since`` (JSON pairs),
+  ``no_signal_run`` (groups without signal in a row);
 - ``window_config`` (hash): ``keep_versions``, ``batch_groups``, ``max_retries``,
-  ``max_free_retries``;
+  ``max_free_retries`` (integers), ``no_signal_groups`` (``drop`` / ``keep``);
 - ``pending_order`` and ``outbox`` (lists), ``prompt_drops`` (hash prompt id -> drops);
 - the registry's sorted sets (``registry_order`` by sequence, ``unregistered`` by
   observation), whose order rule is :class:`shared.versions.VersionRegistry`.
@@ -44,6 +45,7 @@ class WindowHash:
     drops_total: int
     dropped_since: tuple[tuple[str, str], ...]
     drops_by_reason: dict[str, int]
+    no_signal_run: int = 0
 
 
 def decode_window(raw: Mapping[str, str]) -> WindowHash:
@@ -56,6 +58,7 @@ def decode_window(raw: Mapping[str, str]) -> WindowHash:
         drops_total=int(raw.get("drops_total", 0)),
         dropped_since=dropped,
         drops_by_reason={k[len(DROPS_PREFIX):]: int(v) for k, v in raw.items() if k.startswith(DROPS_PREFIX)},
+        no_signal_run=int(raw.get("no_signal_run", 0)),
     )
 
 
@@ -66,6 +69,7 @@ def encode_window(after: WindowState, steps: int) -> dict[str, str | int]:
         "drops_total": after.drops_total,
         "dropped_since": json.dumps([list(p) for p in after.dropped_since_batch]),
         "steps": steps,
+        "no_signal_run": after.no_signal_run,
     }
     if after.current is not None:
         window["current"] = after.current
@@ -79,6 +83,7 @@ def encode_config(config: WindowConfig) -> dict[str, str]:
         "batch_groups": str(config.batch_groups),
         "max_retries": str(config.max_retries),
         "max_free_retries": str(config.max_free_retries),
+        "no_signal_groups": config.no_signal_groups.value,
     }
 
 
@@ -92,10 +97,10 @@ class WindowReader:
     def window(self) -> WindowHash:
         return decode_window(cast(dict[str, str], self.client.hgetall(self.keys.window)))
 
-    def config(self) -> dict[str, int]:
-        """The agreed window settings; empty before any collector claimed them."""
+    def config(self) -> dict[str, int | str]:
+        """The agreed window settings (integers as ints); empty before any collector claimed them."""
         raw = cast(dict[str, str], self.client.hgetall(self.keys.window_config))
-        return {k: int(v) for k, v in raw.items()}
+        return {k: int(v) if v.lstrip("-").isdigit() else v for k, v in raw.items()}
 
     def registry(self) -> tuple[list[tuple[str, int]], VersionRegistry]:
         """Published ``(label, seq)`` pairs in order, and the registry they and the unregistered labels form."""

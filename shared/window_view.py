@@ -1,10 +1,10 @@
 """The window's view of a completed group, pure: what :func:`shared.staleness.window_step` judges.
 
 A ``rollout.groups`` record carries every token's version; the window only needs one end
-version per trajectory (the last trainable, versioned token of its highest segment) and
-whether a failure is charged to the prompt. The live collector and the what-if replay
-(``ops/replay.py``) both build that view here, so the live and the replayed rule cannot
-drift apart.
+version per trajectory (the last trainable, versioned token of its highest segment),
+whether a failure is charged to the prompt, and whether the rewards differ (GRPO signal).
+The live collector and the what-if replay (``ops/replay.py``) both build that view here, so
+the live and the replayed rule cannot drift apart.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from shared.schemas import CompletedGroup
-from shared.staleness import UNCHARGED_ERRORS, SegmentEnd, WindowGroup, trajectory_versions
+from shared.staleness import UNCHARGED_ERRORS, SegmentEnd, WindowGroup, carries_signal, trajectory_versions
 
 
 def segment_end_version(loss_mask: Sequence[int], versions: Sequence[str | None]) -> str | None:
@@ -33,17 +33,33 @@ def segment_ends(group: CompletedGroup) -> list[SegmentEnd]:
     ]
 
 
+def group_rewards(group: CompletedGroup) -> list[float]:
+    """Each trajectory's reward (a failed group's are never judged)."""
+    return [traj.reward for traj in group.trajectories]
+
+
 def window_group_from_samples(
-    group_id: str, prompt_id: str, attempt: int, failed: bool, samples: Sequence[SegmentEnd]
+    group_id: str,
+    prompt_id: str,
+    attempt: int,
+    failed: bool,
+    samples: Sequence[SegmentEnd],
+    rewards: Sequence[float] | None = None,
 ) -> WindowGroup:
-    """The window's view of a group: one end version per versioned trajectory (highest segment decides)."""
+    """The window's view of a group: one end version per versioned trajectory (highest segment decides).
+
+    ``rewards`` are the trajectories' rewards; None (unknown) counts as signal.
+    """
     versions = tuple(trajectory_versions(samples).values())
-    return WindowGroup(group_id, prompt_id, attempt, failed, versions)
+    signal = rewards is None or carries_signal(rewards)
+    return WindowGroup(group_id, prompt_id, attempt, failed, versions, signal=signal)
 
 
 def window_group(group: CompletedGroup) -> WindowGroup:
     """The window's view of a completed group from ``rollout.groups``."""
-    view = window_group_from_samples(group.group_id, group.prompt_id, group.attempt, group.failed, segment_ends(group))
+    view = window_group_from_samples(
+        group.group_id, group.prompt_id, group.attempt, group.failed, segment_ends(group), group_rewards(group)
+    )
     abnormal = [t.error for t in group.trajectories if t.status not in ("completed", "truncated")]
     uncharged = group.failed and bool(abnormal) and all(e in UNCHARGED_ERRORS for e in abnormal)
     return replace(view, free_retries=group.free_retries, uncharged=uncharged)

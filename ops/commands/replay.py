@@ -31,7 +31,7 @@ from ops.replay import (
 from shared.bus import read_topic
 from shared.schemas import CompletedGroup, DecisionRecord, WeightPublished
 from shared.settings import ServiceSettings, SettingsError, load
-from shared.staleness import WindowConfig
+from shared.staleness import NoSignalGroups, WindowConfig
 
 DEFAULT_BATCH_GROUPS = 32
 """Same default as the collector's ``REIN_BATCH_GROUPS``."""
@@ -52,6 +52,10 @@ def register(subparsers: Any) -> None:
         "--batch-groups", type=int, default=DEFAULT_BATCH_GROUPS, help="groups per batch (default %(default)s)"
     )
     parser.add_argument("--max-retries", type=int, default=2, help="retries of a failed group (default %(default)s)")
+    parser.add_argument(
+        "--no-signal-groups", choices=[p.value for p in NoSignalGroups], default=NoSignalGroups.DROP.value,
+        help="groups whose rewards are all equal: drop or keep them (default %(default)s, as REIN_NO_SIGNAL_GROUPS)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     parser.add_argument("--export", metavar="FILE", type=Path, help="also write the events read as JSONL to FILE")
     parser.add_argument(
@@ -106,7 +110,8 @@ def render_table(report: ReplayReport) -> str:
     s = report.summary()
     lines.append("")
     lines.append(
-        f"keep_versions={s['keep_versions']} batch_groups={s['batch_groups']}: {s['groups']} groups, "
+        f"keep_versions={s['keep_versions']} batch_groups={s['batch_groups']} "
+        f"no_signal_groups={s['no_signal_groups']}: {s['groups']} groups, "
         f"kept {s['kept']} ({s['kept_in_batches']} in {s['batches']} batches), dropped {s['dropped']}"
     )
     lines.append("decisions: " + ", ".join(f"{k}={v}" for k, v in s["decisions"].items()))
@@ -137,7 +142,12 @@ def report_json(report: ReplayReport) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = WindowConfig(args.keep_versions, args.batch_groups, args.max_retries)
+        config = WindowConfig(
+            args.keep_versions,
+            args.batch_groups,
+            args.max_retries,
+            no_signal_groups=NoSignalGroups(args.no_signal_groups),
+        )
     except ValueError as exc:
         print(f"rein replay: {exc}", file=sys.stderr)
         return 2

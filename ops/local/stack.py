@@ -38,7 +38,8 @@ class StackConfig:
     """Groups per training batch (GRPO groups of ``group_size`` episodes)."""
     max_concurrent_groups: int = 16
     mode: str = "async"
-    """``async`` or ``sync`` (the runner waits for each weight update before the next wave)."""
+    """``async`` or ``sync`` (the runner waits for each weight update before the next wave; its collectors keep
+    groups without signal, ``REIN_NO_SIGNAL_GROUPS=keep``, so that each wave fills its batch)."""
     seed: int = 0
     mask_nonlast_version: bool = True
     """The trainer's ``REIN_NONLAST_VERSION_TOKENS``: ``mask`` when true, ``weight`` (older-version tokens
@@ -222,6 +223,9 @@ def start(config: StackConfig) -> LocalStack:
                             "REIN_REPLICA_ID": name,
                             "REIN_KEEP_VERSIONS": str(config.keep_versions),
                             "REIN_BATCH_GROUPS": str(config.batch_groups),
+                            # A sync wave is one batch: dropping its groups without signal would leave the
+                            # batch short and the next wave waiting for a version that never comes.
+                            "REIN_NO_SIGNAL_GROUPS": "keep" if config.mode == "sync" else "drop",
                             "REIN_METRICS_PORT": port_of(name),
                         },
                     ),

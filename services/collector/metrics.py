@@ -66,6 +66,14 @@ class CollectorMetrics:
             "staleness/partial_rollout_rejected_prompts",
             "Distinct prompts (seen by this replica) with a group rejected for partial_rollout_staleness_exceeded",
         )
+        self.no_signal = counter(
+            r, "collector/no_signal_groups",
+            "Completed, non-failed groups whose rewards were all equal (no GRPO signal), either REIN_NO_SIGNAL_GROUPS",
+        )
+        self.no_signal_run = gauge(
+            r, "collector/no_signal_run",
+            "Groups without signal in a row across replicas, as of this replica's last step (0: the last had signal)",
+        )
         self.assembling = gauge(r, "collector/assembling_groups", "Groups seen but not complete on this replica")
         self.lag = gauge(r, "collector/consumer_lag", "Records behind the partition end", ("topic", "partition"))
 

@@ -40,13 +40,16 @@ from shared.bus import Consumer, Delivered, Polled, Producer, ensure_topology, t
 from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.schemas import CompletedGroup, DecodeError, GroupRef, Record
-from shared.staleness import Decision, WindowConfig
+from shared.staleness import Decision, NoSignalGroups, StepResult, WindowConfig, WindowGroup
 from shared.state import connect
 from shared.status_server import StatusServer
 from shared.topology import TopicSpec
 from shared.window_view import window_group
 
 _log = log.get(__name__)
+
+NO_SIGNAL_WARN_BATCHES = 4
+"""Warn each time this many batches' worth of groups in a row (all replicas) carried no signal."""
 
 _LOOP_ERRORS: tuple[type[BaseException], ...] = (*DEPENDENCY_ERRORS, TimeoutError)
 """What one loop iteration waits out and redoes (TimeoutError: the weights catch-up, the outbox lease)."""
@@ -65,7 +68,11 @@ class Collector:
         self.replica = settings.replica_id or default_replica_id()
         self.metrics = CollectorMetrics()
         self.config = WindowConfig(
-            settings.keep_versions, settings.batch_groups, settings.max_retries, settings.max_free_retries
+            settings.keep_versions,
+            settings.batch_groups,
+            settings.max_retries,
+            settings.max_free_retries,
+            settings.no_signal_groups,
         )
         self.assembler = Assembler()
         self.spans = RecentSpans()
@@ -115,6 +122,7 @@ class Collector:
                 metrics_port=self.http.port,
                 keep_versions=s.keep_versions,
                 batch_groups=s.batch_groups,
+                no_signal_groups=s.no_signal_groups.value,
                 group_id=s.group_id,
             )
             self.ready.set()
@@ -253,6 +261,8 @@ class Collector:
             self._count(outcome)
             if outcome.result is not None:
                 self._count_staleness(group)
+                if not view.failed:
+                    self._count_signal(view, outcome.result)
         self._publish_outbox()
         for group in completed:
             self.assembler.release(group.group_id)
@@ -300,6 +310,29 @@ class Collector:
                 self.metrics.gap_max.set(batch.gap.max)
                 self.metrics.gap_mean.set(batch.gap.mean)
             _log.info("batch_taken", index=batch.index, groups=len(batch.groups), drops=len(batch.dropped))
+
+    def _count_signal(self, view: WindowGroup, result: StepResult) -> None:
+        """Counts a non-failed group without signal; warns each time the shared run of them reaches
+        another ``NO_SIGNAL_WARN_BATCHES`` batches' worth (one replica's step reaches each multiple)."""
+        run = result.state.no_signal_run
+        self.metrics.no_signal_run.set(run)
+        if view.signal:
+            return
+        self.metrics.no_signal.inc()
+        every = self.config.batch_groups * NO_SIGNAL_WARN_BATCHES
+        if run % every == 0:
+            dropping = self.config.no_signal_groups is NoSignalGroups.DROP
+            _log.warning(
+                "no_signal_groups_in_a_row",
+                groups=run,
+                no_signal_groups=self.config.no_signal_groups.value,
+                note=(
+                    "every trajectory of each of these groups got the same reward: "
+                    + ("they were dropped, so the trainer gets no batch until a group carries signal"
+                       if dropping else "the batches they fill train nothing")
+                    + " (check the task's rewards, or the policy's collapse)"
+                ),
+            )
 
     def _count_staleness(self, group: CompletedGroup) -> None:
         """Span gauges and partial-rollout rejection counters of one newly decided group."""

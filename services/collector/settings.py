@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from shared.settings import ServiceSettings
+from shared.staleness import NoSignalGroups
 
 
 class CollectorSettings(ServiceSettings):
@@ -24,8 +25,14 @@ class CollectorSettings(ServiceSettings):
     """Retries that do not count toward ``max_retries``: of groups whose failed sessions all failed
     because a dependency did (engine, proxy or Kafka down, idle or lost session, incomplete group),
     not because of the prompt or the policy. Bounded so a broken setup cannot retry forever."""
+    no_signal_groups: NoSignalGroups = NoSignalGroups.DROP
+    """``drop``: a group whose trajectories all got the same reward (no GRPO gradient) is decided
+    ``dropped_no_signal`` and not retried, so a batch is ``batch_groups`` groups that each carry signal.
+    ``keep``: such groups fill batches as any other (a batch of only them trains nothing). Under
+    ``drop`` a task where no group carries signal yields no batch at all; ``rein_collector_no_signal_*``
+    and a ``no_signal_groups_in_a_row`` warning show it."""
     reconfigure: bool = False
-    """Overwrite the window settings stored in Redis (keep/batch/retries). Without it a replica whose
+    """Overwrite the window settings stored in Redis (keep/batch/retries/no-signal). Without it a replica whose
     values differ from the shared window's refuses to start, so replicas never disagree about the window."""
     metrics_host: str = "127.0.0.1"
     """Interface of the ``/metrics`` and ``/health`` HTTP server (0.0.0.0 inside a container)."""

@@ -24,10 +24,17 @@ def group_records(
     tokens_per_chunk: int = 4,
     context_per_chunk: int = 2,
     reward: float = 1.0,
+    rewards: Sequence[float] | None = None,
     rejected_error: str = "test_rejected",
     free_retries: int = 0,
 ) -> list[Record]:
-    """Dispatch, chunks and end events of one group; trajectory ``i`` in ``rejected`` ends rejected."""
+    """Dispatch, chunks and end events of one group; trajectory ``i`` in ``rejected`` ends rejected.
+
+    A finished trajectory ``i`` gets ``rewards[i]``, or ``reward`` when ``rewards`` is None (then the
+    group's rewards are all equal: it carries no GRPO signal).
+    """
+    if rewards is not None and len(rewards) != len(trajectories):
+        raise ValueError(f"{len(rewards)} rewards for {len(trajectories)} trajectories")
     prompt_id = prompt_id or f"prompt-{group_id}"
     session_ids = [f"{group_id}-s{i}" for i in range(len(trajectories))]
     records: list[Record] = [
@@ -61,5 +68,6 @@ def group_records(
                 SessionRejected(session_id=sid, group_id=group_id, error=rejected_error, num_chunks=len(chunks))
             )
         else:
-            ends.append(SessionFinished(session_id=sid, group_id=group_id, reward=reward, num_chunks=len(chunks)))
+            got = reward if rewards is None else rewards[i]
+            ends.append(SessionFinished(session_id=sid, group_id=group_id, reward=got, num_chunks=len(chunks)))
     return records + ends

@@ -98,6 +98,7 @@ def _group_to_json(group: WindowGroup, ref: GroupRef) -> str:
             "attempt": group.attempt,
             "failed": group.failed,
             "versions": list(group.versions),
+            "signal": group.signal,
             "ref": ref.model_dump(),
         }
     )
@@ -106,7 +107,8 @@ def _group_to_json(group: WindowGroup, ref: GroupRef) -> str:
 def _group_from_json(text: str) -> tuple[WindowGroup, GroupRef]:
     obj = json.loads(text)
     group = WindowGroup(
-        obj["group_id"], obj["prompt_id"], int(obj["attempt"]), bool(obj["failed"]), tuple(obj["versions"])
+        obj["group_id"], obj["prompt_id"], int(obj["attempt"]), bool(obj["failed"]), tuple(obj["versions"]),
+        signal=bool(obj.get("signal", True)),  # absent: pending before the signal rule, judged with signal
     )
     return group, GroupRef.model_validate(obj["ref"])
 
@@ -152,8 +154,8 @@ class WindowStore:
             detail = ", ".join(f"{k}: shared window has {h}, this replica {w}" for k, (h, w) in differ.items())
             raise ConfigMismatch(
                 f"window settings differ from the shared window at {key} ({detail}); every replica must use the "
-                "same REIN_KEEP_VERSIONS / REIN_BATCH_GROUPS / REIN_MAX_RETRIES / REIN_MAX_FREE_RETRIES. To change "
-                "them, stop all replicas and start one with REIN_RECONFIGURE=true."
+                "same REIN_KEEP_VERSIONS / REIN_BATCH_GROUPS / REIN_MAX_RETRIES / REIN_MAX_FREE_RETRIES / "
+                "REIN_NO_SIGNAL_GROUPS. To change them, stop all replicas and start one with REIN_RECONFIGURE=true."
             )
 
     # ------------------------------------------------------------------ reads
@@ -193,6 +195,7 @@ class WindowStore:
             batches=hashed.batches,
             dropped_since_batch=hashed.dropped_since,
             drops_total=hashed.drops_total,
+            no_signal_run=hashed.no_signal_run,
         )
         return state, refs, hashed.steps
 

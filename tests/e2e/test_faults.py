@@ -229,7 +229,10 @@ def test_no_group_is_trained_twice_and_every_kept_group_is_accounted_for(run: di
     for d in run["decisions"]:
         if isinstance(d, DecisionRecord):
             decisions[d.group_id].add(d.decision)
-    allowed = [{"kept"}, {"kept", "dropped_retroactive"}, {"dropped_stale"}, {"failed_retry"}, {"failed_dropped"}]
+    allowed = [
+        {"kept"}, {"kept", "dropped_retroactive"}, {"dropped_stale"}, {"dropped_no_signal"}, {"failed_retry"},
+        {"failed_dropped"},
+    ]
     odd = {g: sorted(ds) for g, ds in decisions.items() if ds not in allowed}
     assert not odd, f"groups with contradicting decisions: {odd}"
 

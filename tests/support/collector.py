@@ -30,7 +30,11 @@ WAIT_S = 60.0
 
 
 def make_settings(kafka_bootstrap: str, redis_url: str, *, partitions: int = 1, **overrides: Any) -> CollectorSettings:
-    """Settings of a fresh deployment: unique topics, key prefix and consumer group; topics created."""
+    """Settings of a fresh deployment: unique topics, key prefix and consumer group; topics created.
+
+    ``no_signal_groups`` is ``keep`` unless overridden: :func:`group_records` gives every trajectory
+    the same reward by default, and most tests here are about the version window, not about signal.
+    """
     tag = uuid.uuid4().hex[:10]
     topics = Topics(**{name: f"t.{tag}.{name}" for name in Topics.model_fields})
     kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, client_id=f"test-{tag}")
@@ -47,6 +51,7 @@ def make_settings(kafka_bootstrap: str, redis_url: str, *, partitions: int = 1, 
         "topic_partitions": partitions,
         "batch_groups": 100,
         "keep_versions": 2,
+        "no_signal_groups": "keep",
     }
     values.update(overrides)
     return CollectorSettings(**values)
@@ -74,6 +79,7 @@ def env_of(settings: CollectorSettings) -> dict[str, str]:
         "outbox_lock_ms",
         "topic_partitions",
         "incomplete_timeout_s",
+        "no_signal_groups",
     ):
         env[f"REIN_{name.upper()}"] = str(getattr(settings, name))
     return env

@@ -17,7 +17,7 @@ from ops.local.ports import free_port
 from ops.replay import GroupEvent, WeightEvent, group_event, replay
 from services.collector.synthetic import group_records
 from shared.schemas import CompletedGroup, DecisionRecord
-from shared.staleness import WindowConfig
+from shared.staleness import NoSignalGroups, WindowConfig
 from tests.support.collector import (
     Running,
     Source,
@@ -45,12 +45,15 @@ def _event(group_id: str, trajectories: list[list[str]], **kw: object) -> GroupE
     return group_event(done)
 
 
+SIG: dict[str, object] = {"rewards": [0.0, 1.0]}
+"""Rewards that differ: the group carries signal (without, a synthetic group's rewards are all equal)."""
 WAVES: list[list[tuple[str, list[list[str]], dict[str, object]]]] = [
-    [(f"w1-{i}", [["v1"], ["v1"]], {}) for i in range(8)],
-    [(f"w2-{i}", [["v2"], ["v1"]], {}) for i in range(4)]
+    [(f"w1-{i}", [["v1"], ["v1"]], SIG) for i in range(8)] + [(f"n1-{i}", [["v1"], ["v1"]], {}) for i in range(3)],
+    [(f"w2-{i}", [["v2"], ["v1"]], SIG) for i in range(4)]
     + [("fa", [["v2"], ["v2"]], {"attempt": 0, "rejected": [0]}), ("fb", [["v2"]], {"attempt": 2, "rejected": [0]})],
-    [("x", [["v2"], ["v2"]], {})],
-    [("y", [["v4"], ["v4"]], {})],  # advances to v4: x (v2) leaves retroactively
+    [("x", [["v2"], ["v2"]], SIG)],
+    [("y", [["v4"], ["v4"]], SIG)],  # advances to v4: x (v2) leaves retroactively
+    # one trajectory each: no signal
     [(f"st-{i}", [["v0"], ["v4"]], {}) for i in range(3)] + [(f"w5-{i}", [["v4"]], {}) for i in range(3)],
 ]
 LABELS = ["v0", "v1", "v2", "v3", "v4"]
@@ -59,8 +62,10 @@ LABELS = ["v0", "v1", "v2", "v3", "v4"]
 def test_two_replicas_decide_like_one_and_never_disagree_about_the_window(
     kafka_bootstrap: str, redis_db_url: str
 ) -> None:
-    settings = make_settings(kafka_bootstrap, redis_db_url, partitions=4, keep_versions=2, batch_groups=4)
-    config = WindowConfig(2, 4, 2)
+    settings = make_settings(
+        kafka_bootstrap, redis_db_url, partitions=4, keep_versions=2, batch_groups=4, no_signal_groups="drop"
+    )
+    config = WindowConfig(2, 4, 2, no_signal_groups=NoSignalGroups.DROP)
     expected = replay(
         [WeightEvent(v, i) for i, v in enumerate(LABELS)]
         + [_event(gid, trajs, **kw) for wave in WAVES for gid, trajs, kw in wave],
@@ -92,6 +97,7 @@ def test_two_replicas_decide_like_one_and_never_disagree_about_the_window(
             batches.wait(lambda rs: len(manifests_by_index(rs)) == expected.batches, "all manifests", 30)
         )
     assert final_decisions(live) == expected.decisions()
+    assert "dropped_no_signal" in expected.decisions().values()
     assert sorted(manifests) == list(range(expected.batches))
     in_batches = [g.group_id for m in manifests.values() for g in m.groups]
     assert Counter(in_batches) == Counter(gid for gid, o in expected.outcomes.items() if o.batch is not None)

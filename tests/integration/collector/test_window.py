@@ -22,6 +22,7 @@ from tests.support.collector import (
     final_decisions,
     make_settings,
     manifests_by_index,
+    wait_settled,
 )
 
 pytestmark = [pytest.mark.integration]
@@ -282,3 +283,70 @@ def test_malformed_records_are_skipped_counted_and_the_collector_keeps_going(
 
 def _retry() -> RetryRequest:
     return RetryRequest(prompt_id="p", attempt=1, previous_group_id="g")
+
+
+SIGNAL_STREAM: list[tuple[str, list[list[str | None]], dict[str, object]]] = [
+    ("flat1", [["v0"], ["v0"]], {}),  # every trajectory got reward 1.0
+    ("A", [["v0"], ["v0"]], {"rewards": [0.0, 1.0]}),
+    ("solo", [["v1"]], {}),  # one trajectory is its own baseline; the first v1: it moves the window
+    ("f", [["v1"], ["v1"]], {"rejected": [0], "rewards": [0.0, 0.0]}),  # failed: retried, whatever its rewards
+    ("flat0", [["v1"], ["v1"]], {"rewards": [0.0, 0.0]}),
+    ("B", [["v1"], ["v1"]], {"rewards": [1.0, 0.5]}),
+]
+
+
+@pytest.mark.parametrize(
+    ("policy", "decisions", "batches"),
+    [
+        (
+            "drop",
+            {"flat1": "dropped_no_signal", "A": "kept", "solo": "dropped_no_signal", "f": "failed_retry",
+             "flat0": "dropped_no_signal", "B": "kept"},
+            [["A", "B"]],
+        ),
+        (  # today's behaviour: groups without signal fill batches
+            "keep",
+            {"flat1": "kept", "A": "kept", "solo": "kept", "f": "failed_retry", "flat0": "kept", "B": "kept"},
+            [["flat1", "A"], ["solo", "flat0"]],
+        ),
+    ],
+)
+def test_groups_without_signal_are_dropped_counted_and_not_retried(
+    kafka_bootstrap: str, redis_db_url: str, policy: str, decisions: dict[str, str], batches: list[list[str]]
+) -> None:
+    settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=2, batch_groups=2, no_signal_groups=policy)
+    source = Source(settings)
+    source.weights(["v0", "v1"])
+    with Running(settings) as running:
+        tail = Tail(settings, settings.topics.decisions)
+        retries = Tail(settings, settings.topics.retries)
+        manifests = Tail(settings, settings.topics.batches)
+        for gid, trajs, kw in SIGNAL_STREAM:
+            source.group(gid, trajs, **kw)  # type: ignore[arg-type]
+        final = decided(tail, [gid for gid, _, _ in SIGNAL_STREAM])
+        wait_settled(settings, [tail, retries, manifests])  # every retry and manifest there is, is read
+    assert final == decisions
+    solo = next(r for r in tail.records if isinstance(r, DecisionRecord) and r.group_id == "solo")
+    assert solo.window.current_version == "v1"  # observed before it was judged
+    assert [(r.prompt_id, r.previous_group_id) for r in retries.records if isinstance(r, RetryRequest)] == [
+        ("prompt-f", "f")
+    ]
+    made = manifests_by_index(manifests.records)
+    assert [[ref.group_id for ref in made[i].groups] for i in sorted(made)] == batches
+    no_signal = 3  # flat1, solo, flat0; f failed and is judged as a failure
+    if policy == "drop":
+        assert made[0].dropped == [{"group_id": g, "decision": "dropped_no_signal"} for g in ("flat1", "solo", "flat0")]
+        assert made[0].drops_cumulative == no_signal
+    assert running.metric("rein_staleness_dropped_groups_total", {"reason": "dropped_no_signal"}) == (
+        no_signal if policy == "drop" else 0
+    )
+    assert running.metric("rein_collector_no_signal_groups_total") == no_signal  # counted under either policy
+    assert running.metric("rein_collector_no_signal_run") == 0  # B carried signal
+    window = redis.Redis.from_url(settings.redis.url, decode_responses=True).hgetall(
+        RedisKeys(settings.redis.key_prefix).window
+    )
+    assert int(window.get("drops:dropped_no_signal", 0)) == (no_signal if policy == "drop" else 0)
+    assert window["no_signal_run"] == "0"
+    for t in (tail, retries, manifests):
+        t.close()
+    source.close()

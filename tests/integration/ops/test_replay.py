@@ -12,15 +12,17 @@ from tests.support.collector import Running, Source, Tail, final_decisions, make
 
 pytestmark = [pytest.mark.integration]
 
+DIFFER = {"rewards": [0.0, 1.0]}
 STREAM: list[tuple[str, list[list[str | None]], dict[str, object]]] = [
-    ("a", [["v1"], ["v1"]], {}),
-    ("b", [["v1"], [None]], {}),
-    ("c", [["v2"], ["v2"]], {}),  # advance: a and b leave (keep 1)
+    ("a", [["v1"], ["v1"]], DIFFER),
+    ("b", [["v1"], [None]], DIFFER),
+    ("c", [["v2"], ["v2"]], DIFFER),  # advance: a and b leave (keep 1)
     ("d", [["v0"]], {}),  # stale straggler
     ("e", [["v2"]], {"attempt": 0, "rejected": [0]}),  # failed: retry
-    ("f", [["v2"], ["v2"]], {}),
-    ("g", [[(0, "v3"), (1, "v2")]], {}),  # the highest segment (v2) decides
-    ("h", [["v3"]], {}),  # advance: c, f, g leave unless batched
+    ("f", [["v2"], ["v2"]], DIFFER),
+    ("n", [["v2"], ["v2"]], {}),  # every reward 1.0: no signal
+    ("g", [[(0, "v3"), (1, "v2")], ["v2"]], DIFFER),  # the highest segment (v2) decides
+    ("h", [["v3"]], {}),  # advance: c, f, g leave unless batched; alone, it has no signal
 ]
 
 
@@ -38,7 +40,7 @@ def test_replay_of_a_recorded_run_gives_the_live_decisions(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=1, batch_groups=2)
+    settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=1, batch_groups=2, no_signal_groups="drop")
     source = Source(settings)
     source.weights(["v0", "v1", "v2", "v3"])
     with Running(settings):
@@ -46,7 +48,7 @@ def test_replay_of_a_recorded_run_gives_the_live_decisions(
         for gid, trajs, kw in STREAM:
             source.group(gid, trajs, **kw)  # type: ignore[arg-type]
         live = final_decisions(tail.wait(lambda rs: len(final_decisions(rs)) == len(STREAM), "all decisions"))
-    assert set(live.values()) >= {"kept", "dropped_retroactive", "dropped_stale", "failed_retry"}
+    assert set(live.values()) >= {"kept", "dropped_retroactive", "dropped_stale", "failed_retry", "dropped_no_signal"}
 
     monkeypatch.setenv("REIN_KAFKA__BOOTSTRAP_SERVERS", kafka_bootstrap)
     monkeypatch.setenv("REIN_TOPICS__WEIGHTS", settings.topics.weights)
@@ -68,5 +70,9 @@ def test_replay_of_a_recorded_run_gives_the_live_decisions(
     summary = off["summary"]
     assert summary["decisions"]["dropped_stale"] == 0  # type: ignore[index]
     assert summary["decisions"]["dropped_retroactive"] == 0  # type: ignore[index]
+    # what-if: groups without signal kept, as before the rule
+    kept = _replay(capsys, "--from-file", str(export), *common, "--no-signal-groups", "keep")
+    assert kept["summary"]["decisions"]["dropped_no_signal"] == 0  # type: ignore[index]
+    assert {g["group_id"]: g["decision"] for g in kept["groups"]}["n"] == "kept"  # type: ignore[attr-defined]
     source.close()
     tail.close()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ops.replay import ReplayFormatError, event_to_json, read_jsonl, replay
-from shared.staleness import WindowConfig
+from shared.staleness import NoSignalGroups, WindowConfig
 
 RUN = [
     {"kind": "weight", "version": "v0", "seq": 0},
@@ -59,8 +59,36 @@ def test_round_trip_and_fold() -> None:
         '{"kind": "group", "samples": []}',
         '{"kind": "group", "group_id": "g", "samples": [{"segment_index": "x"}]}',
         '{"kind": "group", "group_id": "g", "failed": "yes", "samples": []}',
+        '{"kind": "group", "group_id": "g", "samples": [], "rewards": 1.0}',
+        '{"kind": "group", "group_id": "g", "samples": [], "rewards": [1.0, "x"]}',
+        '{"kind": "group", "group_id": "g", "samples": [], "rewards": [true, false]}',
     ],
 )
 def test_bad_lines_name_the_line(line: str) -> None:
     with pytest.raises(ReplayFormatError, match="line 2"):
         list(read_jsonl(["# comment", line]))
+
+
+def _flat(group_id: str, rewards: list[float] | None) -> dict[str, object]:
+    line: dict[str, object] = {
+        "kind": "group",
+        "group_id": group_id,
+        "prompt_id": f"p-{group_id}",
+        "attempt": 0,
+        "failed": False,
+        "samples": [{"trajectory_id": f"{group_id}-{i}", "segment_index": 0, "end_version": "v0"} for i in range(2)],
+    }
+    if rewards is not None:
+        line["rewards"] = rewards
+    return line
+
+
+def test_rewards_decide_signal_and_survive_export() -> None:
+    run = [RUN[0], _flat("flat", [1.0, 1.0]), _flat("mixed", [0.0, 1.0]), _flat("unknown", None)]
+    events = list(read_jsonl(json.dumps(obj) for obj in run))
+    assert [event_to_json(e) for e in events] == run
+    dropped = replay(events, WindowConfig(keep_versions=1, batch_groups=8))
+    assert dropped.decisions() == {"flat": "dropped_no_signal", "mixed": "kept", "unknown": "kept"}
+    assert dropped.summary()["dropped"] == 1 and dropped.summary()["no_signal_groups"] == "drop"
+    kept = replay(events, WindowConfig(keep_versions=1, batch_groups=8, no_signal_groups=NoSignalGroups.KEEP))
+    assert set(kept.decisions().values()) == {"kept"}

@@ -76,10 +76,11 @@ class FakeRedis:
     def __init__(self, keys: RedisKeys) -> None:
         self.zsets = {keys.registry_order: [("v0", 0.0), ("v1", 1.0), ("v2", 2.0)], keys.unregistered: [("rogue", 1.0)]}
         self.hashes = {
-            keys.window: {"current": "v2", "batches": "3", "steps": "9", "drops_total": "2",
-                          "drops:dropped_stale": "1", "drops:failed_dropped": "1",
-                          "dropped_since": json.dumps([["g7", "dropped_stale"]])},
-            keys.window_config: {"keep_versions": "2", "batch_groups": "4", "max_retries": "2"},
+            keys.window: {"current": "v2", "batches": "3", "steps": "9", "drops_total": "5",
+                          "drops:dropped_stale": "1", "drops:failed_dropped": "1", "drops:dropped_no_signal": "3",
+                          "dropped_since": json.dumps([["g7", "dropped_stale"]]), "no_signal_run": "2"},
+            keys.window_config: {"keep_versions": "2", "batch_groups": "4", "max_retries": "2",
+                                 "no_signal_groups": "drop"},
             keys.prompt_drops: {"p1": "1"},
         }
         self.lists = {keys.pending_order: ["g8", "g9"], keys.outbox: []}
@@ -100,12 +101,12 @@ def test_read_window() -> None:
     report = read_window(FakeRedis(keys), keys)
     assert report["window"] == {
         "current_version": "v2", "current_index": 2, "cutoff_index": 1, "cutoff_version": "v1",
-        "keep_versions": 2, "batch_groups": 4, "max_retries": 2, "pending_groups": 2, "batches": 3, "steps": 9,
-        "outbox": 0,
+        "keep_versions": 2, "batch_groups": 4, "max_retries": 2, "no_signal_groups": "drop", "no_signal_run": 2,
+        "pending_groups": 2, "batches": 3, "steps": 9, "outbox": 0,
     }
     assert report["drops"] == {
-        "total": 2, "by_reason": {"dropped_stale": 1, "failed_dropped": 1}, "since_last_batch": 1,
-        "prompts_dropped_after_retries": 1,
+        "total": 5, "by_reason": {"dropped_stale": 1, "failed_dropped": 1, "dropped_no_signal": 3},
+        "since_last_batch": 1, "prompts_dropped_after_retries": 1,
     }
     assert report["registry"]["unregistered"] == [{"label": "rogue", "index": 3}]
     assert report["registry"]["published"][2] == {"label": "v2", "seq": 2, "index": 2}

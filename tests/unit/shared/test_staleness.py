@@ -7,11 +7,13 @@ from hypothesis import strategies as st
 from shared.staleness import (
     UNCHARGED_ERRORS,
     Decision,
+    NoSignalGroups,
     SegmentEnd,
     WindowConfig,
     WindowGroup,
     WindowReplay,
     WindowState,
+    carries_signal,
     check_span,
     cutoff_index,
     is_stale,
@@ -154,8 +156,8 @@ def _registry(n: int) -> VersionRegistry:
     return reg
 
 
-def _group(gid: str, *versions: str, failed: bool = False, attempt: int = 0) -> WindowGroup:
-    return WindowGroup(gid, f"p-{gid}", attempt, failed, tuple(versions))
+def _group(gid: str, *versions: str, failed: bool = False, attempt: int = 0, signal: bool = True) -> WindowGroup:
+    return WindowGroup(gid, f"p-{gid}", attempt, failed, tuple(versions), signal=signal)
 
 
 def _run(keep: int, groups: list[WindowGroup], batch: int = 100, n: int = 10) -> WindowReplay:
@@ -242,21 +244,26 @@ def test_window_off_keeps_everything_but_tracks_current() -> None:
 # --------------------------------------------------------------------------- property: never drops a fresh group
 
 group_strategy = st.lists(
-    st.tuples(st.lists(st.integers(0, 9), min_size=0, max_size=4), st.booleans()), min_size=1, max_size=30
+    st.tuples(st.lists(st.integers(0, 9), min_size=0, max_size=4), st.booleans(), st.booleans()),
+    min_size=1,
+    max_size=30,
 )
+"""Groups as (version indices, failed, signal)."""
+
+policies = st.sampled_from(list(NoSignalGroups))
 
 
-@given(group_strategy, st.integers(1, 5), st.integers(1, 4))
+@given(group_strategy, st.integers(1, 5), st.integers(1, 4), policies)
 def test_window_never_drops_group_within_newest_keep_versions(
-    raw: list[tuple[list[int], bool]], keep: int, batch_groups: int
+    raw: list[tuple[list[int], bool, bool]], keep: int, batch_groups: int, policy: NoSignalGroups
 ) -> None:
     reg = _registry(10)
-    replay = WindowReplay(WindowConfig(keep, batch_groups), reg.index)
+    replay = WindowReplay(WindowConfig(keep, batch_groups, no_signal_groups=policy), reg.index)
     newest_seen = -1
-    for i, (idxs, failed) in enumerate(raw):
-        group = _group(f"g{i}", *(f"v{x}" for x in idxs), failed=failed)
+    for i, (idxs, failed, signal) in enumerate(raw):
+        group = _group(f"g{i}", *(f"v{x}" for x in idxs), failed=failed, signal=signal)
         result = replay.feed(group)
-        if not failed and idxs:
+        if not failed and idxs:  # a group without signal moves the window too
             newest_seen = max(newest_seen, *idxs)
         for d in result.decisions:
             if d.decision in (Decision.DROPPED_STALE, Decision.DROPPED_RETROACTIVE):
@@ -269,24 +276,45 @@ def test_window_never_drops_group_within_newest_keep_versions(
             assert all(reg.index(v) >= cut for g in replay.state.pending for v in g.versions)
 
 
-@given(group_strategy, st.integers(0, 3), st.integers(1, 4))
+FINAL_DROPS = {
+    Decision.DROPPED_STALE, Decision.DROPPED_RETROACTIVE, Decision.FAILED_DROPPED, Decision.DROPPED_NO_SIGNAL
+}
+
+
+@given(group_strategy, st.integers(0, 3), st.integers(1, 4), policies)
 def test_every_group_gets_exactly_one_final_outcome(
-    raw: list[tuple[list[int], bool]], keep: int, batch_groups: int
+    raw: list[tuple[list[int], bool, bool]], keep: int, batch_groups: int, policy: NoSignalGroups
 ) -> None:
-    replay = WindowReplay(WindowConfig(keep, batch_groups, max_retries=0), _registry(10).index)
+    replay = WindowReplay(WindowConfig(keep, batch_groups, max_retries=0, no_signal_groups=policy), _registry(10).index)
     outcomes: dict[str, list[str]] = {}
-    for i, (idxs, failed) in enumerate(raw):
-        result = replay.feed(_group(f"g{i}", *(f"v{x}" for x in idxs), failed=failed))
+    listed: list[tuple[str, str]] = []  # drops as the manifests list them
+    drops = 0
+    signal_of = {f"g{i}": signal for i, (_, failed, signal) in enumerate(raw)}
+    for i, (idxs, failed, signal) in enumerate(raw):
+        result = replay.feed(_group(f"g{i}", *(f"v{x}" for x in idxs), failed=failed, signal=signal))
         for d in result.decisions:
             if d.decision != Decision.KEPT:
                 outcomes.setdefault(d.group_id, []).append(d.decision.value)
+            drops += d.decision in FINAL_DROPS
+            if d.decision is Decision.DROPPED_NO_SIGNAL:
+                assert policy is NoSignalGroups.DROP and not signal_of[d.group_id]
         if result.batch is not None:
+            assert len(result.batch.groups) == batch_groups
+            if policy is NoSignalGroups.DROP:
+                assert all(g.signal for g in result.batch.groups)
+            listed.extend(result.batch.dropped)
             for g in result.batch.groups:
                 outcomes.setdefault(g.group_id, []).append("batch")
     for g in replay.state.pending:
         outcomes.setdefault(g.group_id, []).append("pending")
     assert sorted(outcomes) == sorted(f"g{i}" for i in range(len(raw)))
     assert all(len(v) == 1 for v in outcomes.values()), outcomes
+    assert replay.state.drops_total == drops
+    # Every final drop is listed once, in a manifest or still waiting for the next one.
+    every_drop = sorted([*listed, *replay.state.dropped_since_batch])
+    assert every_drop == sorted((gid, v[0]) for gid, v in outcomes.items() if v[0] in FINAL_DROPS)
+    if policy is NoSignalGroups.KEEP:
+        assert Decision.DROPPED_NO_SIGNAL.value not in {v[0] for v in outcomes.values()}
 
 
 def test_state_default_is_empty() -> None:
@@ -329,3 +357,108 @@ def test_uncharged_is_computed_from_every_abnormal_session() -> None:
     assert not window_group(charged).uncharged
     assert not window_group(group(("failed", ""))).uncharged  # no reason given: the prompt pays
     assert {"session_idle", "incomplete", "session_lost", "engine_unavailable", "timeout"} <= UNCHARGED_ERRORS
+
+
+# --------------------------------------------------------------------------- groups without signal
+
+
+@pytest.mark.parametrize(
+    ("rewards", "signal"),
+    [
+        ([], False),
+        ([1.0], False),  # its own baseline
+        ([1.0, 1.0, 1.0], False),
+        ([0.0, 0.0], False),
+        ([0.3, 0.3 + 1e-12], False),  # equal within the tolerance
+        ([0.0, 1.0], True),
+        ([1.0, 1.0, 0.5], True),
+        ([-1.0, -1.0 + 1e-6], True),
+    ],
+)
+def test_carries_signal(rewards: list[float], signal: bool) -> None:
+    assert carries_signal(rewards) is signal
+
+
+def _signal_run(policy: NoSignalGroups, batch: int = 2) -> WindowReplay:
+    return WindowReplay(WindowConfig(2, batch, no_signal_groups=policy), _registry(5).index)
+
+
+def test_group_without_signal_is_dropped_counted_and_listed_in_the_next_manifest() -> None:
+    replay = _signal_run(NoSignalGroups.DROP)
+    flat = replay.feed(_group("flat", "v1", signal=False))
+    assert [(d.group_id, d.decision) for d in flat.decisions] == [("flat", Decision.DROPPED_NO_SIGNAL)]
+    assert replay.state.pending == () and replay.state.drops_total == 1
+    assert replay.state.dropped_since_batch == (("flat", "dropped_no_signal"),)
+    replay.feed(_group("a", "v1"))
+    res = replay.feed(_group("b", "v1"))
+    assert res.batch is not None and [g.group_id for g in res.batch.groups] == ["a", "b"]
+    assert res.batch.dropped == (("flat", "dropped_no_signal"),) and res.batch.drops_total == 1
+
+
+def test_keep_policy_judges_a_group_without_signal_like_any_other() -> None:
+    replay = _signal_run(NoSignalGroups.KEEP)
+    assert [d.decision for d in replay.feed(_group("flat", "v1", signal=False)).decisions] == [Decision.KEPT]
+    res = replay.feed(_group("a", "v1"))
+    assert res.batch is not None and [g.group_id for g in res.batch.groups] == ["flat", "a"]
+    assert replay.state.drops_total == 0
+
+
+def test_group_without_signal_still_advances_the_window() -> None:
+    replay = WindowReplay(WindowConfig(1, 100), _registry(5).index)
+    replay.feed(_group("a", "v1"))
+    moved = replay.feed(_group("flat", "v2", signal=False))
+    assert moved.advanced and replay.state.current == "v2"
+    assert [(d.group_id, d.decision) for d in moved.decisions] == [
+        ("a", Decision.DROPPED_RETROACTIVE),
+        ("flat", Decision.DROPPED_NO_SIGNAL),
+    ]
+
+
+def test_staleness_is_judged_before_signal() -> None:
+    replay = WindowReplay(WindowConfig(1, 100), _registry(5).index)
+    replay.feed(_group("a", "v3"))
+    late = replay.feed(_group("late", "v1", signal=False))
+    assert [d.decision for d in late.decisions] == [Decision.DROPPED_STALE]
+
+
+def test_no_signal_run_counts_groups_in_a_row_and_ignores_failed_ones() -> None:
+    replay = _signal_run(NoSignalGroups.DROP, batch=100)
+    runs = []
+    for group in [
+        _group("x", "v1", signal=False),
+        _group("y", "v1", signal=False),
+        _group("f", "v1", failed=True, signal=False),  # failed: judged as a failure, the run stays
+        _group("z", "v0", signal=False),
+        _group("ok", "v1"),
+        _group("w", "v1", signal=False),
+    ]:
+        runs.append(replay.feed(group).state.no_signal_run)
+    assert runs == [1, 2, 2, 3, 0, 1]
+
+
+def test_failed_group_without_signal_is_retried_not_dropped_for_signal() -> None:
+    replay = _signal_run(NoSignalGroups.DROP)
+    result = replay.feed(_group("f", "v1", failed=True, signal=False))
+    assert [d.decision for d in result.decisions] == [Decision.FAILED_RETRY]
+
+
+def test_config_takes_the_policy_by_name_and_refuses_others() -> None:
+    assert WindowConfig(1, 1, no_signal_groups="keep").no_signal_groups is NoSignalGroups.KEEP  # type: ignore[arg-type]
+    assert WindowConfig(1, 1).no_signal_groups is NoSignalGroups.DROP
+    with pytest.raises(ValueError, match="no_signal_groups"):
+        WindowConfig(1, 1, no_signal_groups="sometimes")  # type: ignore[arg-type]
+
+
+def test_window_group_signal_comes_from_the_rewards() -> None:
+    from shared.schemas import CompletedGroup, Trajectory
+    from shared.window_view import window_group
+
+    def group(*rewards: float) -> CompletedGroup:
+        trajs = [
+            Trajectory(session_id=f"s{i}", status="completed", reward=r, segments=[]) for i, r in enumerate(rewards)
+        ]
+        return CompletedGroup(group_id="g", prompt_id="p", failed=False, trajectories=trajs)
+
+    assert window_group(group(1.0, 0.0, 1.0)).signal
+    assert not window_group(group(0.5, 0.5, 0.5)).signal
+    assert not window_group(group(1.0)).signal
