@@ -14,8 +14,8 @@ are *live* — started and neither trained nor finally dropped:
     live = started - drops - B * T
 
 ``started`` is the shared prompt cursor (every runner of the stream claims from it), ``drops`` the
-window's final drops (stale, retroactive, failed on the last attempt: their prompt leaves the run
-untrained), ``T`` the batches the trainer has consumed as of the weights the engines hold (the newest
+window's final drops (stale, retroactive, failed on the last attempt, no signal: their prompt leaves
+the run untrained), ``T`` the batches the trainer has consumed as of the weights the engines hold (the newest
 ``WeightApplied``'s ``last_index``, or a ``BatchSkipped``, + 1). Retries are not paced: their prompt is
 live already, and the trainer's next batch may need them.
 

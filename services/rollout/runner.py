@@ -302,11 +302,12 @@ class Runner:
     def _read_pacing(self, client: redis.Redis) -> None:
         reader = WindowReader(client, self._keys)
         config = reader.config()
+        keep, groups = config.get("keep_versions"), config.get("batch_groups")
         self.pacer.on_window(
             started=int(client.get(self._cursor_key) or 0),
             drops=reader.window().drops_total,
-            keep_versions=config.get("keep_versions"),
-            batch_groups=config.get("batch_groups"),
+            keep_versions=keep if isinstance(keep, int) else None,
+            batch_groups=groups if isinstance(groups, int) else None,
         )
 
     async def _dispatch(self, work: Work, producer: Producer, groups: Groups, probe: bool) -> None:

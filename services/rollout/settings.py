@@ -38,7 +38,8 @@ class RolloutSettings(ServiceSettings):
     ``off``: only ``max_concurrent_groups`` bounds generation (the engine runs ahead of the trainer)."""
     groups_per_step: int = Field(default=32, ge=1)
     """Sync mode: new groups per wave. Set it to the trainer's groups per batch, or sync mode waits
-    for an update that needs more groups than a wave gives (bounded by ``sync_weight_timeout_s``)."""
+    for an update that needs more groups than a wave gives (bounded by ``sync_weight_timeout_s``); for
+    the same reason the collectors keep groups without signal (``REIN_NO_SIGNAL_GROUPS=keep``)."""
     sync_weight_timeout_s: float = Field(default=600.0, gt=0)
     """Sync mode: longest wait for the next applied weight version after a wave; past it the runner
     logs an error, counts ``rollout/sync_wait_timeouts`` and dispatches the next wave anyway."""
