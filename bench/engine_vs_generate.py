@@ -2,7 +2,7 @@
 
 ``c`` random-token prompts with lengths spread evenly over ``--min-len..--max-len`` start together;
 each generates exactly ``--new-tokens`` tokens, greedy. Side by side, in rounds (variants
-interleaved, the median round reported):
+interleaved, their order rotated each round):
 
 - ``generate``: Hugging Face ``model.generate`` on one batch statically left-padded to the longest
   prompt (its ``attention_mask`` hides the padding);
@@ -13,9 +13,9 @@ interleaved, the median round reported):
 
 tokens/s = generated tokens / wall time, prefill included (the median round); ``x generate`` is the
 median over rounds of ``generate``'s wall time over the variant's in the same round, with its range;
-``prefill_s`` is the engine's first step
-(every prompt prefilled, one token each). ``agree`` is the share of the engine's tokens equal to
-``generate``'s (greedy: they differ only where batched float sums break a near-tie).
+``prefill_s`` is the engine's first step (every prompt prefilled, one token each). ``agree`` is the
+share of the engine's tokens equal to ``generate``'s (greedy: they differ only where batched float
+sums break a near-tie).
 
 Usage::
 
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=20)
     parser.add_argument("--max-len", type=int, default=200)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--paddings", type=float, nargs="+", default=[0.0, MAX_PADDING, 1.0],
+    parser.add_argument("--paddings", type=float, nargs="+", default=[0.0, 0.25, 1.0],
                         help="the engine's prefill max_padding values to compare")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for every variant")
@@ -129,20 +129,22 @@ def main() -> None:
 
     variants = ["generate"] + [f"engine pad={p:g}" for p in args.paddings]
     seconds: dict[str, list[float]] = {v: [] for v in variants}
+    padding = dict(zip(variants[1:], args.paddings, strict=True))
     prefill: dict[str, list[float]] = {v: [] for v in variants[1:]}
-    agree: dict[str, float] = {}
+    outputs: dict[str, list[list[int]]] = {}
     for r in range(args.rounds):
-        wall, reference = generate_run(model, batch, n, pad_id)
-        seconds["generate"].append(wall)
-        for p, v in zip(args.paddings, variants[1:], strict=True):
-            wall, first, tokens = engine_run(model, batch, n, p)
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:  # rotated: no variant always first
+            if v == "generate":
+                wall, outputs[v] = generate_run(model, batch, n, pad_id)
+            else:
+                wall, first, outputs[v] = engine_run(model, batch, n, padding[v])
+                prefill[v].append(first)
             seconds[v].append(wall)
-            prefill[v].append(first)
-            pairs = zip(tokens, reference, strict=True)
-            agree[v] = sum(a == b for got, ref in pairs for a, b in zip(got, ref, strict=True)) / (len(batch) * n)
         print(f"round {r}: " + " ".join(f"{v}={seconds[v][-1]:.2f}s" for v in variants), file=sys.stderr, flush=True)
 
     tokens = len(batch) * n
+    agree = {v: sum(a == b for got, ref in zip(outputs[v], outputs["generate"], strict=True)
+                    for a, b in zip(got, ref, strict=True)) / tokens for v in variants[1:]}
     rows = []
     for v in variants:
         wall = statistics.median(seconds[v])
