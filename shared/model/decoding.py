@@ -39,8 +39,11 @@ from torch import nn
 
 from shared.policy import KV, TinyPolicy
 
-MAX_PADDING = 0.25
-"""Default most share of a prefill forward's positions that may be padding (:func:`prefill_groups`)."""
+MAX_PADDING = 0.0
+"""Default most share of a prefill forward's positions that may be padding (:func:`prefill_groups`): none,
+since on CPU a position costs about the same in any forward, so padding costs about its share while the
+forwards it saves are cheap (SmolLM2-135M, docs/benchmarks.md); an overhead-bound model or device may
+want more (the engine's ``REIN_PREFILL_PADDING``)."""
 
 
 class Decoder:

@@ -38,7 +38,7 @@ def reference(model: nn.Module, prefix: list[int]) -> torch.Tensor:
     return full_logits(model, torch.tensor([prefix]))[0, -1].float()
 
 
-@pytest.mark.parametrize("max_padding", [0.0, MAX_PADDING, 1.0])
+@pytest.mark.parametrize("max_padding", [0.0, 0.25, 1.0])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cached_decode_equals_full_recompute(family: str, max_padding: float) -> None:
     """Rows of different lengths, some joining mid-way while others decode, one aborted, one resumed
@@ -84,7 +84,7 @@ def test_cached_decode_equals_full_recompute(family: str, max_padding: float) ->
 @pytest.mark.parametrize("family", FAMILIES)
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schedule=st.lists(st.lists(st.integers(0, 24), max_size=5), min_size=1, max_size=5),
-       leave=st.lists(st.booleans(), max_size=30), max_padding=st.sampled_from([0.0, 0.3, MAX_PADDING, 1.0]))
+       leave=st.lists(st.booleans(), max_size=30), max_padding=st.sampled_from([MAX_PADDING, 0.3, 0.5, 1.0]))
 def test_mixed_length_schedules_equal_full_recompute(family: str, schedule: list[list[int]], leave: list[bool],
                                                      max_padding: float) -> None:
     """Any schedule of leaves and joins of any lengths (0: a resumed generation, a new key whose prefix
