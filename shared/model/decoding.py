@@ -16,7 +16,8 @@ the position of its next token. A step
    computed by other weights) and merges them into the padded cache. Prefixes of different
    lengths share a forward left-padded to the longest, with the key mask and per-row
    positions, as long as padding stays within ``max_padding`` of the forward's positions
-   (:func:`prefill_groups`; equal lengths always share one).
+   (:func:`prefill_groups`; equal lengths always share one; the default, 0, allows no padding:
+   on CPU it costs about its share, see :data:`MAX_PADDING`).
 
 Memory is ``rows x L`` positions per layer, with ``L`` the longest row: :attr:`Decoder.tokens`
 reports it so the engine can bound it by a token budget. A decoder belongs to one set of
