@@ -131,7 +131,7 @@ def create_app(settings: EngineSettings) -> FastAPI:
         engine_metrics.set_weights(weights)
         batcher = Batcher(weights, end_id=family.tokenizer.stop_ids, pad_id=family.tokenizer.pad_id,
                           max_batch_size=settings.max_batch_size, seed=settings.seed, device=device,
-                          kv_budget_tokens=settings.kv_budget_tokens)
+                          kv_budget_tokens=settings.kv_budget_tokens, prefill_padding=settings.prefill_padding)
         runner = EngineRunner(
             batcher, weights_dir=settings.weights_dir, device=device, vocab_size=weights.vocab_size,
             loader=family.load,

@@ -28,7 +28,8 @@ taken at the start of the step. So
 KV cache: the forward pass goes through a :class:`shared.model.decoding.Decoder`, which
 keeps each running request's keys and values, so a step costs one position per request
 (a request prefills once, when it starts running, and again after a weight swap, since
-its cache was computed by other weights). Only the step thread touches the decoder;
+its cache was computed by other weights; requests starting together prefill together,
+left-padded, as ``prefill_padding`` allows). Only the step thread touches the decoder;
 rows of finished or aborted requests are freed at the start of the next step.
 
 Admission to the running set is FIFO and bounded twice: ``max_batch_size`` requests and
@@ -49,7 +50,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from shared.model.decoding import Decoder
+from shared.model.decoding import MAX_PADDING, Decoder
 from shared.model.sampling import sampling_logprobs
 from shared.policy import PolicyConfig
 
@@ -163,13 +164,16 @@ class Batcher:
         pad_id: int = 0,
         kv_budget_tokens: int | None = None,
         kv_cache: bool = True,
+        prefill_padding: float = MAX_PADDING,
     ) -> None:
+        """``prefill_padding`` is the decoder's ``max_padding`` (:func:`shared.model.decoding.prefill_groups`)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if kv_budget_tokens is not None and kv_budget_tokens < 1:
             raise ValueError(f"kv_budget_tokens must be >= 1, got {kv_budget_tokens}")
         self._kv_budget = kv_budget_tokens
         self._kv_cache = kv_cache
+        self._prefill_padding = prefill_padding
         self._weights = weights
         self._end_ids = frozenset([end_id] if isinstance(end_id, int) else end_id)
         self._pad_id = pad_id
@@ -312,7 +316,8 @@ class Batcher:
             top_ps = [req.params.top_p for req in batch]
         decoder = self._decoder
         if decoder is None or decoder.model is not weights.model:  # new weights: every row prefills again
-            decoder = self._decoder = Decoder(weights.model, pad_id=self._pad_id, use_cache=self._kv_cache)
+            decoder = self._decoder = Decoder(weights.model, pad_id=self._pad_id, use_cache=self._kv_cache,
+                                              max_padding=self._prefill_padding)
         if not batch:
             decoder.clear()
             return StepReport(batch_size=0, finished=finished, version=weights.version)

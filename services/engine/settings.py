@@ -36,6 +36,11 @@ class EngineSettings(ModelServiceSettings):
     """KV cache positions the decoder may hold (``REIN_KV_BUDGET_TOKENS``), counted as rows x the
     longest row's reservation (prompt + max_new_tokens). Requests that do not fit wait in the queue;
     one that alone exceeds it is refused (400)."""
+    prefill_padding: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Most share of a prefill forward's positions that may be padding (``REIN_PREFILL_PADDING``): prompts
+    of different lengths starting together share a left-padded forward within it. 0 (the decoder's
+    ``MAX_PADDING``) batches equal lengths only (on CPU padding costs about its share:
+    docs/benchmarks.md); 1 prefills all in one forward."""
     step_delay_s: float = Field(default=0.0, ge=0.0)
     """Sleep between decode steps. Tests set it to make generations slow enough to pause mid-flight."""
     stage_weights: bool = True

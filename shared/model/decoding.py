@@ -13,8 +13,11 @@ the position of its next token. A step
    and trims the padding columns no row needs any more;
 2. decodes, in one batched forward, the rows whose prefix grew by exactly one token;
 3. prefills every other prefix (a new request, a resumed one, or one whose cache was
-   computed by other weights), those of equal length in one forward, and merges them
-   into the padded cache.
+   computed by other weights) and merges them into the padded cache. Prefixes of different
+   lengths share a forward left-padded to the longest, with the key mask and per-row
+   positions, as long as padding stays within ``max_padding`` of the forward's positions
+   (:func:`prefill_groups`; equal lengths always share one; the default, 0, allows no padding:
+   on CPU it costs about its share, see :data:`MAX_PADDING`).
 
 Memory is ``rows x L`` positions per layer, with ``L`` the longest row: :attr:`Decoder.tokens`
 reports it so the engine can bound it by a token budget. A decoder belongs to one set of
@@ -37,6 +40,12 @@ from torch import nn
 
 from shared.policy import KV, TinyPolicy
 
+MAX_PADDING = 0.0
+"""Default most share of a prefill forward's positions that may be padding (:func:`prefill_groups`): none,
+since on CPU a position costs about the same in any forward, so padding costs about its share while the
+forwards it saves are cheap (SmolLM2-135M, docs/benchmarks.md); an overhead-bound model or device may
+want more (the engine's ``REIN_PREFILL_PADDING``)."""
+
 
 class Decoder:
     """Next-token logits of many prefixes, each row's keys and values kept between calls.
@@ -44,9 +53,15 @@ class Decoder:
     Not thread-safe: one thread (the engine's decode step) owns a decoder.
     """
 
-    def __init__(self, model: nn.Module, *, pad_id: int = 0, use_cache: bool = True) -> None:
-        """``use_cache=False`` recomputes every prefix at every step (the reference, and benchmarks' baseline)."""
+    def __init__(
+        self, model: nn.Module, *, pad_id: int = 0, use_cache: bool = True, max_padding: float = MAX_PADDING
+    ) -> None:
+        """``use_cache=False`` recomputes every prefix at every step (the reference, and benchmarks' baseline);
+        ``max_padding`` bounds the padding of a prefill forward (:func:`prefill_groups`)."""
+        if not 0.0 <= max_padding <= 1.0:
+            raise ValueError(f"max_padding must be in [0, 1], got {max_padding}")
         self.model = model
+        self.max_padding = max_padding
         self._pad_id = pad_id
         self._device = next(model.parameters()).device
         self._keys: list[Hashable] = []
@@ -139,38 +154,67 @@ class Decoder:
         return list(logits[:, -1])
 
     def _prefill(self, fresh: Sequence[tuple[Hashable, Sequence[int]]]) -> dict[Hashable, torch.Tensor]:
-        """Prefill prefixes of equal length together (no padding, so exact; a group's samples of one
-        prompt share a forward), then merge the new rows into the padded cache at once."""
+        """Prefill ``fresh`` in the forwards :func:`prefill_groups` chooses, each left-padded to its
+        longest prefix, then merge the new rows into the padded cache at once."""
         out: dict[Hashable, torch.Tensor] = {}
-        by_length: dict[int, list[tuple[Hashable, Sequence[int]]]] = {}
-        for key, prefix in fresh:
-            by_length.setdefault(len(prefix), []).append((key, prefix))
-        groups: list[tuple[list[Hashable], int, list[KV]]] = []
-        for n, group in by_length.items():
-            ids = torch.tensor([list(p) for _, p in group], dtype=torch.long, device=self._device)
-            positions = torch.arange(n, device=self._device)[None, :].expand(len(group), n)
-            logits, kv = _forward(self.model, ids, positions, None, None)
-            out.update((key, logits[i, -1]) for i, (key, _) in enumerate(group))
-            groups.append(([key for key, _ in group], n, kv))
+        groups: list[tuple[list[Hashable], list[int], torch.Tensor, list[KV]]] = []
+        for members in prefill_groups([len(p) for _, p in fresh], self.max_padding):
+            keys = [fresh[i][0] for i in members]
+            lengths = [len(fresh[i][1]) for i in members]
+            n = lengths[0]
+            pads = torch.tensor([n - m for m in lengths], device=self._device)
+            ids = torch.full((len(members), n), self._pad_id, dtype=torch.long, device=self._device)
+            for row, i in enumerate(members):
+                ids[row, n - lengths[row]:] = torch.tensor(list(fresh[i][1]), dtype=torch.long, device=self._device)
+            columns = torch.arange(n, device=self._device)[None, :]
+            positions = (columns - pads[:, None]).clamp(min=0)  # padding sits at position 0, masked out
+            mask = columns >= pads[:, None]
+            logits, kv = _forward(self.model, ids, positions, None, mask if lengths[-1] < n else None)
+            out.update((key, logits[row, -1]) for row, key in enumerate(keys))
+            groups.append((keys, lengths, mask, kv))
         self._hf_cache = None
-        width = max([int(self._mask.shape[1])] + [n for _, n, _ in groups])
+        width = max([int(self._mask.shape[1])] + [int(mask.shape[1]) for _, _, mask, _ in groups])
         masks = [_pad_left(self._mask, width, dim=1)] if self._keys else []
-        layers: list[list[torch.Tensor]] = [[] for _ in range(2 * len(groups[0][2]))]
+        layers: list[list[torch.Tensor]] = [[] for _ in range(2 * len(groups[0][3]))]
         if self._keys:
             for i, (k, v) in enumerate(self._kv):
                 layers[2 * i].append(_pad_left(k, width, dim=2))
                 layers[2 * i + 1].append(_pad_left(v, width, dim=2))
-        for keys, n, kv in groups:
+        for keys, lengths, mask, kv in groups:
             self._keys.extend(keys)
-            self._lengths.extend([n] * len(keys))
-            ones = torch.ones(len(keys), n, dtype=torch.bool, device=self._device)
-            masks.append(_pad_left(ones, width, dim=1))
+            self._lengths.extend(lengths)
+            masks.append(_pad_left(mask, width, dim=1))
             for i, (k, v) in enumerate(kv):
                 layers[2 * i].append(_pad_left(k, width, dim=2))
                 layers[2 * i + 1].append(_pad_left(v, width, dim=2))
         self._mask = torch.cat(masks, dim=0)
         self._kv = [(torch.cat(layers[2 * i]), torch.cat(layers[2 * i + 1])) for i in range(len(layers) // 2)]
         return out
+
+
+def prefill_groups(lengths: Sequence[int], max_padding: float) -> list[list[int]]:
+    """Indices of the prefixes of ``lengths`` grouped into prefill forwards, longest first.
+
+    Each group is left-padded to its first (longest) prefix. Going down the lengths, a prefix
+    joins the current group while the group's padding stays at most ``max_padding`` of its
+    positions (rows x longest), else it starts the next group. ``0.0`` batches equal lengths
+    only; ``1.0`` prefills everything in one forward.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    padding = 0
+    for i in order:
+        if groups:
+            group = groups[-1]
+            width = lengths[group[0]]
+            extra = width - lengths[i]
+            if padding + extra <= max_padding * width * (len(group) + 1):
+                group.append(i)
+                padding += extra
+                continue
+        groups.append([i])
+        padding = 0
+    return groups
 
 
 def _pad_left(t: torch.Tensor, width: int, *, dim: int) -> torch.Tensor:

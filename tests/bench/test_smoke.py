@@ -47,6 +47,14 @@ def _engine_decode(out: Path) -> None:
     assert all(r["kv_cache_tok_s"] > 0 and r["recompute_tok_s"] > 0 for r in data["rows"])
 
 
+def _engine_vs_generate(out: Path) -> None:
+    data = _json(out, "model", "threads", "concurrency", "prompt_lengths", "new_tokens", "rows")
+    assert data["prompt_lengths"] == [4, 8, 12]
+    assert [r["variant"] for r in data["rows"]] == ["generate", "engine pad=0", "engine pad=1"]
+    assert all(r["tok_s"] > 0 and r["over_generate"] > 0 for r in data["rows"])
+    assert all(0 <= r["agree"] <= 1 and r["prefill_s"] > 0 for r in data["rows"][1:])
+
+
 def _collector(out: Path) -> None:
     data = _json(out, "throughput", "decision_cost")
     assert [r["replicas"] for r in data["throughput"]] == [1, 2]
@@ -106,6 +114,11 @@ def _plot_controls(out: Path) -> None:
 SMOKE: dict[str, Smoke] = {
     "engine_decode": Smoke(
         lambda out, _: ["--concurrency", "1", "2", "--new-tokens", "4", "--out", str(out)], _engine_decode,
+    ),
+    "engine_vs_generate": Smoke(
+        lambda out, _: ["--concurrency", "3", "--min-len", "4", "--max-len", "12", "--new-tokens", "3",
+                        "--paddings", "0", "1", "--rounds", "1", "--out", str(out)],
+        _engine_vs_generate,
     ),
     "inprocess": Smoke(lambda out, _: ["--steps", "3", "--at", "1", "1000", "--out", str(out)], _inprocess),
     "plot_controls": Smoke(lambda out, _: [str(BENCH / "controls.json"), str(out)], _plot_controls),
