@@ -1,6 +1,6 @@
 """The closed loop end to end: every service as a real process, several training steps.
 
-One run of the local stack (the same processes ``make demo`` starts) with slow
+One run of the local stack (the same processes ``make demo`` starts), unpaced, with slow
 multi-token generations, so weight updates land while generations are in flight,
 and a kill -9 + restart of the trainer in the middle. Then the topics are read
 back and checked independently of the services' own bookkeeping.
@@ -58,6 +58,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         batch_groups=4,
         max_concurrent_groups=8,
         engine_step_delay_s=0.01,
+        # Unpaced: the engine keeps generating while the trainer steps, so updates land on
+        # generations in flight and the token mask is exercised. Paced, the runner starts a batch's
+        # prompts right after an update and they finish before the next (that is pacing's purpose,
+        # tested in tests/integration/rollout/test_runner.py), leaving the mask nothing to do.
+        pacing="off",
         extra_env={"rollout": {"REIN_MAX_TOKENS": "6"}},
     )
     local = start(config)
