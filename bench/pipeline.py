@@ -95,9 +95,11 @@ def config_for(name: str, steps: int, root: Path, seed: int) -> StackConfig:
 def token_accounting(local: LocalStack, steps: int) -> dict[str, Any]:
     """Generated tokens of every decided group, split by what became of them.
 
-    Only groups with a final outcome count: dropped by the window, failed (a session
-    rejected or errored), or in one of the first ``steps`` manifests (trained, minus the
-    tokens the version mask removed). Groups still pending at the end are left out.
+    Only groups with a final outcome count: dropped by the window, dropped without signal
+    (rewards all equal), failed (a session rejected or errored), or in one of the first
+    ``steps`` manifests (trained, minus the tokens the version mask removed). Groups still
+    pending at the end are left out. ``untrained_fraction`` counts every cause;
+    ``stale_fraction`` only staleness's (window, span cap, mask).
     """
     kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
     topics = Topics()
@@ -121,21 +123,25 @@ def token_accounting(local: LocalStack, steps: int) -> dict[str, Any]:
             return 0
         return sum(sum(seg.loss_mask) for t in group.trajectories for seg in t.segments)
 
-    out = {"tokens_dropped_stale": 0, "tokens_failed": 0, "tokens_in_trained_batches": 0}
+    out = {"tokens_dropped_stale": 0, "tokens_no_signal": 0, "tokens_failed": 0, "tokens_in_trained_batches": 0}
     for gid, decision in final.items():
         if gid in trained:
             out["tokens_in_trained_batches"] += tokens(gid)
         elif decision in ("dropped_stale", "dropped_retroactive"):
             out["tokens_dropped_stale"] += tokens(gid)
+        elif decision == "dropped_no_signal":
+            out["tokens_no_signal"] += tokens(gid)
         elif decision in ("failed_retry", "failed_dropped"):
             out["tokens_failed"] += tokens(gid)
     out["tokens_masked"] = sum(
         int(r.get("version_masked_tokens") or 0) for r in rows_so_far(local.trainer_metrics)[:steps]
     )
-    total = out["tokens_dropped_stale"] + out["tokens_failed"] + out["tokens_in_trained_batches"]
-    wasted = out["tokens_dropped_stale"] + out["tokens_failed"] + out["tokens_masked"]
+    decided = ("tokens_dropped_stale", "tokens_no_signal", "tokens_failed", "tokens_in_trained_batches")
+    total = sum(out[k] for k in decided)
+    stale = out["tokens_dropped_stale"] + out["tokens_failed"] + out["tokens_masked"]
     out["tokens_generated"] = total
-    out["untrained_fraction"] = wasted / total if total else None
+    out["untrained_fraction"] = (stale + out["tokens_no_signal"]) / total if total else None
+    out["stale_fraction"] = stale / total if total else None
     return out
 
 
@@ -279,7 +285,8 @@ def compare_cost(args: argparse.Namespace) -> int:
                     r = results[-1]
                     print(
                         f"keep {keep} preempts {preempts} pacing {pacing:<6}: untrained {r['untrained_fraction']:.3f} "
-                        f"(stale {r['tokens_dropped_stale']}, failed {r['tokens_failed']}, masked "
+                        f"(by staleness {r['stale_fraction']:.3f}; window {r['tokens_dropped_stale']}, "
+                        f"no signal {r['tokens_no_signal']}, failed {r['tokens_failed']}, masked "
                         f"{r['tokens_masked']}, generated {r['tokens_generated']}), trained tok/s "
                         f"{r['trained_tokens_per_s']:.1f}",
                         flush=True,
