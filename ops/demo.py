@@ -242,18 +242,22 @@ def summarize(
 def progress_line(
     row: dict[str, Any], total: int, rejections: int, started: float, budget: tuple[float, float] | None = None
 ) -> str:
-    """One line per trainer line (a step, or a batch skipped without one: it says so); the bar fills by
-    steps, or by the time budget ``(since, seconds)`` if that ends first."""
+    """One line per trainer line (a step, or a batch skipped without one: it says so); the bar and the
+    count follow the steps, or the time budget ``(since, seconds)`` if that ends first."""
     step = int(row.get("step", 0))
     width = 24
     fraction = step / max(total, 1)
+    where = f"step {step:>3}/{total}"
     if budget is not None and budget[1] > 0:
-        fraction = max(fraction, (time.monotonic() - budget[0]) / budget[1])
+        elapsed = time.monotonic() - budget[0]
+        if elapsed / budget[1] > fraction:
+            fraction = elapsed / budget[1]
+            where = f"step {step:>3}  {elapsed / 60:.1f}/{budget[1] / 60:.3g} min"
     done = min(width, int(width * fraction))
     gap = row.get("version_gap_mean")
     reward = row.get("reward_mean")
     return (
-        f"[{'#' * done}{'.' * (width - done)}] step {step:>3}/{total}"
+        f"[{'#' * done}{'.' * (width - done)}] {where}"
         f"  reward {reward if reward is None else f'{reward:.3f}'}"
         f"  gap {gap if gap is None else f'{gap:.2f}'}"
         f"  drops {row.get('drops_cumulative', 0)}  rejections {rejections}"

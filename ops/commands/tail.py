@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
+from ops.status import read_run_dir
 from ops.tail import Start, Tailer, TailError, TailOptions, parse_duration, parse_offset
 from shared.settings import ServiceSettings, SettingsError, load
 
@@ -20,13 +22,15 @@ or --offset P:O (partition P from offset O, that partition only). With none of t
 from the beginning, or at the end with --follow; with --group-id, the group's
 committed offsets.
 
-Without --follow, stops at the end offsets seen at start. The broker comes from
-REIN_KAFKA__BOOTSTRAP_SERVERS unless --bootstrap is given.
+Without --follow, stops at the end offsets seen at start. The broker: --bootstrap, else
+RUN_DIR/stack.json of a `rein up` / `make demo` run (--run-dir), else
+REIN_KAFKA__BOOTSTRAP_SERVERS.
 
 Examples:
   rein tail rollout.events --since 10m
   rein tail rollout.chunks --session sess-3f2a... --from-beginning
   rein tail train.batches --follow | jq .record.index
+  rein tail staleness.decisions --run-dir runs/demo --from-beginning
 """
 
 
@@ -47,6 +51,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--session", metavar="S", help="only records of session S (session_id / session_ids)")
     parser.add_argument("--follow", "-f", action="store_true", help="keep reading new records until Ctrl-C")
     parser.add_argument("--bootstrap", metavar="HOST:PORT", help="Kafka bootstrap servers (default: settings)")
+    parser.add_argument("--run-dir", type=Path, metavar="DIR", help="a `rein up` / `make demo` run directory")
     parser.add_argument("--max", type=int, metavar="N", dest="max_records", help="stop after printing N lines")
     parser.add_argument(
         "--timeout",
@@ -89,11 +94,12 @@ def run(args: argparse.Namespace) -> int:
             max_records=args.max_records,
             timeout_s=args.timeout,
         )
+        bootstrap = args.bootstrap or (read_run_dir(args.run_dir).kafka_bootstrap if args.run_dir else None)
         kafka = settings.kafka
-        if args.bootstrap:
-            kafka = kafka.model_copy(update={"bootstrap_servers": args.bootstrap})
+        if bootstrap:
+            kafka = kafka.model_copy(update={"bootstrap_servers": bootstrap})
         tailer = Tailer(kafka, options, _write)
-    except (ValueError, SettingsError, TailError) as exc:
+    except (ValueError, SettingsError, TailError) as exc:  # RunDirError is a ValueError
         print(f"rein tail: error: {exc}", file=sys.stderr)
         return 2
     code = 0

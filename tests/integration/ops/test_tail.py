@@ -258,3 +258,25 @@ def test_unknown_topic_is_an_error(kafka_bootstrap: str, capsys: pytest.CaptureF
     code, lines, err = _tail(capsys, "no.such.topic.for.tail", "--bootstrap", kafka_bootstrap)
     assert code == 1 and lines == []
     assert "does not exist" in err
+
+
+def test_run_dir_gives_the_broker(
+    kafka_bootstrap: str,
+    unique_topic: Callable[..., str],
+    producer: Producer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """After `rein up --run-dir X`, `rein tail --run-dir X` finds the broker in X/stack.json."""
+    topic = unique_topic(1)
+    sent = producer.send_many((topic, r) for r in _group_records())
+    (tmp_path / "stack.json").write_text(json.dumps({"infra": {"kafka_bootstrap": kafka_bootstrap}}))
+    code, lines, _ = _tail(capsys, topic, "--from-beginning", "--run-dir", str(tmp_path))
+    assert code == 0
+    assert _positions(lines) == {(d.partition, d.offset) for d in sent}
+
+
+def test_unreadable_run_dir_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, lines, err = _tail(capsys, "rollout.chunks", "--run-dir", str(tmp_path / "missing"))
+    assert code == 2 and lines == []
+    assert "stack.json" in err

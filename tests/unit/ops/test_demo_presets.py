@@ -56,8 +56,9 @@ def test_progress_bar_fills_by_time_when_the_budget_ends_first() -> None:
     row = {"step": 1, "reward_mean": 0.5}
     by_steps = progress_line(row, 100, 0, time.monotonic())
     by_time = progress_line(row, 100, 0, time.monotonic(), budget=(time.monotonic() - 50, 100))
-    assert by_steps.count("#") == 0
+    assert by_steps.count("#") == 0 and "step   1/100 " in by_steps
     assert by_time.count("#") == 12
+    assert "step   1  0.8/1.67 min" in by_time and "/100" not in by_time  # the budget bounds the run
 
 
 def test_timing_splits_train_from_generation() -> None:
