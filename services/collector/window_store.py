@@ -296,7 +296,7 @@ class WindowStore:
                         dropped=[{"group_id": gid, "decision": why} for gid, why in batch.dropped],
                         drops_in_batch=len(batch.dropped),
                         drops_cumulative=batch.drops_total,
-                        tokens_generated_cumulative=batch.tokens.generated,
+                        generated_tokens_cumulative=batch.tokens.generated,
                         untrained_tokens_cumulative=batch.tokens.by_cause(),
                     ),
                 )

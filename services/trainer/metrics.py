@@ -147,7 +147,7 @@ def step_line(
         "keep_versions": manifest.window.keep_versions,
         "drops_in_batch": manifest.drops_in_batch,
         "drops_cumulative": manifest.drops_cumulative,
-        "generated_tokens_cumulative": manifest.tokens_generated_cumulative if tallied else None,
+        "generated_tokens_cumulative": manifest.generated_tokens_cumulative if tallied else None,
         "untrained_window_cumulative": untrained.get("window"),
         "untrained_no_signal_cumulative": untrained.get("no_signal"),
         "untrained_failed_cumulative": untrained.get("failed"),

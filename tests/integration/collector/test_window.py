@@ -246,10 +246,10 @@ def test_manifests_reference_groups_and_report_window_drops_and_gaps(kafka_boots
     assert second.dropped == [{"group_id": "m4", "decision": "dropped_stale"}]
     assert (second.drops_in_batch, second.drops_cumulative) == (1, 1)
     # 4 trainable tokens per trajectory: m1 8, m2 4 (first); m3 4, m4 4 (stale), m5 8
-    assert (first.tokens_generated_cumulative, first.untrained_tokens_cumulative) == (
+    assert (first.generated_tokens_cumulative, first.untrained_tokens_cumulative) == (
         12, {"window": 0, "no_signal": 0, "failed": 0}
     )
-    assert (second.tokens_generated_cumulative, second.untrained_tokens_cumulative) == (
+    assert (second.generated_tokens_cumulative, second.untrained_tokens_cumulative) == (
         28, {"window": 4, "no_signal": 0, "failed": 0}
     )
     assert second.version_gap is not None and (second.version_gap.min, second.version_gap.max) == (0, 1)

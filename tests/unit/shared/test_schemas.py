@@ -61,14 +61,14 @@ def test_a_manifest_from_before_tokens_were_counted_decodes_with_none() -> None:
         batch_id="b-2", index=1, groups=[GroupRef(group_id="g", partition=0, offset=1)],
         window=WindowInfo(keep_versions=2, current_version="v3", current_index=3, cutoff_index=2),
         version_gap=None, drops_in_batch=0, drops_cumulative=0,
-        tokens_generated_cumulative=90, untrained_tokens_cumulative={"window": 12, "no_signal": 0, "failed": 3},
+        generated_tokens_cumulative=90, untrained_tokens_cumulative={"window": 12, "no_signal": 0, "failed": 3},
     )
     assert decode(encode(m)) == m
     env = msgpack.unpackb(encode(m))
-    del env["data"]["tokens_generated_cumulative"], env["data"]["untrained_tokens_cumulative"]
+    del env["data"]["generated_tokens_cumulative"], env["data"]["untrained_tokens_cumulative"]
     old = decode(msgpack.packb(env))
     assert isinstance(old, BatchManifest)
-    assert (old.tokens_generated_cumulative, old.untrained_tokens_cumulative) == (0, {})
+    assert (old.generated_tokens_cumulative, old.untrained_tokens_cumulative) == (0, {})
 
 
 def test_batch_skipped_round_trips_and_keeps_one_key_on_the_compacted_weights_topic() -> None:

@@ -41,7 +41,7 @@ def test_a_skipped_batch_is_counted_by_reason_and_leaves_the_step_gauges_alone()
 
 def test_the_line_carries_the_manifests_waste_and_its_own_masked_tokens() -> None:
     manifest = MANIFEST.model_copy(update={
-        "tokens_generated_cumulative": 500, "untrained_tokens_cumulative": {"window": 40, "no_signal": 24, "failed": 9},
+        "generated_tokens_cumulative": 500, "untrained_tokens_cumulative": {"window": 40, "no_signal": 24, "failed": 9},
     })
     batch = BatchSamples(rewards=[0.0, 1.0], trajectory_group=[0, 0], groups=1, trainable_tokens=30,
                          version_masked_tokens=6)
