@@ -56,7 +56,7 @@ def test_manifest_round_trip() -> None:
 
 
 
-def test_a_manifest_from_before_tokens_were_counted_decodes_with_none() -> None:
+def test_a_manifest_from_before_tokens_were_counted_decodes_with_zero() -> None:
     m = BatchManifest(
         batch_id="b-2", index=1, groups=[GroupRef(group_id="g", partition=0, offset=1)],
         window=WindowInfo(keep_versions=2, current_version="v3", current_index=3, cutoff_index=2),
