@@ -35,7 +35,7 @@ from ops.demo_presets import PRESETS
 from ops.learned import judge
 from ops.local.launcher import LaunchError
 from ops.local.stack import LocalStack, StackConfig, start
-from ops.report import optimizer_steps, plot_run, rows_so_far
+from ops.report import optimizer_steps, plot_run, rows_so_far, waste
 
 _REJECTIONS = re.compile(r"^rein_proxy_rejections_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 _ENGINE_ACTIVE = re.compile(r"^rein_engine_active_requests\s+([0-9.eE+-]+)$", re.M)
@@ -218,6 +218,7 @@ def summarize(
         "train_rollout_logprob_abs_diff_same_version_max": max(same, default=None),
         "masked_token_fraction_mean": _mean(masked),
         "dropped_groups": rows[-1].get("drops_cumulative") if rows else None,
+        "waste": waste(rows),  # generated tokens never trained, by cause (ops.report.waste)
         "rejected_sessions": rejections,
         "settings": {
             "keep_versions": config.keep_versions,

@@ -9,6 +9,8 @@ render. Panels, in order:
 - reward: ``reward_mean``
 - version gap: ``version_gap_min`` / ``version_gap_max`` / ``version_gap_mean``
 - drops: ``drops_in_batch`` and ``drops_cumulative`` (second axis), ``rejected_sessions``
+- untrained tokens: ``untrained_<cause>_cumulative`` for the window's causes (``window``,
+  ``no_signal``, ``failed``) and the running sum of ``version_masked_tokens`` (masked)
 - logprob diff: ``train_rollout_logprob_abs_diff``
 - masked tokens: ``masked_token_fraction``
 - loss: ``loss``
@@ -18,6 +20,7 @@ The x axis is ``step`` (the line number when a line has none).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -28,21 +31,30 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from shared.staleness import UNTRAINED_CAUSES
+
+WINDOW_CAUSES = tuple(dict.fromkeys(UNTRAINED_CAUSES.values()))
+"""Why the window left tokens untrained: ``window``, ``no_signal``, ``failed`` (the trainer adds ``masked``)."""
+
 
 @dataclass(frozen=True)
 class Panel:
-    """One subplot: a title, the series on the left axis and those on a right axis."""
+    """One subplot: a title, the series on the left axis (some summed) and those on a right axis."""
 
     title: str
     left: tuple[str, ...]
     right: tuple[str, ...] = ()
     ylabel: str = ""
+    summed: tuple[str, ...] = ()
+    """Per-line series drawn on the left axis as their running sum."""
 
 
 PANELS: tuple[Panel, ...] = (
     Panel("reward", ("reward_mean",), ylabel="mean reward"),
     Panel("version gap", ("version_gap_min", "version_gap_mean", "version_gap_max"), ylabel="versions"),
     Panel("drops", ("drops_in_batch", "rejected_sessions"), ("drops_cumulative",), ylabel="per batch"),
+    Panel("untrained tokens", tuple(f"untrained_{c}_cumulative" for c in WINDOW_CAUSES), ylabel="cumulative tokens",
+          summed=("version_masked_tokens",)),
     Panel("train vs rollout logprob", ("train_rollout_logprob_abs_diff",), ylabel="mean |diff|"),
     Panel("masked tokens", ("masked_token_fraction",), ylabel="fraction"),
     Panel("loss", ("loss",), ylabel="loss"),
@@ -114,7 +126,7 @@ def series(metrics: list[dict[str, Any]], name: str) -> tuple[list[float], list[
 
 def present_panels(metrics: list[dict[str, Any]]) -> list[Panel]:
     """The panels with at least one point."""
-    return [p for p in PANELS if any(series(metrics, n)[0] for n in (*p.left, *p.right))]
+    return [p for p in PANELS if any(series(metrics, n)[0] for n in (*p.left, *p.right, *p.summed))]
 
 
 def _draw(ax: Axes, metrics: list[dict[str, Any]], panel: Panel) -> None:
@@ -123,6 +135,10 @@ def _draw(ax: Axes, metrics: list[dict[str, Any]], panel: Panel) -> None:
         xs, ys = series(metrics, name)
         if xs:
             handles += ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=name)
+    for name in panel.summed:
+        xs, ys = series(metrics, name)
+        if xs:
+            handles += ax.plot(xs, list(itertools.accumulate(ys)), label=f"{name} (summed)")
     ax.set_title(panel.title)
     ax.set_ylabel(panel.ylabel)
     ax.grid(True, alpha=0.3)
@@ -135,6 +151,28 @@ def _draw(ax: Axes, metrics: list[dict[str, Any]], panel: Panel) -> None:
         twin.set_ylabel("cumulative")
     if handles:
         ax.legend(handles=handles, labels=[h.get_label() for h in handles], fontsize="small", loc="best")
+
+
+def waste(metrics: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Generated tokens never trained, as of the last line: by cause, in all, and their share of generated.
+
+    The window's causes come from the last line's cumulative tally; ``masked`` is the sum of every
+    line's ``version_masked_tokens`` (one line per manifest). None when no line has the tally.
+    """
+    tallied = [r for r in metrics if _number(r.get("generated_tokens_cumulative")) is not None]
+    if not tallied:
+        return None
+    last = tallied[-1]
+    tokens = {c: int(_number(last.get(f"untrained_{c}_cumulative")) or 0) for c in WINDOW_CAUSES}
+    tokens["masked"] = int(sum(_number(r.get("version_masked_tokens")) or 0 for r in metrics))
+    generated = int(last["generated_tokens_cumulative"])
+    untrained = sum(tokens.values())
+    return {
+        "tokens": tokens,
+        "untrained": untrained,
+        "generated": generated,
+        "share": round(untrained / generated, 4) if generated else None,
+    }
 
 
 def plot_run(metrics: list[dict[str, Any]], out_png: Path, title: str) -> Path:

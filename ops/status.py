@@ -148,7 +148,7 @@ def collect(targets: Targets) -> dict[str, Any]:
         report["redis"] = redis_report
     else:
         report["redis"] = {"url": redis_report.pop("url"), "key_prefix": redis_report.pop("key_prefix")}
-        report.update(redis_report)  # registry, window, drops
+        report.update(redis_report)  # registry, window, drops, untrained_tokens
     report["consumer_groups"] = got.get("kafka", {"error": "not queried (no Kafka given)"})
     for key, label in (("proxy", "proxies"), ("engine", "engines")):
         urls = targets.proxies if key == "proxy" else targets.engines

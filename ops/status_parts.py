@@ -109,6 +109,7 @@ def read_window(client: Any, keys: RedisKeys) -> dict[str, Any]:
     reader = WindowReader(client, keys)
     pairs, registry = reader.registry()
     window = reader.window()
+    tally = window.tokens
     config = reader.config()
     keep = config.get("keep_versions")
     keep = keep if isinstance(keep, int) else None
@@ -142,6 +143,12 @@ def read_window(client: Any, keys: RedisKeys) -> dict[str, Any]:
             "by_reason": window.drops_by_reason,
             "since_last_batch": len(window.dropped_since),
             "prompts_dropped_after_retries": len(reader.prompt_drops()),
+        },
+        "untrained_tokens": {
+            "generated": tally.generated,
+            "total": tally.untrained,
+            "by_cause": tally.by_cause(),
+            "share": round(tally.untrained / tally.generated, 4) if tally.generated else None,
         },
     }
 

@@ -45,6 +45,11 @@ def render(report: dict[str, Any]) -> str:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(d["by_reason"].items())) or "none"
         add(f"  drops            {d['total']} total ({reasons}); {d['since_last_batch']} since the last batch;"
             f" {d['prompts_dropped_after_retries']} prompts dropped after retries")
+        u = report["untrained_tokens"]
+        causes = ", ".join(f"{k} {v}" for k, v in u["by_cause"].items())
+        share = "" if u["share"] is None else f" ({u['share']:.1%})"
+        add(f"  untrained tokens {u['total']} of {u['generated']} generated{share}: {causes}"
+            " (version-masked: the trainer's metrics.jsonl)")
         reg = report["registry"]
         add("")
         add(f"registry ({len(reg['published'])} published, {len(reg['unregistered'])} unregistered)")

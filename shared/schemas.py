@@ -306,6 +306,11 @@ class BatchManifest(Record):
     """``{"group_id", "decision"}`` of each drop since the previous manifest."""
     drops_in_batch: int = Field(ge=0)
     drops_cumulative: int = Field(ge=0)
+    generated_tokens_cumulative: int = Field(default=0, ge=0)
+    """Trainable tokens of every group the window decided so far (0 on records from before it was counted)."""
+    untrained_tokens_cumulative: dict[str, int] = Field(default_factory=dict)
+    """Of those, the tokens left untrained, by cause (``window``, ``no_signal``, ``failed``:
+    :data:`shared.staleness.UNTRAINED_CAUSES`); empty on older records."""
 
     def key(self) -> str:
         return self.batch_id

@@ -242,6 +242,8 @@ class WindowGroup:
     signal: bool = True
     """Its trajectories' rewards differ (:func:`carries_signal`); ignored for a failed group. True where
     the rewards are unknown (a replay file without them)."""
+    tokens: int = 0
+    """Trainable tokens (loss mask 1) its trajectories generated, as far as the collector holds them."""
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,48 @@ def next_attempt(group: WindowGroup, config: WindowConfig) -> tuple[int, int]:
     return group.attempt + 1, group.free_retries
 
 
+UNTRAINED_CAUSES: dict[Decision, str] = {
+    Decision.DROPPED_STALE: "window",
+    Decision.DROPPED_RETROACTIVE: "window",
+    Decision.DROPPED_NO_SIGNAL: "no_signal",
+    Decision.FAILED_RETRY: "failed",
+    Decision.FAILED_DROPPED: "failed",
+}
+"""Why a decision leaves a group's tokens untrained: the window left it behind, it carried no signal, or
+a session was rejected or failed (a failed group's tokens are never trained, even when its prompt is retried)."""
+
+
+@dataclass(frozen=True)
+class TokenTally:
+    """Cumulative trainable tokens of decided groups (``generated``) and those left untrained, by cause.
+
+    A group's tokens count as generated at its first decision; a kept group's count as untrained
+    when a later advance drops it. So ``generated`` = untrained + tokens of groups kept (pending or batched).
+    """
+
+    generated: int = 0
+    window: int = 0
+    no_signal: int = 0
+    failed: int = 0
+
+    @property
+    def untrained(self) -> int:
+        return self.window + self.no_signal + self.failed
+
+    def by_cause(self) -> dict[str, int]:
+        """``cause -> tokens`` (the values of :data:`UNTRAINED_CAUSES`)."""
+        return {"window": self.window, "no_signal": self.no_signal, "failed": self.failed}
+
+    def add(self, generated: int, decisions: Iterable[GroupDecision]) -> TokenTally:
+        """This tally after one step: ``generated`` new tokens and each decision's untrained ones."""
+        by = self.by_cause()
+        for d in decisions:
+            cause = UNTRAINED_CAUSES.get(d.decision)
+            if cause is not None:
+                by[cause] += d.tokens
+        return TokenTally(self.generated + generated, **by)
+
+
 @dataclass(frozen=True)
 class WindowState:
     """Everything the window remembers between groups (lives in Redis for the collector)."""
@@ -290,6 +334,7 @@ class WindowState:
     drops_total: int = 0
     no_signal_run: int = 0
     """Non-failed groups without signal in a row (any decision); 0 after one with signal."""
+    tokens: TokenTally = field(default_factory=TokenTally)
 
 
 @dataclass(frozen=True)
@@ -308,6 +353,8 @@ class GroupDecision:
     decision: Decision
     window: WindowSnapshot
     versions: tuple[str, ...]
+    tokens: int = 0
+    """The group's trainable tokens (:attr:`WindowGroup.tokens`)."""
 
 
 @dataclass(frozen=True)
@@ -320,6 +367,8 @@ class Batch:
     gap: GapStats | None
     dropped: tuple[tuple[str, str], ...]
     drops_total: int
+    tokens: TokenTally = field(default_factory=TokenTally)
+    """The window's token tally once this batch was taken."""
 
 
 @dataclass(frozen=True)
@@ -348,7 +397,8 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
     like any other (it is evidence of the newest version); judged, staleness comes
     first (a stale group without signal is ``dropped_stale``), then, under
     :attr:`NoSignalGroups.DROP`, it is ``dropped_no_signal``. ``index_of`` gives
-    registry order for every label in ``group.versions`` and in pending groups.
+    registry order for every label in ``group.versions`` and in pending groups. The state's
+    :class:`TokenTally` counts the group's tokens as generated and every drop's as untrained.
     """
     keep = config.keep_versions
     decisions: list[GroupDecision] = []
@@ -362,11 +412,14 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
         final = group.attempt >= config.max_retries and not is_free_retry(group, config)
         kind = Decision.FAILED_DROPPED if final else Decision.FAILED_RETRY
         snap = _snapshot(current, index_of, keep)
-        decisions.append(GroupDecision(group.group_id, group.prompt_id, group.attempt, kind, snap, group.versions))
+        decisions.append(
+            GroupDecision(group.group_id, group.prompt_id, group.attempt, kind, snap, group.versions, group.tokens)
+        )
         if final:
             dropped.append((group.group_id, kind.value))
             drops_total += 1
-        new_state = replace(state, dropped_since_batch=tuple(dropped), drops_total=drops_total)
+        tokens = state.tokens.add(group.tokens, decisions)
+        new_state = replace(state, dropped_since_batch=tuple(dropped), drops_total=drops_total, tokens=tokens)
         return StepResult(new_state, tuple(decisions))
 
     if group.versions:
@@ -382,7 +435,8 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
             if is_stale((index_of(v) for v in held.versions), snap.current_index, keep):
                 decisions.append(
                     GroupDecision(
-                        held.group_id, held.prompt_id, held.attempt, Decision.DROPPED_RETROACTIVE, snap, held.versions
+                        held.group_id, held.prompt_id, held.attempt, Decision.DROPPED_RETROACTIVE, snap, held.versions,
+                        held.tokens,
                     )
                 )
                 dropped.append((held.group_id, Decision.DROPPED_RETROACTIVE.value))
@@ -402,19 +456,22 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
     else:
         kind = Decision.KEPT
         pending.append(group)
-    decisions.append(GroupDecision(group.group_id, group.prompt_id, group.attempt, kind, snap, group.versions))
+    decisions.append(
+        GroupDecision(group.group_id, group.prompt_id, group.attempt, kind, snap, group.versions, group.tokens)
+    )
+    tokens = state.tokens.add(group.tokens, decisions)
 
     batch: Batch | None = None
     batches = state.batches
     if len(pending) >= config.batch_groups:
         taken, pending = tuple(pending[: config.batch_groups]), pending[config.batch_groups :]
         gap = version_gaps(snap.current_index, (index_of(v) for g in taken for v in g.versions))
-        batch = Batch(batches, taken, snap, gap, tuple(dropped), drops_total)
+        batch = Batch(batches, taken, snap, gap, tuple(dropped), drops_total, tokens)
         batches += 1
         dropped = []
 
     no_signal_run = 0 if group.signal else state.no_signal_run + 1
-    new_state = WindowState(current, tuple(pending), batches, tuple(dropped), drops_total, no_signal_run)
+    new_state = WindowState(current, tuple(pending), batches, tuple(dropped), drops_total, no_signal_run, tokens)
     return StepResult(new_state, tuple(decisions), batch, advanced)
 
 

@@ -8,7 +8,8 @@ which never writes (no registry ``observe``, no WATCH). Layout:
 
 - ``window`` (hash): ``current``, ``batches``, ``steps``, ``drops_total``,
   ``drops:<decision>`` (counter per drop reason), ``dropped_since`` (JSON pairs),
-  ``no_signal_run`` (groups without signal in a row);
+  ``no_signal_run`` (groups without signal in a row), ``tokens_generated`` and
+  ``untrained:<cause>`` (the :class:`shared.staleness.TokenTally`; absent fields read 0);
 - ``window_config`` (hash): ``keep_versions``, ``batch_groups``, ``max_retries``,
   ``max_free_retries`` (integers), ``no_signal_groups`` (``drop`` / ``keep``);
 - ``pending_order`` and ``outbox`` (lists), ``prompt_drops`` (hash prompt id -> drops);
@@ -20,15 +21,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from shared.names import RedisKeys
-from shared.staleness import WindowConfig, WindowState
+from shared.staleness import TokenTally, WindowConfig, WindowState
 from shared.versions import VersionRegistry
 
 DROPS_PREFIX = "drops:"
 """Window-hash fields ``drops:<decision>`` count the groups dropped for each reason."""
+
+
+UNTRAINED_PREFIX = "untrained:"
+"""Window-hash fields ``untrained:<cause>`` hold the tokens left untrained for each cause."""
 
 
 def drops_field(decision: str) -> str:
@@ -46,6 +51,7 @@ class WindowHash:
     dropped_since: tuple[tuple[str, str], ...]
     drops_by_reason: dict[str, int]
     no_signal_run: int = 0
+    tokens: TokenTally = field(default_factory=TokenTally)
 
 
 def decode_window(raw: Mapping[str, str]) -> WindowHash:
@@ -59,6 +65,10 @@ def decode_window(raw: Mapping[str, str]) -> WindowHash:
         dropped_since=dropped,
         drops_by_reason={k[len(DROPS_PREFIX):]: int(v) for k, v in raw.items() if k.startswith(DROPS_PREFIX)},
         no_signal_run=int(raw.get("no_signal_run", 0)),
+        tokens=TokenTally(
+            int(raw.get("tokens_generated", 0)),
+            **{cause: int(raw.get(f"{UNTRAINED_PREFIX}{cause}", 0)) for cause in TokenTally().by_cause()},
+        ),
     )
 
 
@@ -70,6 +80,8 @@ def encode_window(after: WindowState, steps: int) -> dict[str, str | int]:
         "dropped_since": json.dumps([list(p) for p in after.dropped_since_batch]),
         "steps": steps,
         "no_signal_run": after.no_signal_run,
+        "tokens_generated": after.tokens.generated,
+        **{f"{UNTRAINED_PREFIX}{cause}": n for cause, n in after.tokens.by_cause().items()},
     }
     if after.current is not None:
         window["current"] = after.current

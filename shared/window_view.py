@@ -2,7 +2,8 @@
 
 A ``rollout.groups`` record carries every token's version; the window only needs one end
 version per trajectory (the last trainable, versioned token of its highest segment),
-whether a failure is charged to the prompt, and whether the rewards differ (GRPO signal).
+whether a failure is charged to the prompt, whether the rewards differ (GRPO signal), and how
+many trainable tokens it generated (what its drop leaves untrained).
 The live collector and the what-if replay (``ops/replay.py``) both build that view here, so
 the live and the replayed rule cannot drift apart.
 """
@@ -55,6 +56,11 @@ def window_group_from_samples(
     return WindowGroup(group_id, prompt_id, attempt, failed, versions, signal=signal)
 
 
+def trainable_tokens(group: CompletedGroup) -> int:
+    """Tokens with loss mask 1 over every segment of every trajectory (a failed group: those it holds)."""
+    return sum(seg.loss_mask.count(1) for traj in group.trajectories for seg in traj.segments)
+
+
 def window_group(group: CompletedGroup) -> WindowGroup:
     """The window's view of a completed group from ``rollout.groups``."""
     view = window_group_from_samples(
@@ -62,4 +68,4 @@ def window_group(group: CompletedGroup) -> WindowGroup:
     )
     abnormal = [t.error for t in group.trajectories if t.status not in ("completed", "truncated")]
     uncharged = group.failed and bool(abnormal) and all(e in UNCHARGED_ERRORS for e in abnormal)
-    return replace(view, free_retries=group.free_retries, uncharged=uncharged)
+    return replace(view, free_retries=group.free_retries, uncharged=uncharged, tokens=trainable_tokens(group))

@@ -18,8 +18,8 @@ def register(subparsers: Any) -> None:
         help="plot a run's metrics to PNG",
         description=(
             "Render RUN_DIR/metrics.jsonl (one JSON object per manifest the trainer consumed) to a PNG: "
-            "reward, version gap min/max/mean, drops, train/rollout logprob difference and masked-token "
-            "fraction, each only if present. Prints the PNG's path."
+            "reward, version gap min/max/mean, drops, cumulative untrained tokens by cause, train/rollout "
+            "logprob difference and masked-token fraction, each only if present. Prints the PNG's path."
         ),
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="run directory holding metrics.jsonl")

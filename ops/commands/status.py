@@ -14,7 +14,8 @@ from shared.settings import SettingsError, load
 
 EPILOG = """\
 Reports the version registry and the window (current version and index, cutoff,
-keep_versions, pending groups, batches, drops by reason) from Redis; consumer lag
+keep_versions, pending groups, batches, drops by reason, untrained tokens by cause
+and their share of generated) from Redis; consumer lag
 (end offset - committed offset) of each service's consumer group; each proxy's pause
 state and rejection counts; each engine's loaded weight version. A part that cannot
 be reached is shown as an error; every call is bounded by --timeout.

@@ -21,6 +21,12 @@ class CollectorMetrics:
         self.groups = counter(r, "collector/groups", "Completed groups handled (rate = groups/s)", ("status",))
         self.decisions = counter(r, "staleness/decisions", "Window decisions made by this replica", ("decision",))
         self.dropped = counter(r, "staleness/dropped_groups", "Groups dropped by this replica, by reason", ("reason",))
+        self.decided_tokens = counter(
+            r, "staleness/decided_tokens",
+            "Trainable tokens of the groups this replica decided, by decision (a kept group that a later advance "
+            "drops counts under both)",
+            ("decision",),
+        )
         self.batches = counter(r, "collector/batches", "Batch manifests emitted by this replica's steps")
         self.published = counter(r, "collector/outbox_published", "Outbox records published by this replica")
         self.conflicts = counter(r, "collector/window_conflicts", "Window steps retried after another replica's")

@@ -283,6 +283,7 @@ class Collector:
             return
         for d in outcome.result.decisions:
             self.metrics.decisions.labels(decision=d.decision.value).inc()
+            self.metrics.decided_tokens.labels(decision=d.decision.value).inc(d.tokens)
             if d.decision is not Decision.KEPT and d.decision is not Decision.FAILED_RETRY:
                 self.metrics.dropped.labels(reason=d.decision.value).inc()
             log_fn = _log.info if d.decision is Decision.KEPT else _log.warning
@@ -293,6 +294,7 @@ class Collector:
                 attempt=d.attempt,
                 decision=d.decision.value,
                 versions=list(d.versions),
+                tokens=d.tokens,
                 current=d.window.current_version,
                 cutoff_index=d.window.cutoff_index,
                 step=outcome.step,

@@ -99,6 +99,7 @@ def _group_to_json(group: WindowGroup, ref: GroupRef) -> str:
             "failed": group.failed,
             "versions": list(group.versions),
             "signal": group.signal,
+            "tokens": group.tokens,
             "ref": ref.model_dump(),
         }
     )
@@ -109,6 +110,7 @@ def _group_from_json(text: str) -> tuple[WindowGroup, GroupRef]:
     group = WindowGroup(
         obj["group_id"], obj["prompt_id"], int(obj["attempt"]), bool(obj["failed"]), tuple(obj["versions"]),
         signal=bool(obj.get("signal", True)),  # absent: pending before the signal rule, judged with signal
+        tokens=int(obj.get("tokens", 0)),  # absent: pending before tokens were counted
     )
     return group, GroupRef.model_validate(obj["ref"])
 
@@ -196,6 +198,7 @@ class WindowStore:
             dropped_since_batch=hashed.dropped_since,
             drops_total=hashed.drops_total,
             no_signal_run=hashed.no_signal_run,
+            tokens=hashed.tokens,
         )
         return state, refs, hashed.steps
 
@@ -293,6 +296,8 @@ class WindowStore:
                         dropped=[{"group_id": gid, "decision": why} for gid, why in batch.dropped],
                         drops_in_batch=len(batch.dropped),
                         drops_cumulative=batch.drops_total,
+                        generated_tokens_cumulative=batch.tokens.generated,
+                        untrained_tokens_cumulative=batch.tokens.by_cause(),
                     ),
                 )
             )

@@ -33,6 +33,11 @@ GAUGES: dict[str, str] = {
     "version_gap_max": "staleness/version_gap_max",
     "drops_in_batch": "trainer/drops_in_batch",
     "drops_cumulative": "trainer/drops_cumulative",
+    "generated_tokens_cumulative": "trainer/generated_tokens_cumulative",
+    "untrained_window_cumulative": "trainer/untrained_window_cumulative",
+    "untrained_no_signal_cumulative": "trainer/untrained_no_signal_cumulative",
+    "untrained_failed_cumulative": "trainer/untrained_failed_cumulative",
+    "version_masked_tokens": "trainer/version_masked_tokens",
     "manifest_index": "trainer/manifest_index",
     "step_time_s": "trainer/step_time_s",
 }
@@ -84,11 +89,17 @@ def step_line(
     """The ``metrics.jsonl`` object of one consumed manifest (also what the Prometheus gauges show).
 
     ``step`` and ``version`` name the weights after it: for a skipped batch (``skipped`` says why)
-    the ones it left unchanged, so a skip repeats the previous line's step."""
+    the ones it left unchanged, so a skip repeats the previous line's step.
+
+    Waste: ``generated_tokens_cumulative`` and ``untrained_<cause>_cumulative`` are the manifest's
+    window tally (None when the collector predates it); ``version_masked_tokens`` is this batch's
+    own, so the cumulative masked tokens are the sum over the lines (one per manifest index)."""
     rewards = batch.rewards
     # The collector's gap: against the newest version among the groups it had seen when it cut the batch,
     # which may lag the weights the trainer holds by a version; same_version_tokens is the trainer's own view.
     gap = manifest.version_gap
+    untrained = manifest.untrained_tokens_cumulative
+    tallied = bool(untrained)
     return {
         "ts": time.time(),
         "step": step,
@@ -136,6 +147,10 @@ def step_line(
         "keep_versions": manifest.window.keep_versions,
         "drops_in_batch": manifest.drops_in_batch,
         "drops_cumulative": manifest.drops_cumulative,
+        "generated_tokens_cumulative": manifest.generated_tokens_cumulative if tallied else None,
+        "untrained_window_cumulative": untrained.get("window"),
+        "untrained_no_signal_cumulative": untrained.get("no_signal"),
+        "untrained_failed_cumulative": untrained.get("failed"),
         "step_time_s": step_time_s,
         "fetch_time_s": fetch_time_s,
     }

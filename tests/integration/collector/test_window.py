@@ -15,6 +15,8 @@ from services.collector.synthetic import group_records
 from shared.bus import read_at
 from shared.names import RedisKeys
 from shared.schemas import CompletedGroup, DecisionRecord, RetryRequest, SessionFinished, encode
+from shared.staleness import TokenTally
+from shared.window_layout import WindowReader, decode_window
 from tests.support.collector import (
     Running,
     Source,
@@ -77,6 +79,10 @@ def test_sliding_window_whole_group_drops_and_retroactive_removal_only_on_advanc
     assert all(r.window.current_version in ("v2", "v3") for r in retro)
     g = next(r for r in records if isinstance(r, DecisionRecord) and r.group_id == "G")
     assert (g.window.current_version, g.window.current_index, g.window.cutoff_index) == ("v3", 3, 2)
+    # 4 trainable tokens per trajectory; A, B and D were pending when they left: their tokens count then
+    client = redis.Redis.from_url(settings.redis.url, decode_responses=True)
+    tally = WindowReader(client, RedisKeys(settings.redis.key_prefix)).window().tokens
+    assert tally == TokenTally(generated=8 * 4 + 4 * 3, window=8 + 8 + 4 + 8 + 8, no_signal=0, failed=0)
     source.close()
     tail.close()
 
@@ -147,6 +153,9 @@ def test_failed_groups_are_retried_then_dropped_and_never_move_the_window(
     assert got[0].prompt == {"id": "pf"}
     client = redis.Redis.from_url(settings.redis.url, decode_responses=True)
     assert client.hget(RedisKeys(settings.redis.key_prefix).prompt_drops, "pf") == "1"
+    # a failed group's tokens (rejected sessions' included) are never trained, retried or not
+    tally = WindowReader(client, RedisKeys(settings.redis.key_prefix)).window().tokens
+    assert tally == TokenTally(generated=8 + 8 + 8 + 4, window=0, no_signal=0, failed=8 + 8)
     client.close()
     source.close()
     tail.close()
@@ -225,6 +234,8 @@ def test_manifests_reference_groups_and_report_window_drops_and_gaps(kafka_boots
         manifests = manifests_by_index(records)
         assert replica.metric("rein_collector_batches_total") == 2
         assert replica.metric("rein_staleness_dropped_groups_total", {"reason": "dropped_stale"}) == 1
+        assert replica.metric("rein_staleness_decided_tokens_total", {"decision": "dropped_stale"}) == 4
+        assert replica.metric("rein_staleness_decided_tokens_total", {"decision": "kept"}) == 24
         assert replica.metric("rein_staleness_current_version_index") == 2
         assert replica.metric("rein_staleness_cutoff_version_index") == 1
     first, second = manifests[0], manifests[1]
@@ -234,6 +245,13 @@ def test_manifests_reference_groups_and_report_window_drops_and_gaps(kafka_boots
     assert second.window.current_version == "v2" and second.window.cutoff_index == 1
     assert second.dropped == [{"group_id": "m4", "decision": "dropped_stale"}]
     assert (second.drops_in_batch, second.drops_cumulative) == (1, 1)
+    # 4 trainable tokens per trajectory: m1 8, m2 4 (first); m3 4, m4 4 (stale), m5 8
+    assert (first.generated_tokens_cumulative, first.untrained_tokens_cumulative) == (
+        12, {"window": 0, "no_signal": 0, "failed": 0}
+    )
+    assert (second.generated_tokens_cumulative, second.untrained_tokens_cumulative) == (
+        28, {"window": 4, "no_signal": 0, "failed": 0}
+    )
     assert second.version_gap is not None and (second.version_gap.min, second.version_gap.max) == (0, 1)
     assert second.batch_id.endswith("-batch-00000001") and second.index == 1
     for ref in first.groups + second.groups:
@@ -347,6 +365,10 @@ def test_groups_without_signal_are_dropped_counted_and_not_retried(
     )
     assert int(window.get("drops:dropped_no_signal", 0)) == (no_signal if policy == "drop" else 0)
     assert window["no_signal_run"] == "0"
+    flat_tokens = 8 + 4 + 8 if policy == "drop" else 0  # flat1, solo, flat0 (4 tokens a trajectory)
+    assert decode_window(window).tokens == TokenTally(generated=44, window=0, no_signal=flat_tokens, failed=8)
+    if policy == "drop":
+        assert made[0].untrained_tokens_cumulative == {"window": 0, "no_signal": flat_tokens, "failed": 8}
     for t in (tail, retries, manifests):
         t.close()
     source.close()

@@ -115,3 +115,4 @@ def test_a_skipped_batch_shows_in_progress_and_summary_but_is_no_step(tmp_path: 
     assert (summary["steps"], summary["batches"], summary["skipped_steps"]) == (2, 3, {"no_signal": 1})
     assert summary["reward_start"] == 0.1 and summary["reward_window_steps"] == 1  # a quarter of 3 batches, at least 1
     assert summary["seconds_per_step"]["step_wall_s"] == 2.0  # between the two steps, the skip inside
+    assert summary["waste"] is None  # no line carries the window's token tally

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from ops.cli import main
-from ops.report import load_metrics, plot_run, present_panels, read_metrics, series
+from ops.report import load_metrics, plot_run, present_panels, read_metrics, series, waste
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -94,6 +94,8 @@ def test_load_metrics_counts_malformed(tmp_path: Path) -> None:
     [
         ([{"step": 1, "reward_mean": 0.5}], ["reward"]),
         ([{"step": 1, "drops_cumulative": 3}], ["drops"]),
+        ([{"step": 1, "untrained_window_cumulative": 3}], ["untrained tokens"]),
+        ([{"step": 1, "version_masked_tokens": 3}], ["untrained tokens"]),
         ([{"step": 1, "version_gap_max": 2}, {"step": 2, "loss": 0.1}], ["version gap", "loss"]),
         ([{"step": 1, "reward_mean": None, "unknown": 1}], []),
         ([{"step": 1, "reward_mean": "high"}, {"step": 2, "reward_mean": True}], []),
@@ -113,3 +115,28 @@ def test_plot_run_always_writes_a_png(tmp_path: Path, rows: list[dict[str, Any]]
     out = plot_run(rows, tmp_path / "sub" / "r.png", "title")
     assert out == tmp_path / "sub" / "r.png"
     assert out.read_bytes().startswith(PNG_MAGIC)
+
+
+WASTE_ROWS: list[dict[str, Any]] = [
+    {"step": 1, "version_masked_tokens": 2},  # a manifest from a collector without the tally
+    {"step": 2, "version_masked_tokens": 3, "generated_tokens_cumulative": 100, "untrained_window_cumulative": 10,
+     "untrained_no_signal_cumulative": 5, "untrained_failed_cumulative": 0},
+    {"step": 2, "skipped": "no_signal", "version_masked_tokens": 0, "generated_tokens_cumulative": 180,
+     "untrained_window_cumulative": 12, "untrained_no_signal_cumulative": 20, "untrained_failed_cumulative": 8},
+]
+
+
+def test_waste_takes_the_last_tally_and_sums_the_masked_tokens() -> None:
+    assert waste(WASTE_ROWS) == {
+        "tokens": {"window": 12, "no_signal": 20, "failed": 8, "masked": 5},
+        "untrained": 45,
+        "generated": 180,
+        "share": 0.25,
+    }
+    assert waste(WASTE_ROWS[:1]) is None and waste([]) is None
+
+
+def test_the_untrained_panel_sums_the_masked_tokens(tmp_path: Path) -> None:
+    assert series(WASTE_ROWS, "untrained_failed_cumulative") == ([2.0, 2.0], [0.0, 8.0])
+    assert [p.title for p in present_panels(WASTE_ROWS)] == ["untrained tokens"]
+    _assert_png(plot_run(WASTE_ROWS * 4, tmp_path / "w.png", "waste"))

@@ -78,7 +78,9 @@ class FakeRedis:
         self.hashes = {
             keys.window: {"current": "v2", "batches": "3", "steps": "9", "drops_total": "5",
                           "drops:dropped_stale": "1", "drops:failed_dropped": "1", "drops:dropped_no_signal": "3",
-                          "dropped_since": json.dumps([["g7", "dropped_stale"]]), "no_signal_run": "2"},
+                          "dropped_since": json.dumps([["g7", "dropped_stale"]]), "no_signal_run": "2",
+                          "tokens_generated": "400", "untrained:window": "30", "untrained:no_signal": "60",
+                          "untrained:failed": "10"},
             keys.window_config: {"keep_versions": "2", "batch_groups": "4", "max_retries": "2",
                                  "no_signal_groups": "drop"},
             keys.prompt_drops: {"p1": "1"},
@@ -108,6 +110,9 @@ def test_read_window() -> None:
         "total": 5, "by_reason": {"dropped_stale": 1, "failed_dropped": 1, "dropped_no_signal": 3},
         "since_last_batch": 1, "prompts_dropped_after_retries": 1,
     }
+    assert report["untrained_tokens"] == {
+        "generated": 400, "total": 100, "by_cause": {"window": 30, "no_signal": 60, "failed": 10}, "share": 0.25,
+    }
     assert report["registry"]["unregistered"] == [{"label": "rogue", "index": 3}]
     assert report["registry"]["published"][2] == {"label": "v2", "seq": 2, "index": 2}
 
@@ -116,8 +121,17 @@ def test_read_window_of_an_empty_deployment() -> None:
     keys = RedisKeys("empty")
     fake = FakeRedis(keys)
     fake.zsets, fake.hashes, fake.lists = {}, {}, {}
-    window = read_window(fake, keys)["window"]
+    report = read_window(fake, keys)
+    window = report["window"]
     assert window["current_version"] is None and window["cutoff_index"] is None and window["keep_versions"] is None
+    assert report["untrained_tokens"]["generated"] == 0 and report["untrained_tokens"]["share"] is None
+
+
+def test_render_shows_untrained_tokens_by_cause() -> None:
+    keys = RedisKeys("p")
+    report = collect(Targets(kafka=None, redis=None))
+    report.update(read_window(FakeRedis(keys), keys), redis={"url": "redis://r", "key_prefix": "p"})
+    assert "untrained tokens 100 of 400 generated (25.0%): window 30, no_signal 60, failed 10" in render(report)
 
 
 @pytest.fixture

@@ -55,6 +55,22 @@ def test_manifest_round_trip() -> None:
     assert m.key() == "b-1"
 
 
+
+def test_a_manifest_from_before_tokens_were_counted_decodes_with_zero() -> None:
+    m = BatchManifest(
+        batch_id="b-2", index=1, groups=[GroupRef(group_id="g", partition=0, offset=1)],
+        window=WindowInfo(keep_versions=2, current_version="v3", current_index=3, cutoff_index=2),
+        version_gap=None, drops_in_batch=0, drops_cumulative=0,
+        generated_tokens_cumulative=90, untrained_tokens_cumulative={"window": 12, "no_signal": 0, "failed": 3},
+    )
+    assert decode(encode(m)) == m
+    env = msgpack.unpackb(encode(m))
+    del env["data"]["generated_tokens_cumulative"], env["data"]["untrained_tokens_cumulative"]
+    old = decode(msgpack.packb(env))
+    assert isinstance(old, BatchManifest)
+    assert (old.generated_tokens_cumulative, old.untrained_tokens_cumulative) == (0, {})
+
+
 def test_batch_skipped_round_trips_and_keeps_one_key_on_the_compacted_weights_topic() -> None:
     """Readers want the highest skipped index only, so compaction may drop every older skip, never a version."""
     skip = BatchSkipped(index=7, batch_id="b-7", reason="no_signal", version="v3 ")

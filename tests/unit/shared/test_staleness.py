@@ -9,6 +9,7 @@ from shared.staleness import (
     Decision,
     NoSignalGroups,
     SegmentEnd,
+    TokenTally,
     WindowConfig,
     WindowGroup,
     WindowReplay,
@@ -156,8 +157,10 @@ def _registry(n: int) -> VersionRegistry:
     return reg
 
 
-def _group(gid: str, *versions: str, failed: bool = False, attempt: int = 0, signal: bool = True) -> WindowGroup:
-    return WindowGroup(gid, f"p-{gid}", attempt, failed, tuple(versions), signal=signal)
+def _group(
+    gid: str, *versions: str, failed: bool = False, attempt: int = 0, signal: bool = True, tokens: int = 0
+) -> WindowGroup:
+    return WindowGroup(gid, f"p-{gid}", attempt, failed, tuple(versions), signal=signal, tokens=tokens)
 
 
 def _run(keep: int, groups: list[WindowGroup], batch: int = 100, n: int = 10) -> WindowReplay:
@@ -291,7 +294,7 @@ def test_every_group_gets_exactly_one_final_outcome(
     drops = 0
     signal_of = {f"g{i}": signal for i, (_, failed, signal) in enumerate(raw)}
     for i, (idxs, failed, signal) in enumerate(raw):
-        result = replay.feed(_group(f"g{i}", *(f"v{x}" for x in idxs), failed=failed, signal=signal))
+        result = replay.feed(_group(f"g{i}", *(f"v{x}" for x in idxs), failed=failed, signal=signal, tokens=i + 1))
         for d in result.decisions:
             if d.decision != Decision.KEPT:
                 outcomes.setdefault(d.group_id, []).append(d.decision.value)
@@ -299,6 +302,7 @@ def test_every_group_gets_exactly_one_final_outcome(
             if d.decision is Decision.DROPPED_NO_SIGNAL:
                 assert policy is NoSignalGroups.DROP and not signal_of[d.group_id]
         if result.batch is not None:
+            assert result.batch.tokens == result.state.tokens
             assert len(result.batch.groups) == batch_groups
             if policy is NoSignalGroups.DROP:
                 assert all(g.signal for g in result.batch.groups)
@@ -307,6 +311,15 @@ def test_every_group_gets_exactly_one_final_outcome(
                 outcomes.setdefault(g.group_id, []).append("batch")
     for g in replay.state.pending:
         outcomes.setdefault(g.group_id, []).append("pending")
+    # Tokens (group i generated i + 1): every generated token is untrained by its drop's cause or kept.
+    cause = {"dropped_stale": "window", "dropped_retroactive": "window", "dropped_no_signal": "no_signal",
+             "failed_dropped": "failed", "batch": "kept", "pending": "kept"}
+    by_cause = dict.fromkeys(["window", "no_signal", "failed", "kept"], 0)
+    for gid, v in outcomes.items():
+        by_cause[cause[v[0]]] += int(gid[1:]) + 1
+    tally = replay.state.tokens
+    assert tally.generated == sum(i + 1 for i in range(len(raw))) == tally.untrained + by_cause.pop("kept")
+    assert tally.by_cause() == by_cause
     assert sorted(outcomes) == sorted(f"g{i}" for i in range(len(raw)))
     assert all(len(v) == 1 for v in outcomes.values()), outcomes
     assert replay.state.drops_total == drops
@@ -315,6 +328,23 @@ def test_every_group_gets_exactly_one_final_outcome(
     assert every_drop == sorted((gid, v[0]) for gid, v in outcomes.items() if v[0] in FINAL_DROPS)
     if policy is NoSignalGroups.KEEP:
         assert Decision.DROPPED_NO_SIGNAL.value not in {v[0] for v in outcomes.values()}
+
+
+def test_token_tally_by_cause() -> None:
+    replay = WindowReplay(WindowConfig(1, 2, max_retries=1), _registry(5).index)
+    replay.feed(_group("a", "v1", tokens=10))  # kept
+    replay.feed(_group("flat", "v1", signal=False, tokens=7))  # dropped_no_signal
+    replay.feed(_group("f0", "v1", failed=True, tokens=3))  # failed_retry: the tokens are still lost
+    replay.feed(_group("f1", "v1", failed=True, attempt=1, tokens=4))  # failed_dropped
+    assert replay.state.tokens == TokenTally(generated=24, window=0, no_signal=7, failed=7)
+    moved = replay.feed(_group("b", "v2", tokens=5))  # a (pending) dropped retroactively; b kept
+    assert [(d.group_id, d.tokens) for d in moved.decisions] == [("a", 10), ("b", 5)]
+    replay.feed(_group("late", "v0", tokens=2))  # dropped_stale
+    assert replay.state.tokens == TokenTally(generated=31, window=12, no_signal=7, failed=7)
+    res = replay.feed(_group("c", "v2", tokens=6))  # b and c batched: trained, not untrained
+    assert res.batch is not None and res.batch.tokens == TokenTally(37, 12, 7, 7)
+    assert res.batch.tokens.untrained == 26
+    assert res.batch.tokens.by_cause() == {"window": 12, "no_signal": 7, "failed": 7}
 
 
 def test_state_default_is_empty() -> None:
@@ -462,3 +492,20 @@ def test_window_group_signal_comes_from_the_rewards() -> None:
     assert window_group(group(1.0, 0.0, 1.0)).signal
     assert not window_group(group(0.5, 0.5, 0.5)).signal
     assert not window_group(group(1.0)).signal
+
+
+def test_window_group_counts_the_trainable_tokens_it_holds() -> None:
+    from shared.schemas import CompletedGroup, Segment, Trajectory
+    from shared.window_view import window_group
+
+    def seg(index: int, mask: list[int]) -> Segment:
+        return Segment(segment_index=index, token_ids=[0] * len(mask), loss_mask=mask, logprobs=[0.0] * len(mask),
+                       versions=["v1" if m else None for m in mask])
+
+    trajs = [
+        Trajectory(session_id="s0", status="completed", reward=1.0, segments=[seg(0, [0, 0, 1, 1]), seg(1, [0, 1])]),
+        Trajectory(session_id="s1", status="rejected", error="session_idle", segments=[seg(0, [0, 1, 1, 1])]),
+        Trajectory(session_id="s2", status="rejected", error="session_lost", segments=[]),
+    ]
+    group = CompletedGroup(group_id="g", prompt_id="p", failed=True, trajectories=trajs)
+    assert window_group(group).tokens == 3 + 3

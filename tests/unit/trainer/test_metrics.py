@@ -37,3 +37,24 @@ def test_a_skipped_batch_is_counted_by_reason_and_leaves_the_step_gauges_alone()
     assert value("rein_trainer_loss") == 0.5 and value("rein_trainer_grad_norm") == 0.3  # the last step's
     assert value("rein_trainer_manifest_index") == 4.0  # what the batch itself says is still shown
     assert _line(trained, 4)["skipped"] is None
+
+
+def test_the_line_carries_the_manifests_waste_and_its_own_masked_tokens() -> None:
+    manifest = MANIFEST.model_copy(update={
+        "generated_tokens_cumulative": 500, "untrained_tokens_cumulative": {"window": 40, "no_signal": 24, "failed": 9},
+    })
+    batch = BatchSamples(rewards=[0.0, 1.0], trajectory_group=[0, 0], groups=1, trainable_tokens=30,
+                         version_masked_tokens=6)
+    line = step_line(step=2, manifest=manifest, batch=batch, stats=StepStats(0.5, 24, 0.01, 0.0, 0.0, 1.0, 0.3, 0.4),
+                     bad_refs=0, step_time_s=0.1, fetch_time_s=0.0, correction="none")
+    assert {k: line[k] for k in ("generated_tokens_cumulative", "untrained_window_cumulative",
+                                 "untrained_no_signal_cumulative", "untrained_failed_cumulative",
+                                 "version_masked_tokens")} == {
+        "generated_tokens_cumulative": 500, "untrained_window_cumulative": 40, "untrained_no_signal_cumulative": 24,
+        "untrained_failed_cumulative": 9, "version_masked_tokens": 6,
+    }
+    metrics = TrainerMetrics(CollectorRegistry())
+    metrics.observe(line)
+    assert metrics.registry.get_sample_value("rein_trainer_untrained_window_cumulative") == 40.0
+    old = _line(StepStats(0.5, 8, 0.01, 0.0, 0.0, 1.0, 0.3, 0.4), 3)  # a manifest from before the tally
+    assert old["generated_tokens_cumulative"] is None and old["untrained_window_cumulative"] is None
