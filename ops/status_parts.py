@@ -142,7 +142,7 @@ def read_window(client: Any, keys: RedisKeys) -> dict[str, Any]:
             "total": window.drops_total,
             "by_reason": window.drops_by_reason,
             "since_last_batch": len(window.dropped_since),
-            "prompts_dropped_after_retries": len(reader.prompt_drops()),
+            "prompts_dropped_after_retries": window.drops_by_reason.get("failed_dropped", 0),
         },
         "untrained_tokens": {
             "generated": tally.generated,

@@ -90,11 +90,6 @@ class RedisKeys:
         return f"{self.prefix}:rollout:cursor:{task}:seed{seed}"
 
     @property
-    def prompt_drops(self) -> str:
-        """Hash prompt id -> number of groups of that prompt dropped after the last retry."""
-        return f"{self.prefix}:prompt_drops"
-
-    @property
     def window_config(self) -> str:
         """Hash keep_versions / batch_groups / max_retries every collector replica must agree on."""
         return f"{self.prefix}:window:config"

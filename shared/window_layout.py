@@ -12,7 +12,7 @@ which never writes (no registry ``observe``, no WATCH). Layout:
   ``untrained:<cause>`` (the :class:`shared.staleness.TokenTally`; absent fields read 0);
 - ``window_config`` (hash): ``keep_versions``, ``batch_groups``, ``max_retries``,
   ``max_free_retries`` (integers), ``no_signal_groups`` (``drop`` / ``keep``);
-- ``pending_order`` and ``outbox`` (lists), ``prompt_drops`` (hash prompt id -> drops);
+- ``pending_order`` and ``outbox`` (lists);
 - the registry's sorted sets (``registry_order`` by sequence, ``unregistered`` by
   observation), whose order rule is :class:`shared.versions.VersionRegistry`.
 """
@@ -131,6 +131,3 @@ class WindowReader:
     def outbox_size(self) -> int:
         return int(self.client.llen(self.keys.outbox))
 
-    def prompt_drops(self) -> dict[str, int]:
-        raw = cast(dict[str, str], self.client.hgetall(self.keys.prompt_drops))
-        return {k: int(v) for k, v in raw.items()}

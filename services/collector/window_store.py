@@ -332,8 +332,6 @@ class WindowStore:
         for d in result.decisions:
             if d.decision is not Decision.KEPT:
                 pipe.hincrby(k.window, drops_field(d.decision.value), 1)
-            if d.decision is Decision.FAILED_DROPPED:
-                pipe.hincrby(k.prompt_drops, d.prompt_id, 1)
         if records:
             self.outbox.push(pipe, records)
 

@@ -152,7 +152,7 @@ def test_failed_groups_are_retried_then_dropped_and_never_move_the_window(
     assert (got[0].prompt_id, got[0].attempt, got[0].previous_group_id) == ("pf", 1, "f0")
     assert got[0].prompt == {"id": "pf"}
     client = redis.Redis.from_url(settings.redis.url, decode_responses=True)
-    assert client.hget(RedisKeys(settings.redis.key_prefix).prompt_drops, "pf") == "1"
+    assert WindowReader(client, RedisKeys(settings.redis.key_prefix)).window().drops_by_reason["failed_dropped"] == 1
     # a failed group's tokens (rejected sessions' included) are never trained, retried or not
     tally = WindowReader(client, RedisKeys(settings.redis.key_prefix)).window().tokens
     assert tally == TokenTally(generated=8 + 8 + 8 + 4, window=0, no_signal=0, failed=8 + 8)

@@ -77,13 +77,12 @@ class FakeRedis:
         self.zsets = {keys.registry_order: [("v0", 0.0), ("v1", 1.0), ("v2", 2.0)], keys.unregistered: [("rogue", 1.0)]}
         self.hashes = {
             keys.window: {"current": "v2", "batches": "3", "steps": "9", "drops_total": "5",
-                          "drops:dropped_stale": "1", "drops:failed_dropped": "1", "drops:dropped_no_signal": "3",
+                          "drops:dropped_stale": "1", "drops:failed_dropped": "2", "drops:dropped_no_signal": "3",
                           "dropped_since": json.dumps([["g7", "dropped_stale"]]), "no_signal_run": "2",
                           "tokens_generated": "400", "untrained:window": "30", "untrained:no_signal": "60",
                           "untrained:failed": "10"},
             keys.window_config: {"keep_versions": "2", "batch_groups": "4", "max_retries": "2",
                                  "no_signal_groups": "drop"},
-            keys.prompt_drops: {"p1": "1"},
         }
         self.lists = {keys.pending_order: ["g8", "g9"], keys.outbox: []}
 
@@ -107,8 +106,8 @@ def test_read_window() -> None:
         "pending_groups": 2, "batches": 3, "steps": 9, "outbox": 0,
     }
     assert report["drops"] == {
-        "total": 5, "by_reason": {"dropped_stale": 1, "failed_dropped": 1, "dropped_no_signal": 3},
-        "since_last_batch": 1, "prompts_dropped_after_retries": 1,
+        "total": 5, "by_reason": {"dropped_stale": 1, "failed_dropped": 2, "dropped_no_signal": 3},
+        "since_last_batch": 1, "prompts_dropped_after_retries": 2,
     }
     assert report["untrained_tokens"] == {
         "generated": 400, "total": 100, "by_cause": {"window": 30, "no_signal": 60, "failed": 10}, "share": 0.25,
