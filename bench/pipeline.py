@@ -59,6 +59,7 @@ from shared.bus import read_topic
 from shared.names import Topics
 from shared.schemas import BatchManifest, CompletedGroup, DecisionRecord
 from shared.settings import KafkaSettings
+from shared.window_view import trainable_tokens
 
 _IN_FLIGHT = re.compile(r"^rein_rollout_groups_in_flight\s+([0-9.eE+-]+)$", re.M)
 
@@ -119,9 +120,7 @@ def token_accounting(local: LocalStack, steps: int) -> dict[str, Any]:
 
     def tokens(group_id: str) -> int:
         group = groups.get(group_id)
-        if group is None:
-            return 0
-        return sum(sum(seg.loss_mask) for t in group.trajectories for seg in t.segments)
+        return 0 if group is None else trainable_tokens(group)
 
     out = {"tokens_dropped_stale": 0, "tokens_no_signal": 0, "tokens_failed": 0, "tokens_in_trained_batches": 0}
     for gid, decision in final.items():

@@ -31,10 +31,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from shared.staleness import UNTRAINED_CAUSES
-
-WINDOW_CAUSES = tuple(dict.fromkeys(UNTRAINED_CAUSES.values()))
-"""Why the window left tokens untrained: ``window``, ``no_signal``, ``failed`` (the trainer adds ``masked``)."""
+from shared.staleness import UNTRAINED_CAUSE_NAMES
 
 
 @dataclass(frozen=True)
@@ -53,8 +50,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("reward", ("reward_mean",), ylabel="mean reward"),
     Panel("version gap", ("version_gap_min", "version_gap_mean", "version_gap_max"), ylabel="versions"),
     Panel("drops", ("drops_in_batch", "rejected_sessions"), ("drops_cumulative",), ylabel="per batch"),
-    Panel("untrained tokens", tuple(f"untrained_{c}_cumulative" for c in WINDOW_CAUSES), ylabel="cumulative tokens",
-          summed=("version_masked_tokens",)),
+    Panel("untrained tokens", tuple(f"untrained_{c}_cumulative" for c in UNTRAINED_CAUSE_NAMES),
+          ylabel="cumulative tokens", summed=("version_masked_tokens",)),
     Panel("train vs rollout logprob", ("train_rollout_logprob_abs_diff",), ylabel="mean |diff|"),
     Panel("masked tokens", ("masked_token_fraction",), ylabel="fraction"),
     Panel("loss", ("loss",), ylabel="loss"),
@@ -163,7 +160,7 @@ def waste(metrics: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not tallied:
         return None
     last = tallied[-1]
-    tokens = {c: int(_number(last.get(f"untrained_{c}_cumulative")) or 0) for c in WINDOW_CAUSES}
+    tokens = {c: int(_number(last.get(f"untrained_{c}_cumulative")) or 0) for c in UNTRAINED_CAUSE_NAMES}
     tokens["masked"] = int(sum(_number(r.get("version_masked_tokens")) or 0 for r in metrics))
     generated = int(last["generated_tokens_cumulative"])
     untrained = sum(tokens.values())

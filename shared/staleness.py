@@ -290,6 +290,9 @@ UNTRAINED_CAUSES: dict[Decision, str] = {
 """Why a decision leaves a group's tokens untrained: the window left it behind, it carried no signal, or
 a session was rejected or failed (a failed group's tokens are never trained, even when its prompt is retried)."""
 
+UNTRAINED_CAUSE_NAMES: tuple[str, ...] = tuple(dict.fromkeys(UNTRAINED_CAUSES.values()))
+"""``window``, ``no_signal``, ``failed``: the causes, in order (each a :class:`TokenTally` field)."""
+
 
 @dataclass(frozen=True)
 class TokenTally:
@@ -306,11 +309,11 @@ class TokenTally:
 
     @property
     def untrained(self) -> int:
-        return self.window + self.no_signal + self.failed
+        return sum(self.by_cause().values())
 
     def by_cause(self) -> dict[str, int]:
-        """``cause -> tokens`` (the values of :data:`UNTRAINED_CAUSES`)."""
-        return {"window": self.window, "no_signal": self.no_signal, "failed": self.failed}
+        """``cause -> tokens`` for each of :data:`UNTRAINED_CAUSE_NAMES`."""
+        return {cause: int(getattr(self, cause)) for cause in UNTRAINED_CAUSE_NAMES}
 
     def add(self, generated: int, decisions: Iterable[GroupDecision]) -> TokenTally:
         """This tally after one step: ``generated`` new tokens and each decision's untrained ones."""

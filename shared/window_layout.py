@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from shared.names import RedisKeys
-from shared.staleness import TokenTally, WindowConfig, WindowState
+from shared.staleness import UNTRAINED_CAUSE_NAMES, TokenTally, WindowConfig, WindowState
 from shared.versions import VersionRegistry
 
 DROPS_PREFIX = "drops:"
@@ -67,7 +67,7 @@ def decode_window(raw: Mapping[str, str]) -> WindowHash:
         no_signal_run=int(raw.get("no_signal_run", 0)),
         tokens=TokenTally(
             int(raw.get("tokens_generated", 0)),
-            **{cause: int(raw.get(f"{UNTRAINED_PREFIX}{cause}", 0)) for cause in TokenTally().by_cause()},
+            **{cause: int(raw.get(f"{UNTRAINED_PREFIX}{cause}", 0)) for cause in UNTRAINED_CAUSE_NAMES},
         ),
     )
 
