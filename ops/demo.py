@@ -183,6 +183,7 @@ def summarize(
     stopped_by: str = "steps",
     usage: EngineUsage | None = None,
     train_wall_s: float | None = None,
+    train_started_ts: float | None = None,
 ) -> dict[str, Any]:
     rewards = [float(r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]  # skipped batches too
     verdict = judge(config.task, rewards)
@@ -204,6 +205,7 @@ def summarize(
         "stopped_by": stopped_by,
         "wall_s": round(wall_s, 1),
         "train_wall_s": None if train_wall_s is None else round(train_wall_s, 1),
+        "train_started_ts": train_started_ts,  # epoch seconds when every service was up (rows' ``ts`` clock)
         "seconds_per_step": timing(steps, usage, train_wall_s),
         "reward_start": verdict.start,
         "reward_end": verdict.end,
@@ -314,9 +316,10 @@ def run(args: argparse.Namespace) -> int:
     stopped_by = "steps"
     usage = EngineUsage() if hf else None
     up_at: float | None = None
+    up_ts: float | None = None
     try:
         local = start(config)
-        up_at = time.monotonic()
+        up_at, up_ts = time.monotonic(), time.time()
         versions = ", ".join(f"{k} {v}" for k, v in local.infra.versions.items())
         print(f"up in {up_at - started:.0f}s ({versions}); logs in {config.run_dir / 'logs'}", flush=True)
         if args.minutes:
@@ -368,7 +371,10 @@ def run(args: argparse.Namespace) -> int:
     wall = time.monotonic() - started
     rows = rows_so_far(config.run_dir / "trainer" / "metrics.jsonl") or rows  # a stopping trainer adds its last step
     if rows:
-        write_outputs(config, rows, rejections, wall, stopped_by=stopped_by, usage=usage, train_wall_s=train_wall)
+        write_outputs(
+            config, rows, rejections, wall, stopped_by=stopped_by, usage=usage, train_wall_s=train_wall,
+            train_started_ts=up_ts,
+        )
     return code
 
 
@@ -381,8 +387,12 @@ def write_outputs(
     stopped_by: str = "steps",
     usage: EngineUsage | None = None,
     train_wall_s: float | None = None,
+    train_started_ts: float | None = None,
 ) -> None:
-    summary = summarize(rows, rejections, wall_s, config, stopped_by=stopped_by, usage=usage, train_wall_s=train_wall_s)
+    summary = summarize(
+        rows, rejections, wall_s, config, stopped_by=stopped_by, usage=usage, train_wall_s=train_wall_s,
+        train_started_ts=train_started_ts,
+    )
     (config.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     png = plot_run(rows, config.run_dir / "plot.png", title=f"rein demo {config.run_dir.name}")
     keys = [

@@ -1,0 +1,279 @@
+"""Time to reward: sync vs async (with and without rein's controls), same model, seeds and wall clock.
+
+The headline comparison of issue 21. Each (seed, mode) is one ``python -m ops.demo`` run with the
+same wall-clock training budget (``--minutes``, counted once every service is up), one after
+another on the same machine, seed-major (every mode of seed 0, then seed 1, ...) so that a slow
+patch of a shared machine spreads over the modes. Resource placement is the demo's, the same in
+every mode: the trainer and the engine each run one torch thread (one core each on two cores);
+the small services (proxy, collector, broadcaster, runner, Kafka, Redis) are not pinned.
+
+The reward of a moment is the policy's as the runner sees it: the mean reward of the last
+``--episodes`` episodes the runner ended by then (its ``group_ended`` log lines), every group
+counted, with or without signal, so that modes which drop or skip groups are judged alike.
+Reported per mode: that reward at fixed wall-clock checkpoints (mean and spread over seeds), the
+wall time to ``--threshold``, trainer steps, trained tokens/s, generated tokens never trained by
+cause, and the mean |train - rollout logprob|. ``--from DIR`` re-reads the runs of an earlier
+invocation instead of running them. Prints a table, writes JSON and a plot::
+
+    $(bash deploy/venv.sh --path)/bin/python bench/time_to_reward.py --model smollm2 --minutes 6 \\
+        --seeds 0 1 2 --out bench/time_to_reward.json --plot docs/time_to_reward.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from ops.report import waste  # noqa: E402
+
+MODES: dict[str, list[str]] = {
+    "sync": ["--mode", "sync"],
+    # rein's defaults: window keep 2, span cap 2, pacing, groups without signal dropped, stale tokens masked
+    "async": ["--mode", "async"],
+    # no staleness control at all: no window, no span cap, no pacing, every token trained (PPO ratio)
+    "async-none": ["--mode", "async", "--keep-versions", "0", "--max-preempts", "none", "--pacing", "off",
+                   "--nonlast-version-tokens", "weight"],
+    # rein's controls, and an older version's tokens trained under truncated importance sampling
+    "async-tis": ["--mode", "async", "--nonlast-version-tokens", "weight", "--correction", "tis"],
+}
+"""Mode name -> ``ops.demo`` flags."""
+
+
+def episodes(rollout_log: Path) -> list[tuple[float, float]]:
+    """``(epoch seconds, reward)`` of every episode of every group the runner ended, in log order."""
+    out: list[tuple[float, float]] = []
+    for line in rollout_log.read_text().splitlines():
+        if '"group_ended"' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("event") != "group_ended":
+            continue
+        ts = datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00")).timestamp()
+        out.extend((ts, float(r)) for r in rec.get("rewards", []) if r is not None)
+    return out
+
+
+def reward_at(eps: list[tuple[float, float]], t: float, last: int) -> float | None:
+    """Mean reward of the last ``last`` episodes ended at or before ``t``; None before ``last`` ended."""
+    seen = [r for ts, r in eps if ts <= t]
+    if len(seen) < last:
+        return None
+    return sum(seen[-last:]) / last
+
+
+def time_to(eps: list[tuple[float, float]], start: float, threshold: float, last: int) -> float | None:
+    """Seconds from ``start`` until the rolling reward first reaches ``threshold``; None if never."""
+    rewards: list[float] = []
+    for ts, r in eps:
+        rewards.append(r)
+        if len(rewards) >= last and sum(rewards[-last:]) / last >= threshold:
+            return max(0.0, ts - start)
+    return None
+
+
+def analyse(run_dir: Path, minutes: float, checkpoints: list[float], threshold: float, last: int) -> dict[str, Any]:
+    """One demo run's figures, counted within the training budget."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    start = summary.get("train_started_ts")
+    if start is None:
+        raise SystemExit(f"{run_dir}/summary.json has no train_started_ts (a demo from before it was recorded)")
+    end = start + minutes * 60
+    eps = [(ts, r) for ts, r in episodes(run_dir / "logs" / "rollout.log") if ts <= end]
+    rows = [json.loads(x) for x in (run_dir / "trainer" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if float(r.get("ts", math.inf)) <= end]
+    steps = [r for r in rows if not r.get("skipped")]
+    trained = sum(int(r.get("trained_tokens") or 0) for r in steps)
+    samples = 0
+    by_samples: list[tuple[int, float | None]] = []
+    for r in steps:
+        samples += int(r.get("samples") or 0)
+        by_samples.append((samples, reward_at(eps, float(r["ts"]), last)))
+    return {
+        "steps": len(steps),
+        "batches": len(rows),
+        "episodes": len(eps),
+        "reward_at_min": {f"{c:g}": reward_at(eps, start + c * 60, last) for c in checkpoints},
+        "time_to_threshold_s": time_to(eps, start, threshold, last),
+        "trained_tokens_per_s": trained / (minutes * 60),
+        "trained_samples": samples,
+        "waste": waste(rows) or {"tokens": {}, "generated": 0},
+        "logprob_abs_diff_mean": summary.get("train_rollout_logprob_abs_diff_mean"),
+        "masked_token_fraction_mean": summary.get("masked_token_fraction_mean"),
+        "curve": [[round(ts - start, 1), r] for ts, r in eps],
+        "reward_by_samples": by_samples,
+        "run_dir": str(run_dir),
+    }
+
+
+def run_one(mode: str, seed: int, args: argparse.Namespace, root: Path) -> Path:
+    """Run the demo once; its run directory."""
+    runs = root / f"{mode}-s{seed}"
+    runs.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "ops.demo", "--model", args.model, "--minutes", f"{args.minutes:g}",
+           "--seed", str(seed), "--runs-dir", str(runs), *MODES[mode], *args.demo_flag]
+    print(f"[{time.strftime('%H:%M:%S')}] {mode} seed {seed}: {' '.join(cmd[2:])}", flush=True)
+    with (runs / "demo.out").open("w") as out:
+        code = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=False,
+                              timeout=args.minutes * 60 + args.startup_timeout_s).returncode
+    dirs = [d for d in runs.iterdir() if d.is_dir()]
+    if code != 0 or len(dirs) != 1 or not (dirs[0] / "summary.json").exists():
+        raise SystemExit(f"{mode} seed {seed}: demo exited {code}; see {runs / 'demo.out'}")
+    return dirs[0]
+
+
+def _stats(values: list[float | None]) -> dict[str, float | int | None]:
+    known = [v for v in values if v is not None]
+    return {
+        "mean": statistics.fmean(known) if known else None,
+        "min": min(known, default=None),
+        "max": max(known, default=None),
+        "n": len(known),
+    }
+
+
+def aggregate(runs: dict[str, list[dict[str, Any]]], checkpoints: list[float]) -> dict[str, dict[str, Any]]:
+    """Per mode: each figure's mean and spread over seeds (a time to threshold never reached counts in ``n``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for mode, results in runs.items():
+        causes = sorted({c for r in results for c in r["waste"]["tokens"]})
+        generated = sum(int(r["waste"]["generated"]) for r in results)
+        out[mode] = {
+            "seeds": len(results),
+            "reward_at_min": {f"{c:g}": _stats([r["reward_at_min"][f"{c:g}"] for r in results]) for c in checkpoints},
+            "time_to_threshold_s": _stats([r["time_to_threshold_s"] for r in results]),
+            "steps": _stats([float(r["steps"]) for r in results]),
+            "trained_tokens_per_s": _stats([r["trained_tokens_per_s"] for r in results]),
+            "untrained_share_by_cause": {
+                c: sum(int(r["waste"]["tokens"].get(c, 0)) for r in results) / generated
+                for c in causes
+            } if generated else {},
+            "logprob_abs_diff_mean": _stats([r["logprob_abs_diff_mean"] for r in results]),
+        }
+    return out
+
+
+def _fmt(stat: dict[str, Any], digits: int = 3) -> str:
+    if stat["mean"] is None:
+        return "-"
+    spread = "" if stat["n"] < 2 else f" [{stat['min']:.{digits}f}-{stat['max']:.{digits}f}]"
+    return f"{stat['mean']:.{digits}f}{spread}"
+
+
+def table(agg: dict[str, dict[str, Any]], checkpoints: list[float], threshold: float) -> str:
+    cols = [f"reward @{c:g} min" for c in checkpoints]
+    head = ["mode", *cols, f"time to {threshold:g} (s)", "steps", "trained tok/s", "untrained by cause", "|dlogp|"]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for mode, a in agg.items():
+        ttt = a["time_to_threshold_s"]
+        reached = f"{_fmt(ttt, 0)} ({ttt['n']}/{a['seeds']})"
+        waste = ", ".join(f"{c} {s:.0%}" for c, s in a["untrained_share_by_cause"].items() if s) or "0"
+        lines.append(" | ".join([
+            mode, *(_fmt(a["reward_at_min"][f"{c:g}"]) for c in checkpoints), reached, _fmt(a["steps"], 1),
+            _fmt(a["trained_tokens_per_s"], 1), waste, _fmt(a["logprob_abs_diff_mean"], 3),
+        ]))
+    return "\n".join(lines)
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], out: Path, minutes: float, last: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_samples) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = dict(zip(runs, ["tab:green", "tab:blue", "tab:orange", "tab:purple", "tab:red"], strict=False))
+    for mode, results in runs.items():
+        for i, r in enumerate(results):
+            curve = r["curve"]
+            rolled = [(t, sum(x for _, x in curve[j - last + 1 : j + 1]) / last)
+                      for j, (t, _) in enumerate(curve) if j + 1 >= last]
+            label = mode if i == 0 else None
+            by_time.plot([t / 60 for t, _ in rolled], [v for _, v in rolled], color=colors[mode], alpha=0.7,
+                         linewidth=1.2, label=label)
+            pts = [(s, v) for s, v in r["reward_by_samples"] if v is not None]
+            by_samples.plot([s for s, _ in pts], [v for _, v in pts], color=colors[mode], alpha=0.7, linewidth=1.2,
+                            marker=".", label=label)
+    by_time.set_xlabel("wall-clock training time (min)")
+    by_time.set_xlim(0, minutes)
+    by_time.set_title(f"reward of the last {last} episodes", fontsize=10)
+    by_samples.set_xlabel("trained samples")
+    by_samples.set_title("reward at each trainer step", fontsize=10)
+    for ax in (by_time, by_samples):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--minutes", type=float, default=6.0, help="training wall-clock budget of every run")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--threshold", type=float, default=0.15, help="reward whose wall time is reported")
+    p.add_argument("--episodes", type=int, default=32, help="episodes in the rolling reward")
+    p.add_argument("--checkpoints", type=float, nargs="+", default=None,
+                   help="minutes at which the reward is reported (default: every minute of the budget)")
+    p.add_argument("--demo-flag", action="append", default=[], help="one more ops.demo flag for every run")
+    p.add_argument("--startup-timeout-s", type=float, default=600)
+    p.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here (default: a temporary dir)")
+    p.add_argument("--from", dest="source", type=Path, default=None,
+                   help="re-read the runs of an earlier invocation's --runs-dir instead of running")
+    p.add_argument("--out", type=Path, default=Path("bench/time_to_reward.json"))
+    p.add_argument("--plot", type=Path, default=None)
+    args = p.parse_args()
+    checkpoints = args.checkpoints or [float(m) for m in range(1, int(args.minutes) + 1)] or [args.minutes]
+
+    root = args.source or args.runs_dir or Path(tempfile.mkdtemp(prefix="rein-ttr-"))
+    started = time.time()
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.modes}
+    try:
+        for seed in args.seeds:
+            for mode in args.modes:
+                if args.source is not None:
+                    dirs = [d for d in (root / f"{mode}-s{seed}").iterdir() if d.is_dir()]
+                    run_dir = dirs[0]
+                else:
+                    run_dir = run_one(mode, seed, args, root)
+                result = analyse(run_dir, args.minutes, checkpoints, args.threshold, args.episodes)
+                runs[mode].append({"seed": seed, **result})
+                print(f"  {mode} seed {seed}: {result['steps']} steps, reward "
+                      f"{[result['reward_at_min'][f'{c:g}'] for c in checkpoints]}", flush=True)
+    finally:
+        if args.source is None and args.runs_dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    agg = aggregate(runs, checkpoints)
+    print(table(agg, checkpoints, args.threshold))
+    result = {
+        "model": args.model, "minutes": args.minutes, "seeds": args.seeds, "threshold": args.threshold,
+        "episodes_in_reward": args.episodes, "checkpoints_min": checkpoints,
+        "modes": {m: MODES[m] + args.demo_flag for m in args.modes}, "wall_s": round(time.time() - started, 1),
+        "aggregate": agg, "runs": runs,
+    }
+    args.out.write_text(json.dumps(result, indent=1))
+    if args.plot is not None:
+        plot(runs, args.plot, args.minutes, args.episodes)
+    print(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
