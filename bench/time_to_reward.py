@@ -228,8 +228,8 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=6.0, help="training wall-clock budget of every run")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
-    p.add_argument("--threshold", type=float, default=0.15, help="reward whose wall time is reported")
-    p.add_argument("--episodes", type=int, default=32, help="episodes in the rolling reward")
+    p.add_argument("--threshold", type=float, default=0.18, help="reward whose wall time is reported")
+    p.add_argument("--episodes", type=int, default=16, help="episodes in the rolling reward")
     p.add_argument("--checkpoints", type=float, nargs="+", default=None,
                    help="minutes at which the reward is reported (default: every minute of the budget)")
     p.add_argument("--demo-flag", action="append", default=[], help="one more ops.demo flag for every run")

@@ -59,6 +59,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-preempts", type=_preempts, default=2, help="the proxy's span cap (none = no cap)")
     p.add_argument("--pacing", choices=["window", "off"], default="window",
                    help="async mode: start prompts only while the window can still train them (docs/task.md)")
+    p.add_argument("--stale-groups", choices=["drop", "withhold"], default="drop",
+                   help="the collector's groups with members outside the window: drop whole or withhold those members")
     p.add_argument("--correction", choices=["none", "tis", "icepop", "geo_mask", "m2po", "decoupled"],
                    default="none", help="the trainer's off-policy correction (REIN_OFFPOLICY_CORRECTION)")
     p.add_argument("--nonlast-version-tokens", choices=["mask", "weight"], default="mask",
@@ -227,6 +229,7 @@ def summarize(
             "max_preempts": config.max_preempts,
             "pacing": config.pacing,
             "offpolicy_correction": config.offpolicy_correction,
+            "stale_groups": config.stale_groups,
             "nonlast_version_tokens": "mask" if config.mask_nonlast_version else "weight",
             "partial_rollout": config.partial_rollout,
             "collectors": config.collectors,
@@ -279,6 +282,7 @@ def stack_config(args: argparse.Namespace, model: str, run_dir: Path) -> StackCo
         max_preempts=args.max_preempts,
         pacing=args.pacing,
         offpolicy_correction=args.correction,
+        stale_groups=args.stale_groups,
         mask_nonlast_version=args.nonlast_version_tokens == "mask",
         collectors=args.collectors,
         batch_groups=args.batch_groups,

@@ -18,11 +18,19 @@ import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shared.schemas import CompletedGroup
-from shared.staleness import Decision, SegmentEnd, WindowConfig, WindowGroup, WindowReplay
+from shared.staleness import (
+    UNTRAINED_CAUSES,
+    Decision,
+    SegmentEnd,
+    TokenTally,
+    WindowConfig,
+    WindowGroup,
+    WindowReplay,
+)
 from shared.versions import VersionRegistry, real_version
 from shared.window_view import group_rewards, segment_ends, window_group_from_samples
 
@@ -93,7 +101,10 @@ def parse_event(obj: object, lineno: int = 0) -> ReplayEvent:
             if isinstance(seg, bool) or not isinstance(seg, int):
                 raise ReplayFormatError(f"line {lineno}: samples[{i}].segment_index must be an integer")
             end = real_version(sample.get("end_version"))
-            samples.append(SegmentEnd(None if traj is None else str(traj), seg, end))
+            tokens = sample.get("tokens", 0)
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+                raise ReplayFormatError(f"line {lineno}: samples[{i}].tokens must be an integer >= 0")
+            samples.append(SegmentEnd(None if traj is None else str(traj), seg, end, tokens))
         attempt = obj.get("attempt", 0)
         if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
             raise ReplayFormatError(f"line {lineno}: attempt must be an integer >= 0")
@@ -142,7 +153,8 @@ def event_to_json(event: ReplayEvent) -> dict[str, Any]:
         "attempt": event.attempt,
         "failed": event.failed,
         "samples": [
-            {"trajectory_id": s.trajectory_id, "segment_index": s.segment_index, "end_version": s.end_version}
+            {"trajectory_id": s.trajectory_id, "segment_index": s.segment_index, "end_version": s.end_version,
+             **({"tokens": s.tokens} if s.tokens else {})}
             for s in event.samples
         ],
         **rewards,
@@ -170,6 +182,8 @@ class GroupOutcome:
     decision: Decision
     batch: int | None
     versions: tuple[str, ...]
+    withheld: tuple[str, ...] = ()
+    """Members withheld (``stale_groups`` ``withhold``), as of the batch that took the group (or the end)."""
 
 
 @dataclass
@@ -179,6 +193,7 @@ class ReplayReport:
     keep_versions: int
     batch_groups: int
     no_signal_groups: str = "drop"
+    stale_groups: str = "drop"
     outcomes: dict[str, GroupOutcome] = field(default_factory=dict)
     batches: int = 0
     gap_min: int | None = None
@@ -187,6 +202,8 @@ class ReplayReport:
     gap_count: int = 0
     duplicates: int = 0
     unregistered: list[str] = field(default_factory=list)
+    tokens: TokenTally = field(default_factory=TokenTally)
+    """The window's token tally at the end (tokens are 0 where the recording has no counts)."""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -207,12 +224,15 @@ class ReplayReport:
             "keep_versions": self.keep_versions,
             "batch_groups": self.batch_groups,
             "no_signal_groups": self.no_signal_groups,
+            "stale_groups": self.stale_groups,
             "groups": len(self.outcomes),
             "kept": counts[Decision.KEPT.value],
             "kept_in_batches": sum(1 for o in self.outcomes.values() if o.batch is not None),
             "dropped": sum(n for name, n in counts.items() if name != Decision.KEPT.value and name != "failed_retry"),
             "decisions": counts,
             "batches": self.batches,
+            "withheld_members": sum(len(o.withheld) for o in self.outcomes.values() if o.decision is Decision.KEPT),
+            "tokens": {"generated": self.tokens.generated, "untrained": self.tokens.by_cause()},
             "version_gap": None
             if self.gap_count == 0
             else {"min": self.gap_min, "max": self.gap_max, "mean": self.gap_mean, "trajectories": self.gap_count},
@@ -225,7 +245,9 @@ def replay(events: Iterable[ReplayEvent], config: WindowConfig) -> ReplayReport:
     """Fold recorded events through the window in order; a group id seen twice is skipped."""
     registry = VersionRegistry()
     fold = WindowReplay(config, registry.index)
-    report = ReplayReport(config.keep_versions, config.batch_groups, config.no_signal_groups.value)
+    report = ReplayReport(
+        config.keep_versions, config.batch_groups, config.no_signal_groups.value, config.stale_groups.value
+    )
     for event in events:
         if isinstance(event, WeightEvent):
             registry.publish(event.version, event.seq)
@@ -246,7 +268,8 @@ def replay(events: Iterable[ReplayEvent], config: WindowConfig) -> ReplayReport:
             for taken in result.batch.groups:
                 held = report.outcomes[taken.group_id]
                 report.outcomes[taken.group_id] = GroupOutcome(
-                    held.group_id, held.prompt_id, held.attempt, held.decision, result.batch.index, held.versions
+                    held.group_id, held.prompt_id, held.attempt, held.decision, result.batch.index, held.versions,
+                    taken.withheld,
                 )
             gap = result.batch.gap
             if gap is not None:
@@ -254,5 +277,33 @@ def replay(events: Iterable[ReplayEvent], config: WindowConfig) -> ReplayReport:
                 report.gap_max = gap.max if report.gap_max is None else max(report.gap_max, gap.max)
                 report.gap_sum += gap.mean * gap.count
                 report.gap_count += gap.count
+    for pending in fold.state.pending:
+        report.outcomes[pending.group_id] = replace(report.outcomes[pending.group_id], withheld=pending.withheld)
     report.unregistered = registry.unregistered
+    report.tokens = fold.state.tokens
     return report
+
+
+WINDOW_DECISIONS = tuple(d.value for d, cause in UNTRAINED_CAUSES.items() if cause == "window")
+"""``dropped_stale``, ``dropped_retroactive``: the decisions that drop a group for staleness."""
+
+
+def withhold_vs_drop(withhold: ReplayReport, drop: ReplayReport) -> dict[str, Any]:
+    """What withholding saved beside dropping whole groups, from two replays of the same events.
+
+    ``groups_saved``: fewer groups dropped for staleness. ``tokens_saved``: fewer tokens left untrained
+    by staleness (the window's drops, plus the members withheld under ``withhold``); 0 without token counts.
+    """
+    def window_drops(report: ReplayReport) -> int:
+        return sum(report.counts[d] for d in WINDOW_DECISIONS)
+
+    stale_tokens_drop = drop.tokens.window + drop.tokens.withheld
+    stale_tokens_withhold = withhold.tokens.window + withhold.tokens.withheld
+    return {
+        "window_drops": {"drop": window_drops(drop), "withhold": window_drops(withhold)},
+        "groups_saved": window_drops(drop) - window_drops(withhold),
+        "withheld_members": withhold.summary()["withheld_members"],
+        "stale_tokens_untrained": {"drop": stale_tokens_drop, "withhold": stale_tokens_withhold},
+        "tokens_saved": stale_tokens_drop - stale_tokens_withhold,
+    }
+

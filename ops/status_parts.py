@@ -132,6 +132,7 @@ def read_window(client: Any, keys: RedisKeys) -> dict[str, Any]:
             "batch_groups": config.get("batch_groups"),
             "max_retries": config.get("max_retries"),
             "no_signal_groups": config.get("no_signal_groups"),
+            "stale_groups": config.get("stale_groups"),
             "no_signal_run": window.no_signal_run,
             "pending_groups": reader.pending_count(),
             "batches": window.batches,

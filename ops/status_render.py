@@ -38,7 +38,8 @@ def render(report: dict[str, Any]) -> str:
         add(f"  current version  {_fmt(w['current_version'])} (index {_fmt(w['current_index'])})")
         add(f"  cutoff           index {_fmt(w['cutoff_index'])} ({_fmt(w['cutoff_version'])})")
         add(f"  keep_versions    {_fmt(w['keep_versions'])}   batch_groups {_fmt(w['batch_groups'])}"
-            f"   max_retries {_fmt(w['max_retries'])}   no_signal_groups {_fmt(w.get('no_signal_groups'))}")
+            f"   max_retries {_fmt(w['max_retries'])}   no_signal_groups {_fmt(w.get('no_signal_groups'))}"
+            f"   stale_groups {_fmt(w.get('stale_groups'))}")
         add(f"  pending groups   {w['pending_groups']}   batches {w['batches']}   steps {w['steps']}"
             f"   outbox {w['outbox']}   groups without signal in a row {w.get('no_signal_run', 0)}")
         d = report["drops"]

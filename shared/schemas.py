@@ -283,6 +283,9 @@ class GroupRef(BaseModel):
     group_id: str
     partition: int = Field(ge=0)
     offset: int = Field(ge=0)
+    withheld: list[str] = Field(default_factory=list)
+    """Session ids of trajectories the window withheld (``REIN_STALE_GROUPS=withhold``): their rewards
+    stay in the group's baseline, their tokens leave the loss."""
 
 
 class GapInfo(BaseModel):

@@ -111,6 +111,8 @@ class SegmentEnd:
     trajectory_id: str | None
     segment_index: int
     end_version: str | None
+    tokens: int = 0
+    """Trainable tokens (loss mask 1) of the segment: what withholding its trajectory leaves untrained."""
 
 
 def trajectory_versions(samples: Sequence[SegmentEnd]) -> dict[str, str]:
@@ -130,6 +132,16 @@ def trajectory_versions(samples: Sequence[SegmentEnd]) -> dict[str, str]:
         if held is None or rank >= held[:2]:
             best[key] = (rank[0], rank[1], version)
     return {key: value[2] for key, value in best.items()}
+
+
+def trajectory_tokens(samples: Sequence[SegmentEnd]) -> dict[str, int]:
+    """Trajectory id -> trainable tokens over all of its segments (samples without an id are ignored)."""
+    out: dict[str, int] = {}
+    for sample in samples:
+        if sample.trajectory_id is not None and sample.trajectory_id != "":
+            key = str(sample.trajectory_id)
+            out[key] = out.get(key, 0) + int(sample.tokens)
+    return out
 
 
 def validate_keep_versions(keep_versions: int) -> int:
@@ -194,6 +206,16 @@ class Decision(enum.StrEnum):
     (only under :attr:`NoSignalGroups.DROP`). Final: the prompt is not retried."""
 
 
+class StaleGroups(enum.StrEnum):
+    """What the window does with a group some of whose trajectories ended outside the window."""
+
+    DROP = "drop"
+    """Drop it whole (``dropped_stale``, or ``dropped_retroactive`` once pending): the reference's rule."""
+    WITHHOLD = "withhold"
+    """Keep its members inside the window and withhold the others: their rewards stay in the group's
+    GRPO baseline, their tokens leave the loss. Dropped whole only when no versioned member is inside."""
+
+
 class NoSignalGroups(enum.StrEnum):
     """What the window does with a completed group that carries no GRPO signal (:func:`carries_signal`)."""
 
@@ -244,6 +266,31 @@ class WindowGroup:
     the rewards are unknown (a replay file without them)."""
     tokens: int = 0
     """Trainable tokens (loss mask 1) its trajectories generated, as far as the collector holds them."""
+    members: tuple[str, ...] = ()
+    """Trajectory id of each entry of ``versions`` (empty where unknown: the group can then only be judged whole)."""
+    member_tokens: tuple[int, ...] = ()
+    """Trainable tokens of each member (empty: unknown, counted 0)."""
+    withheld: tuple[str, ...] = ()
+    """Members the window withheld (:attr:`StaleGroups.WITHHOLD`): in the baseline, out of the loss."""
+
+    def __post_init__(self) -> None:
+        if self.members and len(self.members) != len(self.versions):
+            raise ValueError(f"group {self.group_id}: {len(self.members)} members for {len(self.versions)} versions")
+        if self.member_tokens and len(self.member_tokens) != len(self.members):
+            raise ValueError(f"group {self.group_id}: {len(self.member_tokens)} token counts for "
+                             f"{len(self.members)} members")
+
+    def trained_versions(self) -> tuple[str, ...]:
+        """End versions of the members not withheld (all of ``versions`` when members are unknown)."""
+        if not self.withheld:
+            return self.versions
+        out = set(self.withheld)
+        return tuple(v for m, v in zip(self.members, self.versions, strict=True) if m not in out)
+
+    def tokens_of(self, members: Iterable[str]) -> int:
+        """Trainable tokens of the given members (0 where unknown)."""
+        counts = dict(zip(self.members, self.member_tokens, strict=False))
+        return sum(counts.get(m, 0) for m in members)
 
 
 @dataclass(frozen=True)
@@ -253,12 +300,17 @@ class WindowConfig:
     max_retries: int = 2
     max_free_retries: int = 10
     no_signal_groups: NoSignalGroups = NoSignalGroups.DROP
+    stale_groups: StaleGroups = StaleGroups.DROP
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "no_signal_groups", NoSignalGroups(self.no_signal_groups))
         except ValueError:
             raise ValueError(f"no_signal_groups must be 'drop' or 'keep', got {self.no_signal_groups!r}") from None
+        try:
+            object.__setattr__(self, "stale_groups", StaleGroups(self.stale_groups))
+        except ValueError:
+            raise ValueError(f"stale_groups must be 'drop' or 'withhold', got {self.stale_groups!r}") from None
         validate_keep_versions(self.keep_versions)
         if self.batch_groups < 1:
             raise ValueError(f"batch_groups must be >= 1, got {self.batch_groups}")
@@ -290,8 +342,9 @@ UNTRAINED_CAUSES: dict[Decision, str] = {
 """Why a decision leaves a group's tokens untrained: the window left it behind, it carried no signal, or
 a session was rejected or failed (a failed group's tokens are never trained, even when its prompt is retried)."""
 
-UNTRAINED_CAUSE_NAMES: tuple[str, ...] = tuple(dict.fromkeys(UNTRAINED_CAUSES.values()))
-"""``window``, ``no_signal``, ``failed``: the causes, in order (each a :class:`TokenTally` field)."""
+UNTRAINED_CAUSE_NAMES: tuple[str, ...] = (*dict.fromkeys(UNTRAINED_CAUSES.values()), "withheld")
+"""``window``, ``no_signal``, ``failed``, ``withheld`` (members of a kept group withheld under
+:attr:`StaleGroups.WITHHOLD`): the causes, in order (each a :class:`TokenTally` field)."""
 
 
 @dataclass(frozen=True)
@@ -306,6 +359,7 @@ class TokenTally:
     window: int = 0
     no_signal: int = 0
     failed: int = 0
+    withheld: int = 0
 
     @property
     def untrained(self) -> int:
@@ -315,13 +369,15 @@ class TokenTally:
         """``cause -> tokens`` for each of :data:`UNTRAINED_CAUSE_NAMES`."""
         return {cause: int(getattr(self, cause)) for cause in UNTRAINED_CAUSE_NAMES}
 
-    def add(self, generated: int, decisions: Iterable[GroupDecision]) -> TokenTally:
-        """This tally after one step: ``generated`` new tokens and each decision's untrained ones."""
+    def add(self, generated: int, decisions: Iterable[GroupDecision], withheld: int = 0) -> TokenTally:
+        """This tally after one step: ``generated`` new tokens, each decision's untrained ones and
+        ``withheld`` tokens of members newly withheld from kept groups."""
         by = self.by_cause()
         for d in decisions:
             cause = UNTRAINED_CAUSES.get(d.decision)
             if cause is not None:
                 by[cause] += d.tokens
+        by["withheld"] += withheld
         return TokenTally(self.generated + generated, **by)
 
 
@@ -357,7 +413,10 @@ class GroupDecision:
     window: WindowSnapshot
     versions: tuple[str, ...]
     tokens: int = 0
-    """The group's trainable tokens (:attr:`WindowGroup.tokens`)."""
+    """The group's trainable tokens (:attr:`WindowGroup.tokens`); of a retroactive drop, less those of
+    members already withheld (counted then)."""
+    withheld: tuple[str, ...] = ()
+    """Of a kept group: its members withheld (:attr:`StaleGroups.WITHHOLD`)."""
 
 
 @dataclass(frozen=True)
@@ -390,6 +449,29 @@ def _snapshot(state_current: str | None, index_of: IndexOf, keep: int) -> Window
     return WindowSnapshot(keep, state_current, current_index, cutoff_index(current_index, keep))
 
 
+def stale_members(group: WindowGroup, cutoff: int | None, index_of: IndexOf) -> tuple[str, ...]:
+    """Members whose end version is below ``cutoff`` (none when the window is off or members are unknown)."""
+    if cutoff is None or not group.members:
+        return ()
+    return tuple(m for m, v in zip(group.members, group.versions, strict=True) if index_of(v) < cutoff)
+
+
+def _judge_stale(group: WindowGroup, cutoff: int | None, index_of: IndexOf, config: WindowConfig) -> WindowGroup | None:
+    """A group as the window keeps it, or None to drop it whole.
+
+    Inside the window: unchanged. Outside, under :attr:`StaleGroups.WITHHOLD`, with at least one
+    member inside: its members outside are withheld (added to those withheld before). Else None.
+    """
+    if cutoff is None or not any(index_of(v) < cutoff for v in group.versions):
+        return group
+    if config.stale_groups is not StaleGroups.WITHHOLD:
+        return None
+    stale = stale_members(group, cutoff, index_of)
+    if not group.members or len(stale) == len(group.members):
+        return None
+    return replace(group, withheld=tuple(dict.fromkeys((*group.withheld, *stale))))
+
+
 def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, config: WindowConfig) -> StepResult:
     """Fold one completed group into the window.
 
@@ -399,9 +481,12 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
     never moves the window (the reference's W18). A group without signal is observed
     like any other (it is evidence of the newest version); judged, staleness comes
     first (a stale group without signal is ``dropped_stale``), then, under
-    :attr:`NoSignalGroups.DROP`, it is ``dropped_no_signal``. ``index_of`` gives
-    registry order for every label in ``group.versions`` and in pending groups. The state's
-    :class:`TokenTally` counts the group's tokens as generated and every drop's as untrained.
+    :attr:`NoSignalGroups.DROP`, it is ``dropped_no_signal``. Under :attr:`StaleGroups.WITHHOLD`
+    a group outside the window with a member inside is kept with its other members withheld,
+    on arrival and when an advance leaves a pending group's members behind (no new decision:
+    the group stays ``kept``). ``index_of`` gives registry order for every label in
+    ``group.versions`` and in pending groups. The state's :class:`TokenTally` counts the group's
+    tokens as generated, every drop's and every newly withheld member's as untrained.
     """
     keep = config.keep_versions
     decisions: list[GroupDecision] = []
@@ -410,6 +495,7 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
     current = state.current
     pending = list(state.pending)
     advanced = False
+    withheld_tokens = 0
 
     if group.failed:
         final = group.attempt >= config.max_retries and not is_free_retry(group, config)
@@ -431,24 +517,30 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
             current = newest
             advanced = True
     snap = _snapshot(current, index_of, keep)
+    cutoff = snap.cutoff_index
 
     if advanced and pending:
         still: list[WindowGroup] = []
         for held in pending:
-            if is_stale((index_of(v) for v in held.versions), snap.current_index, keep):
+            judged = _judge_stale(held, cutoff, index_of, config)
+            if judged is None:
+                left = held.tokens - held.tokens_of(held.withheld)  # withheld members were counted then
                 decisions.append(
                     GroupDecision(
                         held.group_id, held.prompt_id, held.attempt, Decision.DROPPED_RETROACTIVE, snap, held.versions,
-                        held.tokens,
+                        left,
                     )
                 )
                 dropped.append((held.group_id, Decision.DROPPED_RETROACTIVE.value))
                 drops_total += 1
             else:
-                still.append(held)
+                withheld_tokens += judged.tokens_of(m for m in judged.withheld if m not in held.withheld)
+                still.append(judged)
         pending = still
 
-    if is_stale((index_of(v) for v in group.versions), snap.current_index, keep):
+    judged = _judge_stale(group, cutoff, index_of, config)
+    withheld: tuple[str, ...] = ()
+    if judged is None:
         kind = Decision.DROPPED_STALE
         dropped.append((group.group_id, kind.value))
         drops_total += 1
@@ -458,17 +550,21 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
         drops_total += 1
     else:
         kind = Decision.KEPT
-        pending.append(group)
+        pending.append(judged)
+        withheld = judged.withheld
+        withheld_tokens += judged.tokens_of(withheld)
     decisions.append(
-        GroupDecision(group.group_id, group.prompt_id, group.attempt, kind, snap, group.versions, group.tokens)
+        GroupDecision(
+            group.group_id, group.prompt_id, group.attempt, kind, snap, group.versions, group.tokens, withheld
+        )
     )
-    tokens = state.tokens.add(group.tokens, decisions)
+    tokens = state.tokens.add(group.tokens, decisions, withheld_tokens)
 
     batch: Batch | None = None
     batches = state.batches
     if len(pending) >= config.batch_groups:
         taken, pending = tuple(pending[: config.batch_groups]), pending[config.batch_groups :]
-        gap = version_gaps(snap.current_index, (index_of(v) for g in taken for v in g.versions))
+        gap = version_gaps(snap.current_index, (index_of(v) for g in taken for v in g.trained_versions()))
         batch = Batch(batches, taken, snap, gap, tuple(dropped), drops_total, tokens)
         batches += 1
         dropped = []

@@ -11,7 +11,8 @@ which never writes (no registry ``observe``, no WATCH). Layout:
   ``no_signal_run`` (groups without signal in a row), ``tokens_generated`` and
   ``untrained:<cause>`` (the :class:`shared.staleness.TokenTally`; absent fields read 0);
 - ``window_config`` (hash): ``keep_versions``, ``batch_groups``, ``max_retries``,
-  ``max_free_retries`` (integers), ``no_signal_groups`` (``drop`` / ``keep``);
+  ``max_free_retries`` (integers), ``no_signal_groups`` (``drop`` / ``keep``), ``stale_groups``
+  (``drop`` / ``withhold``);
 - ``pending_order`` and ``outbox`` (lists);
 - the registry's sorted sets (``registry_order`` by sequence, ``unregistered`` by
   observation), whose order rule is :class:`shared.versions.VersionRegistry`.
@@ -96,6 +97,7 @@ def encode_config(config: WindowConfig) -> dict[str, str]:
         "max_retries": str(config.max_retries),
         "max_free_retries": str(config.max_free_retries),
         "no_signal_groups": config.no_signal_groups.value,
+        "stale_groups": config.stale_groups.value,
     }
 
 

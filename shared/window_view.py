@@ -14,7 +14,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from shared.schemas import CompletedGroup
-from shared.staleness import UNCHARGED_ERRORS, SegmentEnd, WindowGroup, carries_signal, trajectory_versions
+from shared.staleness import (
+    UNCHARGED_ERRORS,
+    SegmentEnd,
+    WindowGroup,
+    carries_signal,
+    trajectory_tokens,
+    trajectory_versions,
+)
 
 
 def segment_end_version(loss_mask: Sequence[int], versions: Sequence[str | None]) -> str | None:
@@ -28,7 +35,10 @@ def segment_end_version(loss_mask: Sequence[int], versions: Sequence[str | None]
 def segment_ends(group: CompletedGroup) -> list[SegmentEnd]:
     """One :class:`SegmentEnd` per segment of every trajectory (trajectory id = session id)."""
     return [
-        SegmentEnd(traj.session_id, seg.segment_index, segment_end_version(seg.loss_mask, seg.versions))
+        SegmentEnd(
+            traj.session_id, seg.segment_index, segment_end_version(seg.loss_mask, seg.versions),
+            seg.loss_mask.count(1),
+        )
         for traj in group.trajectories
         for seg in traj.segments
     ]
@@ -47,13 +57,19 @@ def window_group_from_samples(
     samples: Sequence[SegmentEnd],
     rewards: Sequence[float] | None = None,
 ) -> WindowGroup:
-    """The window's view of a group: one end version per versioned trajectory (highest segment decides).
+    """The window's view of a group: one end version per versioned trajectory (highest segment decides),
+    the trajectory ids as members, and the samples' trainable tokens, per member and in all.
 
     ``rewards`` are the trajectories' rewards; None (unknown) counts as signal.
     """
-    versions = tuple(trajectory_versions(samples).values())
+    ends = trajectory_versions(samples)
+    per_trajectory = trajectory_tokens(samples)
     signal = rewards is None or carries_signal(rewards)
-    return WindowGroup(group_id, prompt_id, attempt, failed, versions, signal=signal)
+    return WindowGroup(
+        group_id, prompt_id, attempt, failed, tuple(ends.values()), signal=signal,
+        tokens=sum(int(s.tokens) for s in samples), members=tuple(ends),
+        member_tokens=tuple(per_trajectory.get(m, 0) for m in ends),
+    )
 
 
 def trainable_tokens(group: CompletedGroup) -> int:
@@ -68,4 +84,4 @@ def window_group(group: CompletedGroup) -> WindowGroup:
     )
     abnormal = [t.error for t in group.trajectories if t.status not in ("completed", "truncated")]
     uncharged = group.failed and bool(abnormal) and all(e in UNCHARGED_ERRORS for e in abnormal)
-    return replace(view, free_retries=group.free_retries, uncharged=uncharged, tokens=trainable_tokens(group))
+    return replace(view, free_retries=group.free_retries, uncharged=uncharged)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,12 @@ from ops.replay import (
     group_event,
     read_jsonl,
     replay,
+    withhold_vs_drop,
 )
 from shared.bus import read_topic
 from shared.schemas import CompletedGroup, DecisionRecord, WeightPublished
 from shared.settings import ServiceSettings, SettingsError, load
-from shared.staleness import NoSignalGroups, WindowConfig
+from shared.staleness import NoSignalGroups, StaleGroups, WindowConfig
 
 DEFAULT_BATCH_GROUPS = 32
 """Same default as the collector's ``REIN_BATCH_GROUPS``."""
@@ -55,6 +57,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--no-signal-groups", choices=[p.value for p in NoSignalGroups], default=NoSignalGroups.DROP.value,
         help="groups whose rewards are all equal: drop or keep them (default %(default)s, as REIN_NO_SIGNAL_GROUPS)",
+    )
+    parser.add_argument(
+        "--stale-groups", choices=[p.value for p in StaleGroups], default=StaleGroups.DROP.value,
+        help="groups with members outside the window: drop them whole or withhold those members (default "
+             "%(default)s, as REIN_STALE_GROUPS); withhold also replays drop and reports what it saved",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     parser.add_argument("--export", metavar="FILE", type=Path, help="also write the events read as JSONL to FILE")
@@ -99,7 +106,7 @@ def events_from_topics(settings: ServiceSettings, groups_topic: str, timeout_s: 
 # --------------------------------------------------------------------------- output
 
 
-def render_table(report: ReplayReport) -> str:
+def render_table(report: ReplayReport, beside: dict[str, Any] | None = None) -> str:
     lines = [f"{'group_id':<40} {'prompt_id':<20} {'att':>3} {'decision':<20} {'batch':>5}  versions"]
     for o in report.outcomes.values():
         batch = "" if o.batch is None else str(o.batch)
@@ -115,6 +122,19 @@ def render_table(report: ReplayReport) -> str:
         f"kept {s['kept']} ({s['kept_in_batches']} in {s['batches']} batches), dropped {s['dropped']}"
     )
     lines.append("decisions: " + ", ".join(f"{k}={v}" for k, v in s["decisions"].items()))
+    tokens = s["tokens"]
+    if tokens["generated"]:
+        lines.append(f"tokens: {tokens['generated']} generated, untrained "
+                     + ", ".join(f"{k}={v}" for k, v in tokens["untrained"].items()))
+    if beside is not None:
+        drops = beside["window_drops"]
+        stale = beside["stale_tokens_untrained"]
+        lines.append(
+            f"withhold beside drop: {beside['groups_saved']} groups saved ({drops['withhold']} dropped for staleness, "
+            f"{drops['drop']} when dropped whole), {beside['withheld_members']} members withheld in kept groups, "
+            f"{beside['tokens_saved']} tokens saved ({stale['withhold']} left untrained by staleness, "
+            f"{stale['drop']} when dropped whole)"
+        )
     gap = s["version_gap"]
     if gap is not None:
         lines.append(f"version gap over batched trajectories: min {gap['min']} max {gap['max']} mean {gap['mean']:.3f}")
@@ -123,7 +143,8 @@ def render_table(report: ReplayReport) -> str:
     return "\n".join(lines)
 
 
-def report_json(report: ReplayReport) -> dict[str, Any]:
+def report_json(report: ReplayReport, beside: dict[str, Any] | None = None) -> dict[str, Any]:
+    extra = {} if beside is None else {"withhold_vs_drop": beside}
     return {
         "groups": [
             {
@@ -133,10 +154,12 @@ def report_json(report: ReplayReport) -> dict[str, Any]:
                 "decision": o.decision.value,
                 "batch": o.batch,
                 "versions": list(o.versions),
+                "withheld": list(o.withheld),
             }
             for o in report.outcomes.values()
         ],
         "summary": report.summary(),
+        **extra,
     }
 
 
@@ -147,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
             args.batch_groups,
             args.max_retries,
             no_signal_groups=NoSignalGroups(args.no_signal_groups),
+            stale_groups=StaleGroups(args.stale_groups),
         )
     except ValueError as exc:
         print(f"rein replay: {exc}", file=sys.stderr)
@@ -171,11 +195,14 @@ def run(args: argparse.Namespace) -> int:
                 f.write(json.dumps(event_to_json(event)) + "\n")
     try:
         report = replay(events, config)
+        beside = None
+        if config.stale_groups is StaleGroups.WITHHOLD:
+            beside = withhold_vs_drop(report, replay(events, replace(config, stale_groups=StaleGroups.DROP)))
     except ValueError as exc:  # e.g. two labels with one sequence number in the recording
         print(f"rein replay: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(report_json(report), indent=None))
+        print(json.dumps(report_json(report, beside), indent=None))
     else:
-        print(render_table(report))
+        print(render_table(report, beside))
     return 0

@@ -48,6 +48,8 @@ class StackConfig:
     """The rollout runner's ``REIN_PACING`` (async mode): ``window`` or ``off``."""
     offpolicy_correction: str = "none"
     """The trainer's ``REIN_OFFPOLICY_CORRECTION``."""
+    stale_groups: str = "drop"
+    """The collectors' ``REIN_STALE_GROUPS``: ``drop`` or ``withhold``."""
     engine_step_delay_s: float = 0.0
     base_port: int = 0
     """First of a block of ports for the services; 0 picks free ports."""
@@ -226,6 +228,7 @@ def start(config: StackConfig) -> LocalStack:
                             # A sync wave is one batch: dropping its groups without signal would leave the
                             # batch short and the next wave waiting for a version that never comes.
                             "REIN_NO_SIGNAL_GROUPS": "keep" if config.mode == "sync" else "drop",
+                            "REIN_STALE_GROUPS": config.stale_groups,
                             "REIN_METRICS_PORT": port_of(name),
                         },
                     ),

@@ -73,6 +73,7 @@ class Collector:
             settings.max_retries,
             settings.max_free_retries,
             settings.no_signal_groups,
+            settings.stale_groups,
         )
         self.assembler = Assembler()
         self.spans = RecentSpans()
@@ -123,6 +124,7 @@ class Collector:
                 keep_versions=s.keep_versions,
                 batch_groups=s.batch_groups,
                 no_signal_groups=s.no_signal_groups.value,
+                stale_groups=s.stale_groups.value,
                 group_id=s.group_id,
             )
             self.ready.set()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from shared.settings import ServiceSettings
-from shared.staleness import NoSignalGroups
+from shared.staleness import NoSignalGroups, StaleGroups
 
 
 class CollectorSettings(ServiceSettings):
@@ -31,9 +31,16 @@ class CollectorSettings(ServiceSettings):
     ``keep``: such groups fill batches as any other (a batch of only them trains nothing). Under
     ``drop`` a task where no group carries signal yields no batch at all; ``rein_collector_no_signal_*``
     and a ``no_signal_groups_in_a_row`` warning show it."""
+    stale_groups: StaleGroups = StaleGroups.DROP
+    """``drop``: a group with a trajectory that ended outside the window is dropped whole (``dropped_stale``,
+    or ``dropped_retroactive`` once pending). ``withhold``: its trajectories inside the window are kept and
+    the others withheld (the manifest names them): their rewards stay in the group's baseline, their tokens
+    leave the loss, counted as untrained (``withheld``); dropped whole only when none is inside. Needs a
+    trainer that knows manifests' ``withheld`` field (upgrade the trainer first)."""
     reconfigure: bool = False
-    """Overwrite the window settings stored in Redis (keep/batch/retries/no-signal). Without it a replica whose
-    values differ from the shared window's refuses to start, so replicas never disagree about the window."""
+    """Overwrite the window settings stored in Redis (keep/batch/retries/no-signal/stale groups). Without it a
+    replica whose values differ from the shared window's refuses to start, so replicas never disagree about the
+    window."""
     metrics_host: str = "127.0.0.1"
     """Interface of the ``/metrics`` and ``/health`` HTTP server (0.0.0.0 inside a container)."""
     metrics_port: int = Field(default=9102, ge=0, le=65535)

@@ -100,6 +100,9 @@ def _group_to_json(group: WindowGroup, ref: GroupRef) -> str:
             "versions": list(group.versions),
             "signal": group.signal,
             "tokens": group.tokens,
+            "members": list(group.members),
+            "member_tokens": list(group.member_tokens),
+            "withheld": list(group.withheld),
             "ref": ref.model_dump(),
         }
     )
@@ -111,6 +114,10 @@ def _group_from_json(text: str) -> tuple[WindowGroup, GroupRef]:
         obj["group_id"], obj["prompt_id"], int(obj["attempt"]), bool(obj["failed"]), tuple(obj["versions"]),
         signal=bool(obj.get("signal", True)),  # absent: pending before the signal rule, judged with signal
         tokens=int(obj.get("tokens", 0)),  # absent: pending before tokens were counted
+        # absent: pending before members were recorded (judged whole)
+        members=tuple(obj.get("members", ())),
+        member_tokens=tuple(int(n) for n in obj.get("member_tokens", ())),
+        withheld=tuple(obj.get("withheld", ())),
     )
     return group, GroupRef.model_validate(obj["ref"])
 
@@ -157,7 +164,8 @@ class WindowStore:
             raise ConfigMismatch(
                 f"window settings differ from the shared window at {key} ({detail}); every replica must use the "
                 "same REIN_KEEP_VERSIONS / REIN_BATCH_GROUPS / REIN_MAX_RETRIES / REIN_MAX_FREE_RETRIES / "
-                "REIN_NO_SIGNAL_GROUPS. To change them, stop all replicas and start one with REIN_RECONFIGURE=true."
+                "REIN_NO_SIGNAL_GROUPS / REIN_STALE_GROUPS. To change them, stop all replicas and start one "
+                "with REIN_RECONFIGURE=true."
             )
 
     # ------------------------------------------------------------------ reads
@@ -232,7 +240,7 @@ class WindowStore:
                     refs[group.group_id] = ref
                     records = self._records(group, result, refs, prompt or {}, steps)
                     pipe.multi()
-                    self._write(pipe, group, ref, state, result, records, steps)
+                    self._write(pipe, group, refs, state, result, records, steps)
                     pipe.execute()
                     return StepOutcome(group.group_id, result, steps, tuple(records))
                 except redis.WatchError:
@@ -290,7 +298,8 @@ class WindowStore:
                     BatchManifest(
                         batch_id=f"{self.keys.prefix}-batch-{batch.index:08d}",
                         index=batch.index,
-                        groups=[refs[g.group_id] for g in batch.groups],
+                        groups=[refs[g.group_id].model_copy(update={"withheld": list(g.withheld)})
+                                for g in batch.groups],
                         window=_window_info(batch.window),
                         version_gap=gap,
                         dropped=[{"group_id": gid, "decision": why} for gid, why in batch.dropped],
@@ -307,7 +316,7 @@ class WindowStore:
         self,
         pipe: Any,
         group: WindowGroup,
-        ref: GroupRef,
+        refs: dict[str, GroupRef],
         before: WindowState,
         result: StepResult,
         records: list[tuple[str, Record]],
@@ -316,13 +325,16 @@ class WindowStore:
         k = self.keys
         after = result.state
         pipe.hset(k.window, mapping=encode_window(after, steps + 1))
-        # pending: rewrite the order, add the new group if kept, delete what left
+        # pending: rewrite the order, add the new group if kept, rewrite those with members newly
+        # withheld, delete what left
         kept_ids = {g.group_id for g in after.pending}
         gone = [g.group_id for g in before.pending if g.group_id not in kept_ids]
         if gone:
             pipe.hdel(k.pending, *gone)
-        if group.group_id in kept_ids:
-            pipe.hset(k.pending, group.group_id, _group_to_json(group, ref))
+        held_before = {g.group_id: g.withheld for g in before.pending}
+        for g in after.pending:
+            if g.group_id == group.group_id or g.withheld != held_before.get(g.group_id, g.withheld):
+                pipe.hset(k.pending, g.group_id, _group_to_json(g, refs[g.group_id]))
         pipe.delete(k.pending_order)
         if after.pending:
             pipe.rpush(k.pending_order, *[g.group_id for g in after.pending])

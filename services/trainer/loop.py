@@ -243,8 +243,9 @@ class TrainerLoop:
         fetch_time = time.monotonic() - started
         if fetched.bad:
             self.metrics.bad_refs.inc(len(fetched.bad))
+        withheld = {sid for ref in manifest.groups for sid in ref.withheld}
         batch = build_samples(fetched.groups, mask_nonlast_version=s.nonlast_version_tokens == "mask",
-                              max_tokens=self.max_tokens)
+                              max_tokens=self.max_tokens, withheld=withheld)
         stats = self.trainer.step(batch, version=version_label(self.step))  # the weights held: v<steps so far>
         if stats.updated:
             self.step += 1

@@ -11,6 +11,7 @@ from services.trainer.samples import BatchSamples
 from services.trainer.step import StepStats
 from shared import metrics
 from shared.schemas import BatchManifest
+from shared.staleness import UNTRAINED_CAUSE_NAMES
 
 # metrics.jsonl field -> Prometheus report name (rein_<name with / as _>)
 GAUGES: dict[str, str] = {
@@ -34,9 +35,8 @@ GAUGES: dict[str, str] = {
     "drops_in_batch": "trainer/drops_in_batch",
     "drops_cumulative": "trainer/drops_cumulative",
     "generated_tokens_cumulative": "trainer/generated_tokens_cumulative",
-    "untrained_window_cumulative": "trainer/untrained_window_cumulative",
-    "untrained_no_signal_cumulative": "trainer/untrained_no_signal_cumulative",
-    "untrained_failed_cumulative": "trainer/untrained_failed_cumulative",
+    **{f"untrained_{cause}_cumulative": f"trainer/untrained_{cause}_cumulative" for cause in UNTRAINED_CAUSE_NAMES},
+    "withheld_trajectories": "trainer/withheld_trajectories",
     "version_masked_tokens": "trainer/version_masked_tokens",
     "manifest_index": "trainer/manifest_index",
     "step_time_s": "trainer/step_time_s",
@@ -148,9 +148,8 @@ def step_line(
         "drops_in_batch": manifest.drops_in_batch,
         "drops_cumulative": manifest.drops_cumulative,
         "generated_tokens_cumulative": manifest.generated_tokens_cumulative if tallied else None,
-        "untrained_window_cumulative": untrained.get("window"),
-        "untrained_no_signal_cumulative": untrained.get("no_signal"),
-        "untrained_failed_cumulative": untrained.get("failed"),
+        **{f"untrained_{cause}_cumulative": untrained.get(cause) for cause in UNTRAINED_CAUSE_NAMES},
+        "withheld_trajectories": batch.withheld_trajectories,
         "step_time_s": step_time_s,
         "fetch_time_s": fetch_time_s,
     }

@@ -9,6 +9,9 @@ live on trajectories: every segment of a trajectory carries its reward, and the
 GRPO baseline is taken over the trajectories of a group (not over segments, so a
 trajectory cut into several segments does not weigh more in its group's mean).
 
+A trajectory the window withheld (``REIN_STALE_GROUPS=withhold``: it ended outside the window
+while others of its group did not) keeps its reward in the group's baseline and gives no sample.
+
 The collector drops groups with rejected or failed sessions, but this module does
 not rely on that: such trajectories, malformed segments and segments with no
 trainable token are skipped and counted.
@@ -16,7 +19,7 @@ trainable token are skipped and counted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from shared.schemas import CompletedGroup, SamplingParams, Segment
@@ -72,6 +75,10 @@ class BatchSamples:
     improve, so they are never trained."""
     degenerate_groups: int = 0
     """Groups whose kept trajectories all have the same reward (zero advantage: nothing learned)."""
+    withheld_trajectories: int = 0
+    """Trajectories the window withheld: in their group's baseline, not in the loss."""
+    withheld_tokens: int = 0
+    """Trainable tokens (mask 1) of the withheld trajectories' segments."""
 
     @property
     def masked_token_fraction(self) -> float:
@@ -92,12 +99,17 @@ def _well_formed(seg: Segment) -> bool:
 
 
 def build_samples(
-    groups: Sequence[CompletedGroup], *, mask_nonlast_version: bool = True, max_tokens: int | None = None
+    groups: Sequence[CompletedGroup],
+    *,
+    mask_nonlast_version: bool = True,
+    max_tokens: int | None = None,
+    withheld: Collection[str] = frozenset(),
 ) -> BatchSamples:
     """Samples of ``groups`` in order (group, trajectory, segment index).
 
     ``max_tokens`` (the policy's context window) cuts longer segments from the end,
-    before the version mask is taken, as the reference does.
+    before the version mask is taken, as the reference does. ``withheld``: session ids of
+    trajectories whose reward counts in the baseline but whose tokens are not trained.
     """
     out = BatchSamples()
     for group in groups:
@@ -112,6 +124,10 @@ def build_samples(
             out.rewards.append(float(traj.reward))
             out.trajectory_group.append(group_pos)
             group_rewards.append(float(traj.reward))
+            if traj.session_id in withheld:
+                out.withheld_trajectories += 1
+                out.withheld_tokens += sum(seg.loss_mask.count(1) for seg in traj.segments)
+                continue
             for seg in sorted(traj.segments, key=lambda s: s.segment_index):
                 sample = _segment_sample(seg, traj_pos, traj.session_id, mask_nonlast_version, max_tokens, out)
                 if sample is not None:

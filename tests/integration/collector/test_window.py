@@ -247,10 +247,10 @@ def test_manifests_reference_groups_and_report_window_drops_and_gaps(kafka_boots
     assert (second.drops_in_batch, second.drops_cumulative) == (1, 1)
     # 4 trainable tokens per trajectory: m1 8, m2 4 (first); m3 4, m4 4 (stale), m5 8
     assert (first.generated_tokens_cumulative, first.untrained_tokens_cumulative) == (
-        12, {"window": 0, "no_signal": 0, "failed": 0}
+        12, {"window": 0, "no_signal": 0, "failed": 0, "withheld": 0}
     )
     assert (second.generated_tokens_cumulative, second.untrained_tokens_cumulative) == (
-        28, {"window": 4, "no_signal": 0, "failed": 0}
+        28, {"window": 4, "no_signal": 0, "failed": 0, "withheld": 0}
     )
     assert second.version_gap is not None and (second.version_gap.min, second.version_gap.max) == (0, 1)
     assert second.batch_id.endswith("-batch-00000001") and second.index == 1
@@ -259,6 +259,38 @@ def test_manifests_reference_groups_and_report_window_drops_and_gaps(kafka_boots
         assert isinstance(group, CompletedGroup) and group.group_id == ref.group_id
     source.close()
     batches.close()
+
+
+def test_withhold_keeps_a_stale_groups_fresh_members_and_names_the_others_in_the_manifest(
+    kafka_bootstrap: str, redis_db_url: str
+) -> None:
+    settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=2, batch_groups=2, stale_groups="withhold")
+    source = Source(settings)
+    source.weights(["v0", "v1", "v2", "v3"])
+    with Running(settings):
+        batches = Tail(settings, settings.topics.batches)
+        decisions = Tail(settings, settings.topics.decisions)
+        source.group("w1", [["v1"], ["v1"]])  # current v1: kept
+        source.group("w2", [["v0"], ["v2"]])  # current v2, cutoff 1: w2-s0 (v0) withheld, w2-s1 kept -> batch 0
+        source.group("w3", [["v1"], ["v2"]])  # inside [v1, v2]: kept, pending
+        source.group("w4", [["v3"], ["v0"], ["v3"]])  # advance, cutoff 2: w3-s0 and w4-s1 withheld -> batch 1
+        source.group("w5", [["v0"], ["v1"]])  # no member inside: dropped whole
+        records = batches.wait(lambda rs: len(manifests_by_index(rs)) >= 2, "two manifests")
+        assert decided(decisions, ["w1", "w2", "w3", "w4", "w5"]) == {
+            "w1": "kept", "w2": "kept", "w3": "kept", "w4": "kept", "w5": "dropped_stale",
+        }
+        client = redis.Redis.from_url(settings.redis.url, decode_responses=True)
+        tally = WindowReader(client, RedisKeys(settings.redis.key_prefix)).window().tokens
+    first, second = manifests_by_index(records)[0], manifests_by_index(records)[1]
+    assert [(g.group_id, g.withheld) for g in first.groups] == [("w1", []), ("w2", ["w2-s0"])]
+    assert [(g.group_id, g.withheld) for g in second.groups] == [("w3", ["w3-s0"]), ("w4", ["w4-s1"])]
+    assert second.version_gap is not None and second.version_gap.max == 1, "withheld members are not in the gap"
+    # 4 trainable tokens per trajectory: three withheld, w5's two dropped
+    assert tally == TokenTally(generated=11 * 4, window=8, withheld=12)
+    assert second.untrained_tokens_cumulative == {"window": 0, "no_signal": 0, "failed": 0, "withheld": 12}
+    source.close()
+    batches.close()
+    decisions.close()
 
 
 def test_malformed_records_are_skipped_counted_and_the_collector_keeps_going(

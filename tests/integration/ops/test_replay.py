@@ -6,8 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import redis
 
 from ops.cli import main as rein
+from shared.names import RedisKeys
+from shared.window_layout import WindowReader
 from tests.support.collector import Running, Source, Tail, final_decisions, make_settings
 
 pytestmark = [pytest.mark.integration]
@@ -48,6 +51,8 @@ def test_replay_of_a_recorded_run_gives_the_live_decisions(
         for gid, trajs, kw in STREAM:
             source.group(gid, trajs, **kw)  # type: ignore[arg-type]
         live = final_decisions(tail.wait(lambda rs: len(final_decisions(rs)) == len(STREAM), "all decisions"))
+        client = redis.Redis.from_url(settings.redis.url, decode_responses=True)
+        live_tally = WindowReader(client, RedisKeys(settings.redis.key_prefix)).window().tokens
     assert set(live.values()) >= {"kept", "dropped_retroactive", "dropped_stale", "failed_retry", "dropped_no_signal"}
 
     monkeypatch.setenv("REIN_KAFKA__BOOTSTRAP_SERVERS", kafka_bootstrap)
@@ -58,6 +63,10 @@ def test_replay_of_a_recorded_run_gives_the_live_decisions(
     from_topic = _replay(capsys, "--from-topic", settings.topics.groups, *common, "--export", str(export))
     decisions = {g["group_id"]: g["decision"] for g in from_topic["groups"]}  # type: ignore[attr-defined]
     assert decisions == live
+    assert from_topic["summary"]["tokens"] == {  # type: ignore[index]
+        "generated": live_tally.generated, "untrained": live_tally.by_cause(),
+    }, "the replay counts the tokens the live window counted"
+    assert live_tally.generated > 0
 
     lines = [json.loads(line) for line in export.read_text().splitlines()]
     assert [line["kind"] for line in lines[:4]] == ["weight"] * 4
@@ -74,5 +83,12 @@ def test_replay_of_a_recorded_run_gives_the_live_decisions(
     kept = _replay(capsys, "--from-file", str(export), *common, "--no-signal-groups", "keep")
     assert kept["summary"]["decisions"]["dropped_no_signal"] == 0  # type: ignore[index]
     assert {g["group_id"]: g["decision"] for g in kept["groups"]}["n"] == "kept"  # type: ignore[attr-defined]
+    # what-if: stale members withheld instead of whole groups dropped, reported beside the drop
+    withhold = _replay(capsys, "--from-file", str(export), *common, "--stale-groups", "withhold")
+    beside = withhold["withhold_vs_drop"]
+    assert beside["window_drops"]["drop"] == sum(  # type: ignore[index]
+        1 for d in live.values() if d in ("dropped_stale", "dropped_retroactive")
+    )
+    assert beside["groups_saved"] >= 0 and beside["tokens_saved"] >= 0  # type: ignore[index,operator]
     source.close()
     tail.close()

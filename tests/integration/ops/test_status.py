@@ -86,7 +86,8 @@ def test_status_reports_window_registry_and_lag(
         assert report["drops"]["by_reason"] == {"dropped_stale": 1}
         assert report["drops"]["total"] == 1
         assert report["untrained_tokens"] == {  # 4 trainable tokens a trajectory: D's 8 of 32
-            "generated": 32, "total": 8, "by_cause": {"window": 8, "no_signal": 0, "failed": 0}, "share": 0.25,
+            "generated": 32, "total": 8, "by_cause": {"window": 8, "no_signal": 0, "failed": 0, "withheld": 0},
+            "share": 0.25,
         }
         assert report["registry"]["published"] == [
             {"label": "v0", "seq": 0, "index": 0},

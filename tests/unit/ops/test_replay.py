@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from ops.replay import ReplayFormatError, event_to_json, read_jsonl, replay
-from shared.staleness import NoSignalGroups, WindowConfig
+from ops.replay import ReplayFormatError, event_to_json, read_jsonl, replay, withhold_vs_drop
+from shared.staleness import NoSignalGroups, StaleGroups, WindowConfig
 
 RUN = [
     {"kind": "weight", "version": "v0", "seq": 0},
@@ -62,6 +62,8 @@ def test_round_trip_and_fold() -> None:
         '{"kind": "group", "group_id": "g", "samples": [], "rewards": 1.0}',
         '{"kind": "group", "group_id": "g", "samples": [], "rewards": [1.0, "x"]}',
         '{"kind": "group", "group_id": "g", "samples": [], "rewards": [true, false]}',
+        '{"kind": "group", "group_id": "g", "samples": [{"trajectory_id": "t", "tokens": -1}]}',
+        '{"kind": "group", "group_id": "g", "samples": [{"trajectory_id": "t", "tokens": 1.5}]}',
     ],
 )
 def test_bad_lines_name_the_line(line: str) -> None:
@@ -92,3 +94,42 @@ def test_rewards_decide_signal_and_survive_export() -> None:
     assert dropped.summary()["dropped"] == 1 and dropped.summary()["no_signal_groups"] == "drop"
     kept = replay(events, WindowConfig(keep_versions=1, batch_groups=8, no_signal_groups=NoSignalGroups.KEEP))
     assert set(kept.decisions().values()) == {"kept"}
+
+
+def _members(group_id: str, *members: tuple[str, int]) -> dict[str, object]:
+    """A group line whose members (``(end version, tokens)``) differ in version; rewards differ (signal)."""
+    return {
+        "kind": "group", "group_id": group_id, "prompt_id": f"p-{group_id}", "attempt": 0, "failed": False,
+        "samples": [{"trajectory_id": f"{group_id}-{i}", "segment_index": 0, "end_version": v, "tokens": n}
+                    for i, (v, n) in enumerate(members)],
+        "rewards": [float(i) for i in range(len(members))],
+    }
+
+
+def test_withhold_beside_drop_reports_the_groups_and_tokens_it_saved() -> None:
+    run = [
+        *({"kind": "weight", "version": f"v{i}", "seq": i} for i in range(4)),
+        _members("a", ("v1", 5), ("v1", 5)),
+        _members("b", ("v0", 3), ("v2", 4)),  # current v2, keep 2: b-0 outside
+        _members("c", ("v3", 2), ("v1", 6), ("v2", 1)),  # current v3: a leaves; b-1 inside; c-1 outside
+        _members("d", ("v0", 1), ("v1", 1)),  # nothing inside: dropped under both
+    ]
+    events = list(read_jsonl(json.dumps(obj) for obj in run))
+    assert [event_to_json(e) for e in events] == run, "token counts survive export"
+    config = WindowConfig(keep_versions=2, batch_groups=8)
+    drop = replay(events, config)
+    assert drop.decisions() == {"a": "dropped_retroactive", "b": "dropped_stale", "c": "dropped_stale",
+                                "d": "dropped_stale"}
+    assert drop.summary()["tokens"] == {"generated": 28, "untrained": {"window": 28, "no_signal": 0, "failed": 0,
+                                                                         "withheld": 0}}
+    withhold = replay(events, WindowConfig(keep_versions=2, batch_groups=8, stale_groups=StaleGroups.WITHHOLD))
+    assert withhold.decisions() == {"a": "dropped_retroactive", "b": "kept", "c": "kept", "d": "dropped_stale"}
+    assert withhold.outcomes["c"].withheld == ("c-1",) and withhold.outcomes["b"].withheld == ("b-0",)
+    assert withhold.summary()["stale_groups"] == "withhold" and withhold.summary()["withheld_members"] == 2
+    assert withhold_vs_drop(withhold, drop) == {
+        "window_drops": {"drop": 4, "withhold": 2},
+        "groups_saved": 2,
+        "withheld_members": 2,
+        "stale_tokens_untrained": {"drop": 28, "withhold": 10 + 2 + 3 + 6},
+        "tokens_saved": 28 - 21,
+    }

@@ -102,7 +102,8 @@ def test_read_window() -> None:
     report = read_window(FakeRedis(keys), keys)
     assert report["window"] == {
         "current_version": "v2", "current_index": 2, "cutoff_index": 1, "cutoff_version": "v1",
-        "keep_versions": 2, "batch_groups": 4, "max_retries": 2, "no_signal_groups": "drop", "no_signal_run": 2,
+        "keep_versions": 2, "batch_groups": 4, "max_retries": 2, "no_signal_groups": "drop", "stale_groups": None,
+        "no_signal_run": 2,
         "pending_groups": 2, "batches": 3, "steps": 9, "outbox": 0,
     }
     assert report["drops"] == {
@@ -110,7 +111,8 @@ def test_read_window() -> None:
         "since_last_batch": 1, "prompts_dropped_after_retries": 2,
     }
     assert report["untrained_tokens"] == {
-        "generated": 400, "total": 100, "by_cause": {"window": 30, "no_signal": 60, "failed": 10}, "share": 0.25,
+        "generated": 400, "total": 100, "by_cause": {"window": 30, "no_signal": 60, "failed": 10, "withheld": 0},
+        "share": 0.25,
     }
     assert report["registry"]["unregistered"] == [{"label": "rogue", "index": 3}]
     assert report["registry"]["published"][2] == {"label": "v2", "seq": 2, "index": 2}

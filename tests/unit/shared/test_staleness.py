@@ -314,7 +314,7 @@ def test_every_group_gets_exactly_one_final_outcome(
     # Tokens (group i generated i + 1): every generated token is untrained by its drop's cause or kept.
     cause = {"dropped_stale": "window", "dropped_retroactive": "window", "dropped_no_signal": "no_signal",
              "failed_dropped": "failed", "batch": "kept", "pending": "kept"}
-    by_cause = dict.fromkeys(["window", "no_signal", "failed", "kept"], 0)
+    by_cause = dict.fromkeys(["window", "no_signal", "failed", "withheld", "kept"], 0)
     for gid, v in outcomes.items():
         by_cause[cause[v[0]]] += int(gid[1:]) + 1
     tally = replay.state.tokens
@@ -344,7 +344,7 @@ def test_token_tally_by_cause() -> None:
     res = replay.feed(_group("c", "v2", tokens=6))  # b and c batched: trained, not untrained
     assert res.batch is not None and res.batch.tokens == TokenTally(37, 12, 7, 7)
     assert res.batch.tokens.untrained == 26
-    assert res.batch.tokens.by_cause() == {"window": 12, "no_signal": 7, "failed": 7}
+    assert res.batch.tokens.by_cause() == {"window": 12, "no_signal": 7, "failed": 7, "withheld": 0}
 
 
 def test_state_default_is_empty() -> None:

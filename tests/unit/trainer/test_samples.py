@@ -91,3 +91,20 @@ def test_greedy_tokens_are_never_trained_and_are_counted() -> None:
     all_greedy = Segment(segment_index=0, token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0] * 2,
                          versions=[None, "v1"], sampling=[(None, 1), (greedy, 1)])
     assert build_samples([group("g", traj("s", 1.0, all_greedy))]).samples == []
+
+
+def test_a_withheld_trajectory_stays_in_the_baseline_and_leaves_the_loss() -> None:
+    import torch
+
+    from services.trainer.loss import grpo_advantages
+
+    stale = traj("stale", 1.0, seg([0, 1, 1, 1], [None, "v1", "v1", "v1"]), seg([0, 1], [None, "v1"], 1))
+    fresh = traj("fresh", 0.0, seg([0, 1, 1], [None, "v3", "v3"]))
+    other = traj("other", 0.5, seg([0, 1], [None, "v3"]))
+    out = build_samples([group("g", stale, fresh), group("h", other)], withheld={"stale"})
+    assert out.rewards == [1.0, 0.0, 0.5] and out.trajectory_group == [0, 0, 1]
+    assert [s.session_id for s in out.samples] == ["fresh", "other"]
+    assert out.withheld_trajectories == 1 and out.withheld_tokens == 4
+    assert out.degenerate_groups == 1, "g's rewards differ (the withheld one counts); h has one"
+    adv = grpo_advantages(torch.tensor(out.rewards), torch.tensor(out.trajectory_group))
+    assert adv[out.samples[0].trajectory].item() == pytest.approx(-0.5), "the baseline is the mean of both"
