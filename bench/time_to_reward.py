@@ -106,6 +106,7 @@ def analyse(run_dir: Path, minutes: float, checkpoints: list[float], threshold: 
         by_samples.append((samples, reward_at(eps, float(r["ts"]), last)))
     return {
         "steps": len(steps),
+        "older_version_logprob_diff": older_version_diffs(steps),
         "batches": len(rows),
         "episodes": len(eps),
         "reward_at_min": {f"{c:g}": reward_at(eps, start + c * 60, last) for c in checkpoints},
@@ -119,6 +120,21 @@ def analyse(run_dir: Path, minutes: float, checkpoints: list[float], threshold: 
         "reward_by_samples": by_samples,
         "run_dir": str(run_dir),
     }
+
+
+def older_version_diffs(steps: list[dict[str, Any]]) -> list[float]:
+    """Per trainer step, mean |train - rollout logprob| over the trained tokens an older version sampled:
+    how far the policy moved since it sampled them (one version, under pacing). Steps without such
+    tokens (every sync step) give none."""
+    out = []
+    for r in steps:
+        diff, same = r.get("train_rollout_logprob_abs_diff"), int(r.get("same_version_tokens") or 0)
+        trained = int(r.get("trained_tokens") or 0)
+        if diff is None or trained <= same:
+            continue
+        same_diff = float(r.get("train_rollout_logprob_abs_diff_same_version") or 0.0)
+        out.append((float(diff) * trained - same_diff * same) / (trained - same))
+    return out
 
 
 def run_one(mode: str, seed: int, args: argparse.Namespace, root: Path) -> Path:
@@ -164,8 +180,19 @@ def aggregate(runs: dict[str, list[dict[str, Any]]], checkpoints: list[float]) -
                 for c in causes
             } if generated else {},
             "logprob_abs_diff_mean": _stats([r["logprob_abs_diff_mean"] for r in results]),
+            "policy_move": _move([d for r in results for d in r["older_version_logprob_diff"]]),
         }
     return out
+
+
+def _move(diffs: list[float]) -> dict[str, float | int | None]:
+    """The per-step policy move (:func:`older_version_diffs`) over every step of every seed: median, max
+    and their ratio (how far the largest single step moved the policy against a usual one)."""
+    if not diffs:
+        return {"steps": 0, "median": None, "max": None, "max_over_median": None}
+    median = statistics.median(diffs)
+    return {"steps": len(diffs), "median": median, "max": max(diffs),
+            "max_over_median": max(diffs) / median if median > 0 else None}
 
 
 def _fmt(stat: dict[str, Any], digits: int = 3) -> str:
@@ -177,7 +204,8 @@ def _fmt(stat: dict[str, Any], digits: int = 3) -> str:
 
 def table(agg: dict[str, dict[str, Any]], checkpoints: list[float], threshold: float) -> str:
     cols = [f"reward @{c:g} min" for c in checkpoints]
-    head = ["mode", *cols, f"time to {threshold:g} (s)", "steps", "trained tok/s", "untrained by cause", "|dlogp|"]
+    head = ["mode", *cols, f"time to {threshold:g} (s)", "steps", "trained tok/s", "untrained by cause", "|dlogp|",
+            "step move median / max"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for mode, a in agg.items():
         ttt = a["time_to_threshold_s"]
@@ -186,6 +214,8 @@ def table(agg: dict[str, dict[str, Any]], checkpoints: list[float], threshold: f
         lines.append(" | ".join([
             mode, *(_fmt(a["reward_at_min"][f"{c:g}"]) for c in checkpoints), reached, _fmt(a["steps"], 1),
             _fmt(a["trained_tokens_per_s"], 1), waste, _fmt(a["logprob_abs_diff_mean"], 3),
+            "-" if a["policy_move"]["median"] is None
+            else f"{a['policy_move']['median']:.3f} / {a['policy_move']['max']:.3f}",
         ]))
     return "\n".join(lines)
 

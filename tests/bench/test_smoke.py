@@ -107,6 +107,17 @@ def _trainer_step(out: Path) -> None:
     assert set(data["ratios"]) == {"rein_over_plain", "full_over_plain"}
 
 
+def _time_to_reward(out: Path) -> None:
+    data = _json(out, "model", "minutes", "seeds", "threshold", "aggregate", "runs", "modes")
+    assert set(data["aggregate"]) == set(data["runs"]) == {"sync", "async"}
+    for mode, runs in data["runs"].items():
+        [run] = runs
+        assert run["steps"] >= 1 and run["episodes"] > 0, mode
+        assert set(run["reward_at_min"]) == {"0.25"}
+        assert run["trained_tokens_per_s"] > 0 and run["curve"], mode
+    assert data["runs"]["async"][0]["waste"]["generated"] > 0, "async decides groups through the window tally"
+
+
 def _plot_controls(out: Path) -> None:
     assert out.stat().st_size > 0
 
@@ -141,13 +152,19 @@ SMOKE: dict[str, Smoke] = {
         lambda out, _: ["--compare", "demo", "--steps", "3", "--timeout-s", "240", "--out", str(out)],
         _pipeline, marks=(pytest.mark.integration, pytest.mark.slow), timeout_s=280,
     ),
+    "time_to_reward": Smoke(
+        lambda out, _: ["--model", "tiny", "--minutes", "0.25", "--seeds", "0", "--modes", "sync", "async",
+                        "--checkpoints", "0.25", "--episodes", "8", "--threshold", "0.5", "--out", str(out),
+                        "--plot", str(out.with_suffix(".png"))],
+        _time_to_reward, marks=(pytest.mark.integration, pytest.mark.slow), timeout_s=280,
+    ),
     "hot_path": Smoke(
         lambda out, _: ["--warmup", "1", "--steps", "2", "--timeout-s", "240", "--out", str(out)],
         _hot_path, marks=(pytest.mark.integration, pytest.mark.slow), timeout_s=280,
     ),
 }
-"""Script name (``bench/<name>.py``) -> its smoke run. ``pipeline`` and ``hot_path`` start their own
-Kafka and Redis (the demo's stack); the others take the session's."""
+"""Script name (``bench/<name>.py``) -> its smoke run. ``pipeline``, ``hot_path`` and ``time_to_reward`` start
+their own Kafka and Redis (the demo's stack); the others take the session's."""
 
 
 def test_every_bench_script_has_a_smoke_entry() -> None:
