@@ -95,6 +95,9 @@ class ProxyService:
         self.metrics = metrics
         rules = VersionRules(partial_rollout=settings.partial_rollout, max_preempts=settings.max_preempts)
         self.sessions = SessionStore(settings.finalized_memory, clock, tokenizer=tokenizer, rules=rules)
+        self._stop_ids = tuple(sorted(tokenizer.stop_ids))
+        """The model's EOS and end-of-turn ids, sent on every ``/generate``: an engine that knows only its
+        EOS (SGLang reads the model's config) would run past an end of turn that is not the EOS."""
         self._new_rid = new_rid
         self._acks: dict[str, dict[int, Ack]] = {}
         """Per session id, its chunks' acks not looked at yet, by seq (the pure machine holds no futures)."""
@@ -164,6 +167,7 @@ class ProxyService:
             session_id=ids.session_id, prompt_ids=plan.prompt_ids, context_ids=plan.context_ids,
             budget=budget, window=window, sampling=sampling, partial_rollout=self.settings.partial_rollout,
             max_chunks=self.settings.max_chunks_per_call,
+            stop_ids=() if sampling.ignore_eos else self._stop_ids,  # ignore_eos: run to the budget
         )
 
     async def _on_chunk(self, session: Session, engine: EngineHandle, plan: TurnPlan, outcome: ChunkOutcome) -> None:

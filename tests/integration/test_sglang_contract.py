@@ -125,6 +125,9 @@ def test_chat_pause_abort_resume_against_sglang(
     assert preempted.output_ids + continued.output_ids == rein(resp2)["output_ids"]
     assert engine.generate_bodies[-1]["input_ids"] == PROMPT + preempted.output_ids
     assert first.version == "default"
+    # the model's stop ids reach the engine on every /generate (SGLang knows only the config's EOS)
+    stops = [TOKENIZER.end_id]
+    assert all(b["sampling_params"]["stop_token_ids"] == stops for b in engine.generate_bodies)
 
 
 def start_broadcaster(proxy: Proxy, engine_url: str, weights_topic: str, redis: RedisSettings, group: str,
