@@ -132,6 +132,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
             payload = completion(
                 model=model, content=outcome.content, finish_reason=outcome.finish_reason,
                 prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens, rein=outcome.rein,
+                tool_calls=outcome.tool_calls,
             )
         if body.stream:
             return StreamingResponse(iter(list(sse_frames(payload))), media_type="text/event-stream",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -170,16 +170,19 @@ def completion(
     prompt_tokens: int,
     completion_tokens: int,
     rein: dict[str, Any] | None = None,
+    tool_calls: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
-    """A ``chat.completion`` body; ``rein`` carries token ids and versions for tools that want them."""
+    """A ``chat.completion`` body; ``rein`` carries token ids and versions for tools that want them.
+    With ``tool_calls`` the message carries them and an empty content is null, as OpenAI's."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message = {"role": "assistant", "content": content or None, "tool_calls": list(tool_calls)}
     body: dict[str, Any] = {
         "id": new_id("chatcmpl"),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish_reason}
-        ],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -201,7 +204,8 @@ def sse_frames(body: dict[str, Any]) -> Iterator[str]:
 
     The proxy streams only after the generation is complete and published (a chunk
     must be on Kafka before the agent sees its tokens, and a rejection must be able
-    to answer with a real status), so the frames carry role, content, finish.
+    to answer with a real status), so the frames carry role, content, each tool call whole
+    (OpenAI's delta shape: ``index``, ``id``, ``type``, ``function`` name and arguments), finish.
     """
     choice = body["choices"][0]
     base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
@@ -214,6 +218,8 @@ def sse_frames(body: dict[str, Any]) -> Iterator[str]:
     content = choice["message"]["content"]
     if content:
         yield frame({"content": content}, None)
+    for index, call in enumerate(choice["message"].get("tool_calls", ())):
+        yield frame({"tool_calls": [{"index": index, **call}]}, None)
     extra: dict[str, Any] = {"usage": body["usage"]}
     if "rein" in body:
         extra["rein"] = body["rein"]

@@ -57,6 +57,7 @@ from shared.errors import (
     StalePause,
 )
 from shared.model.base import ChatTokenizer
+from shared.model.tool_calls import ToolCallFormat
 from shared.schemas import Chunk, Record, new_id
 from shared.versions import real_version
 
@@ -94,7 +95,9 @@ class ProxyService:
         self.controller = controller
         self.metrics = metrics
         rules = VersionRules(partial_rollout=settings.partial_rollout, max_preempts=settings.max_preempts)
-        self.sessions = SessionStore(settings.finalized_memory, clock, tokenizer=tokenizer, rules=rules)
+        tool_calls = None if settings.tool_call_parser == "auto" else ToolCallFormat(settings.tool_call_parser)
+        self.sessions = SessionStore(settings.finalized_memory, clock, tokenizer=tokenizer, rules=rules,
+                                     tool_calls=tool_calls)
         self._stop_ids = tuple(sorted(tokenizer.stop_ids))
         """The model's EOS and end-of-turn ids, sent on every ``/generate``: an engine that knows only its
         EOS (SGLang reads the model's config) would run past an end of turn that is not the EOS."""

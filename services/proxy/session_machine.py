@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from services.proxy.transcript import Messages, NewSegmentReason, SegmentState, Tools, Transcript, TurnPlan
+from services.proxy.transcript import Answer, Messages, NewSegmentReason, SegmentState, Tools, Transcript, TurnPlan
 from shared.errors import (
     InvalidRequest,
     KafkaUnavailable,
@@ -62,7 +62,8 @@ from shared.errors import (
 )
 from shared.model.base import ChatTokenizer
 from shared.model.tiny import TinyChatTokenizer
-from shared.schemas import Chunk, Record, SessionFinished, SessionRejected
+from shared.model.tool_calls import ToolCallFormat, parse_reply
+from shared.schemas import Chunk, Record, SessionFinished, SessionRejected, new_id
 from shared.staleness import check_span
 from shared.versions import distinct_real, encode_runs
 
@@ -91,6 +92,8 @@ class ChatOutcome:
     completion_tokens: int
     rein: dict[str, Any]
     soft_rejected: bool = False
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    """OpenAI ``tool_calls`` parsed from the reply (then ``finish_reason`` is ``tool_calls``)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,8 @@ class Session(Transcript):
     tokenizer: ChatTokenizer = field(default_factory=TinyChatTokenizer, repr=False, compare=False)
     """The served model family's (the service passes it; the default serves tests of the machine alone)."""
     rules: VersionRules = field(default_factory=VersionRules)
+    tool_calls: ToolCallFormat = ToolCallFormat.NONE
+    """How replies are parsed into tool calls (the proxy's ``REIN_TOOL_CALL_PARSER``, or the model's)."""
     segments: list[SegmentState] = field(default_factory=list)
     num_chunks: int = 0
     """Chunk records submitted for this session (the next chunk's ``seq``)."""
@@ -218,10 +223,18 @@ class Session(Transcript):
         )
 
     def complete(self, gen: Generation) -> ChatOutcome:
-        """The generation ended: the answer is the text of the sampled ids (a final stop id is no text)."""
+        """The generation ended: the answer is the text of the sampled ids (a final stop id is no text),
+        split into content and tool calls when the model ended its turn (a reply cut by its budget is
+        content: its calls may be cut too)."""
         plan = self._call()
-        content = self.tokenizer.decode(gen.output_ids)
-        self.answered(plan, content)
+        text = self.tokenizer.decode(gen.output_ids)
+        reply = parse_reply(text, self.tool_calls) if gen.finish_reason == "stop" else None
+        calls = tuple(c.openai(new_id("call")) for c in reply.calls) if reply is not None else ()
+        content = reply.content if reply is not None and calls else text
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = list(calls)
+        self.answered(plan, Answer(message, text))
         self._leave_call()
         rein = {
             "session_id": self.session_id, "segment_index": plan.segment_index, "new_segment": plan.new_segment,
@@ -229,8 +242,9 @@ class Session(Transcript):
             "chunks": [{"rid": c.output.rid, "version": c.output.version, "finish_reason": c.output.finish_reason,
                         "num_tokens": len(c.output.output_ids)} for c in gen.chunks],
         }
-        return ChatOutcome(content=content, finish_reason=gen.finish_reason, prompt_tokens=len(plan.prompt_ids),
-                           completion_tokens=len(gen.output_ids), rein=rein)
+        return ChatOutcome(content=content, finish_reason="tool_calls" if calls else gen.finish_reason,
+                           prompt_tokens=len(plan.prompt_ids), completion_tokens=len(gen.output_ids), rein=rein,
+                           tool_calls=calls)
 
     def fail(self, error: Exception, *, soft: bool = False) -> Step:
         """The call stopped on ``error``. A staleness rule rejects the session (softly when asked);

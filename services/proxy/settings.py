@@ -5,6 +5,8 @@ Lists are JSON: ``REIN_ENGINE_URLS='["http://engine-0:30000","http://engine-1:30
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from shared.settings import ModelServiceSettings
@@ -66,6 +68,10 @@ class ProxySettings(ModelServiceSettings):
     above, so an engine that aborts everything cannot loop a call forever."""
     temperature: float = Field(default=1.0, ge=0.0)
     """Sampling temperature of calls that do not set one (RL samples at 1.0)."""
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral", "pythonic"] = "auto"
+    """How a finished reply is split into content and OpenAI ``tool_calls`` (``shared/model/tool_calls.py``):
+    ``auto`` follows the model's chat template (``hermes`` for one that shows no convention), ``none`` never
+    parses. Markup that does not parse is returned as content."""
     session_idle_timeout_s: float = Field(default=900.0, ge=0)
     """A session with no call for this long is rejected (``session_idle``, published like any
     rejection, so its group is decided and retried). Its agent is gone: a crashed rollout runner,

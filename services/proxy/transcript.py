@@ -9,6 +9,11 @@ or truncated history) starts a new segment rendered from the full chat template.
 segment whose call failed after a chunk publish was tried is closed (that record may or
 may not be on Kafka), so the next call starts a new one.
 
+An answer with tool calls reaches the agent parsed (content and ``tool_calls``), and comes back
+parsed, perhaps with the arguments re-serialized: a message that echoes an answer of the segment
+(:meth:`Answer.echoed_by`) stands for the text that was sampled when the segment is continued,
+so the engine sees its own call text again, not the template's rendering of the parsed call.
+
 A new segment re-tokenizes the whole history, so each one carries a
 :data:`NewSegmentReason` (:func:`new_segment_reason`) that the proxy counts: an agent that
 keeps editing its history shows up there instead of silently losing token exactness.
@@ -20,6 +25,7 @@ alone knows the template: nothing here depends on which family is served.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -53,6 +59,55 @@ class Call:
         return cls(tools=tuple(tools or ()), messages=tuple(messages))
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What one call answered: the assistant message the agent got, and the text of the ids sampled."""
+
+    message: Mapping[str, Any]
+    """``{"role": "assistant", "content": ..., "tool_calls": [...]}`` as the response carried it."""
+    text: str
+    """The sampled ids' text (:meth:`ChatTokenizer.decode`): what ``continue_chat`` compares the turn to."""
+
+    def echoed_by(self, message: Mapping[str, Any]) -> bool:
+        """Whether ``message`` is this answer sent back: an assistant message with the same content (None
+        is empty) and the same calls, by name and arguments (as JSON values: re-serialized is the same)."""
+        return (
+            message.get("role") == "assistant"
+            and (message.get("content") or "") == (self.message.get("content") or "")
+            and _calls_key(message.get("tool_calls")) == _calls_key(self.message.get("tool_calls"))
+        )
+
+
+def _calls_key(calls: Any) -> tuple[tuple[str, str], ...]:
+    """Tool calls as ``(name, canonical arguments)``: ids and JSON spacing play no part."""
+    out = []
+    for call in calls or ():
+        function = call.get("function", {}) if isinstance(call, Mapping) else {}
+        args = function.get("arguments", "")
+        try:
+            value = json.loads(args) if isinstance(args, str) else args
+            canonical = json.dumps(value, sort_keys=True, ensure_ascii=False)
+        except (TypeError, ValueError):
+            canonical = str(args)
+        out.append((str(function.get("name", "")), canonical))
+    return tuple(out)
+
+
+def as_sampled(messages: Messages, answers: Sequence[Answer]) -> list[Mapping[str, Any]]:
+    """``messages`` with each echo of ``answers`` (in order) replaced by an assistant message whose
+    content is the text sampled: what the segment's turns stand for."""
+    out: list[Mapping[str, Any]] = []
+    pending = iter(answers)
+    nxt = next(pending, None)
+    for message in messages:
+        if nxt is not None and nxt.echoed_by(message):
+            out.append({"role": "assistant", "content": nxt.text})
+            nxt = next(pending, None)
+        else:
+            out.append(message)
+    return out
+
+
 @dataclass
 class SegmentState:
     """One segment: every token id in order, with the version of each output token."""
@@ -67,8 +122,13 @@ class SegmentState:
     """False once a call failed after publishing: the next call starts a new segment."""
     last_call: Call = field(default_factory=Call)
     """The last call recorded here (kept to say why a later call could not extend the segment)."""
-    last_reply: str | None = None
-    """That call's answer, once it completed: what the next call should send back as an assistant message."""
+    answers: list[Answer] = field(default_factory=list)
+    """The answer of each completed call, in order (one per turn but the one in progress)."""
+
+    @property
+    def last_answer(self) -> Answer | None:
+        """The last call's answer, once it completed: what the next call should send back."""
+        return self.answers[-1] if self.answers and len(self.answers) == len(self.turns) else None
 
 
 @dataclass(frozen=True)
@@ -107,7 +167,8 @@ def new_segment_reason(seg: SegmentState | None, call: Call) -> NewSegmentReason
         return "history_diverged"
     if len(call.messages) == n or call.messages[n].get("role") != "assistant":
         return "assistant_dropped"
-    if dict(call.messages[n]) != {"role": "assistant", "content": seg.last_reply}:
+    answer = seg.last_answer
+    if answer is None or not answer.echoed_by(call.messages[n]):
         return "assistant_edited"
     return "template_mismatch"
 
@@ -135,7 +196,7 @@ class Transcript:
         """
         seg, call = self.current, Call.of(messages, tools)
         if seg is not None and seg.open and seg.turns:
-            delta = tokenizer.continue_chat(seg.turns, messages, tools=tools)
+            delta = tokenizer.continue_chat(seg.turns, as_sampled(messages, seg.answers), tools=tools)
             if delta is not None:
                 return TurnPlan(segment_index=seg.index, new_segment=False, context_ids=tuple(delta),
                                 prompt_ids=(*seg.token_ids, *delta), call=call)
@@ -164,17 +225,17 @@ class Transcript:
         seg.versions.extend([*([None] * len(context_ids)), *versions])
         if context_ids or not seg.turns:  # a call's first chunk: its context is never empty (a template
             seg.turns.append((list(context_ids), list(output_ids)))  # or delta ends with the generation prompt)
-            seg.last_call, seg.last_reply = plan.call, None
+            seg.last_call = plan.call
         else:  # a continuation chunk (after a preempt) samples on in the same turn
             seg.turns[-1][1].extend(output_ids)
         self.num_chunks += 1
         return self.num_chunks - 1
 
-    def answered(self, plan: TurnPlan, content: str) -> None:
-        """The call of ``plan`` completed with ``content``: what the next call should send back."""
+    def answered(self, plan: TurnPlan, answer: Answer) -> None:
+        """The call of ``plan`` completed with ``answer``: what the next call should send back."""
         seg = self.current
-        if seg is not None and seg.index == plan.segment_index:
-            seg.last_reply = content
+        if seg is not None and seg.index == plan.segment_index and len(seg.answers) < len(seg.turns):
+            seg.answers.append(answer)
 
     def close_segment(self, plan: TurnPlan) -> None:
         """A chunk publish of this segment failed or was lost: no later call may extend it."""

@@ -17,6 +17,7 @@ from torch import nn
 
 from shared.checkpoint import CheckpointError
 from shared.checkpoint import digest as checkpoint_digest
+from shared.model.tool_calls import ToolCallFormat
 
 __all__ = [
     "ChatTokenizer", "CheckpointError", "Loaded", "ModelError", "ModelFamily", "Turn", "UnrenderableMessages",
@@ -53,6 +54,11 @@ class ChatTokenizer(Protocol):
     @property
     def stop_ids(self) -> frozenset[int]:
         """EOS and end-of-turn ids: generation stops after sampling one (it is kept in the output)."""
+        ...
+
+    @property
+    def tool_call_format(self) -> ToolCallFormat:
+        """How the model writes tool calls, as its chat template shows (:mod:`shared.model.tool_calls`)."""
         ...
 
     def encode_chat(

@@ -32,6 +32,7 @@ from shared.checkpoint import CheckpointError
 from shared.durable import fsync_path, fsync_tree
 from shared.model.base import ChatTokenizer, Loaded, ModelError, Turn, UnrenderableMessages, state_digest
 from shared.model.literals import Literals, Spellings, strings_in
+from shared.model.tool_calls import ToolCallFormat, detect_format
 
 hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # services log JSON lines; tqdm bars on every load are noise
 
@@ -91,6 +92,7 @@ class HFChatTokenizer:
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
         self._template = template
         self.template_knows_tools = "tool_calls" in template
+        self._tool_call_format = detect_format(template)
         self._spellings = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         """Special ids and their spellings: what the tokenizer parses as a special wherever it reads it."""
         self._markers = {text: i for i, text in self._spellings.items()}
@@ -125,6 +127,10 @@ class HFChatTokenizer:
     @property
     def stop_ids(self) -> frozenset[int]:
         return self._stop_ids
+
+    @property
+    def tool_call_format(self) -> ToolCallFormat:
+        return self._tool_call_format
 
     def _plain(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         out = []

@@ -12,6 +12,7 @@ from torch import nn
 
 from shared import checkpoint
 from shared.model.base import ChatTokenizer, Loaded, Turn, UnrenderableMessages
+from shared.model.tool_calls import ToolCallFormat
 from shared.policy import PolicyConfig, TinyPolicy, init_policy
 from shared.tokenizer import ROLE_TOKENS, TOKENIZER, Tokenizer
 
@@ -37,6 +38,11 @@ class TinyChatTokenizer:
     @property
     def stop_ids(self) -> frozenset[int]:
         return frozenset({self.inner.end_id})
+
+    @property
+    def tool_call_format(self) -> ToolCallFormat:
+        """The tiny policy writes no tool calls."""
+        return ToolCallFormat.NONE
 
     def encode_chat(
         self,

@@ -15,10 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.proxy.engine_client import EngineOutput
+from services.proxy.generation import ChunkOutcome, Generation
 from services.proxy.session_machine import Session
 from shared.model.base import ChatTokenizer, Turn
 from shared.model.hf import HFChatTokenizer, HFFamily
 from shared.model.tiny import TinyChatTokenizer
+from shared.model.tool_calls import ToolCallFormat
 from shared.tokenizer import TOKENIZER as TOK
 
 Msg = dict[str, Any]
@@ -159,6 +162,40 @@ def test_tool_call_shaped_messages(hf: HFChatTokenizer) -> None:
     delta = hf.continue_chat(turns, messages, tools=tools)
     assert delta is not None
     assert hf._text(delta) == "\n<|im_start|>tool\n5 ✓<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_tool_call_answered_parsed_and_echoed_reformatted_continues_token_exact(hf: HFChatTokenizer) -> None:
+    """The session answers the sampled call text as content + OpenAI tool_calls (SmolLM2: hermes, by
+    auto-detection), two calls in parallel; the agent sends them back with its own JSON spacing and
+    ids, and the tool results: the segment goes on from the ids sampled, not a rendering of the calls."""
+    assert hf.tool_call_format is ToolCallFormat.HERMES
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    text = ('I will add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+            '<tool_call>{"name":"add","arguments":{"a":1,"b":1}}</tool_call>')
+    sampled = [*ids_of(hf, text), im_end(hf)]
+    session = Session("s", "g", tokenizer=hf, tool_calls=hf.tool_call_format)
+    plan = session.begin([user("2+3 and 1+1")], "t1", tools=tools)
+    out = EngineOutput("r0", sampled, [-0.1] * len(sampled), "v1", ["v1"] * len(sampled), "stop")
+    session.chunk(ChunkOutcome(0, plan.context_ids, out), "e")
+    session.chunk_sent()
+    answer = session.complete(Generation(output_ids=sampled, finish_reason="stop", chunks=[]))
+    assert answer.finish_reason == "tool_calls" and answer.content == "I will add."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in answer.tool_calls] == [
+        ("add", {"a": 2, "b": 3}), ("add", {"a": 1, "b": 1})]
+    echoed = {"role": "assistant", "content": "I will add.", "tool_calls": [
+        {"id": f"x{i}", "type": "function",
+         "function": {"name": c["function"]["name"], "arguments": json.dumps(json.loads(c["function"]["arguments"]),
+                                                                            separators=(",", ":"))}}
+        for i, c in enumerate(answer.tool_calls)]}
+    history = [user("2+3 and 1+1"), echoed, {"role": "tool", "tool_call_id": "x0", "content": "5"},
+               {"role": "tool", "tool_call_id": "x1", "content": "2"}]
+    second = session.begin(history, "t2", tools=tools)
+    assert not second.new_segment
+    assert second.prompt_ids[: len(plan.context_ids) + len(sampled)] == (*plan.context_ids, *sampled)
+    assert hf._text(second.context_ids).startswith("\n<|im_start|>tool\n5<|im_end|>")
+    session.cancel()
+    edited = {**echoed, "tool_calls": echoed["tool_calls"][:1]}  # a call dropped: not this answer any more
+    assert session.begin([user("2+3 and 1+1"), edited, history[2]], "t3", tools=tools).new_segment
 
 
 @pytest.mark.parametrize("edit", ["user_text", "assistant_text", "dropped", "same", "system_added", "stripped"])

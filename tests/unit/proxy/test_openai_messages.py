@@ -73,3 +73,29 @@ def test_text_part_without_text_is_invalid() -> None:
 def test_what_the_schema_refuses(bad: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
         ChatRequest.model_validate(bad)
+
+
+def test_a_reply_with_tool_calls_has_openais_shape_whole_and_streamed() -> None:
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    from services.proxy.openai_api import completion, sse_frames
+
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "add", "arguments": json.dumps({"a": i})}}
+             for i in range(2)]
+    body = completion(model="m", content="", finish_reason="tool_calls", prompt_tokens=3, completion_tokens=9,
+                      tool_calls=calls)
+    parsed = ChatCompletion.model_validate(body)
+    message = parsed.choices[0].message
+    assert message.content is None and parsed.choices[0].finish_reason == "tool_calls"
+    assert [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []] == [
+        ("call_0", "add", '{"a": 0}'), ("call_1", "add", '{"a": 1}')]
+    frames = [f.removeprefix("data: ").strip() for f in sse_frames(body)]
+    assert frames[-1] == "[DONE]"
+    chunks = [ChatCompletionChunk.model_validate_json(f) for f in frames[:-1]]
+    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
+    assert [(d[0].index, d[0].id, d[0].function and d[0].function.arguments) for d in deltas] == [
+        (0, "call_0", '{"a": 0}'), (1, "call_1", '{"a": 1}')]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    plain = ChatCompletion.model_validate(completion(model="m", content="hi", finish_reason="stop", prompt_tokens=1,
+                                                     completion_tokens=1))
+    assert plain.choices[0].message.content == "hi" and plain.choices[0].message.tool_calls is None
