@@ -190,8 +190,12 @@ class Agent:
                     result.reward = episode.reward()
                 return await self._report(clients.finish, result, logger)
             turn += 1
-            text = (response.choices[0].message.content or "") if response.choices else ""
-            messages.append({"role": "assistant", "content": text})
+            message = response.choices[0].message if response.choices else None
+            text = (message.content or "") if message is not None else ""
+            answer: dict[str, Any] = {"role": "assistant", "content": text}
+            if message is not None and message.tool_calls:  # sent back as answered: the turn continues token-exact
+                answer["tool_calls"] = [call.model_dump(exclude_none=True) for call in message.tool_calls]
+            messages.append(answer)
             feedback = episode.step(text)
             if feedback is None:
                 break
