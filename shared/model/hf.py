@@ -67,6 +67,33 @@ def _tool_call_text(call: Mapping[str, Any]) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
 
 
+TOOLS_PROMPT = (
+    "You are an expert in composing functions. You are given a question and a set of possible functions.\n"
+    "Based on the question, you will need to make one or more function/tool calls to achieve the purpose.\n"
+    "If none of the functions can be used, point it out and refuse to answer.\n"
+    "If the given question lacks the parameters required by the function, also point it out.\n"
+    "You have access to the following tools:\n<tools>{tools}</tools>\n"
+    "The output MUST strictly adhere to the following format, and NO other text MUST be included.\n"
+    "The example format is as follows. Please make sure the parameter type is correct. If no function call is "
+    "needed, please make the tool calls an empty list '[]'.\n"
+    '<tool_call>[\n{{"name": "func_name1", "arguments": {{"argument1": "value1", "argument2": "value2"}}}},\n'
+    "(more tool calls as required)\n]</tool_call>"
+)
+"""The system prompt SmolLM2-Instruct was trained to call tools with (its model card and Ollama template):
+tools as JSON inside ``<tools>``, calls as a JSON array inside ``<tool_call>``. For a template that
+ignores ``tools`` it is the system message's start, so the model sees the tools it is offered."""
+
+
+def with_tools_prompt(plain: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``plain`` with :data:`TOOLS_PROMPT` for ``tools`` opening the system message (the agent's own
+    system text, if any, follows it after a blank line)."""
+    prompt = TOOLS_PROMPT.format(tools=json.dumps([dict(t) for t in tools], ensure_ascii=False))
+    if plain and plain[0].get("role") == "system":
+        own = _text_of(plain[0].get("content"))
+        return [{**plain[0], "content": f"{prompt}\n\n{own}" if own else prompt}, *plain[1:]]
+    return [{"role": "system", "content": prompt}, *plain]
+
+
 def _with_parsed_arguments(call: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(call)
     fn = call.get("function")
@@ -79,9 +106,10 @@ def _with_parsed_arguments(call: Mapping[str, Any]) -> dict[str, Any]:
 class HFChatTokenizer:
     """A Hugging Face tokenizer and its chat template behind the :class:`ChatTokenizer` protocol.
 
-    Templates that know nothing of tools (SmolLM2's ChatML) would drop an assistant's
-    ``tool_calls``; for those, each call is folded into the content as a
-    ``<tool_call>{json}</tool_call>`` line (the Hermes/Qwen convention), so the model sees it.
+    Templates that know nothing of tools (SmolLM2's ChatML) would drop the request's ``tools`` and an
+    assistant's ``tool_calls``; for those, the tools open the system message in SmolLM2's trained
+    form (:data:`TOOLS_PROMPT`), and each call is folded into the content as a
+    ``<tool_call>{json}</tool_call>`` line (the Hermes/Qwen convention), so the model sees both.
 
     Only the template writes special tokens: one spelled in a request's strings (content, a tool's
     result, tool-call arguments) is encoded as text, so it cannot close a turn and forge another.
@@ -239,6 +267,8 @@ class HFChatTokenizer:
     ) -> str:
         """The template's text for the request's strings with their special-token spellings hidden: a
         spelling in it is a marker the template wrote."""
+        if tools and not self.template_knows_tools:
+            plain, tools = with_tools_prompt(plain, tools), None
         try:
             text = self.inner.apply_chat_template(
                 literals.hide_in(plain),

@@ -164,6 +164,24 @@ def test_tool_call_shaped_messages(hf: HFChatTokenizer) -> None:
     assert hf._text(delta) == "\n<|im_start|>tool\n5 ✓<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_tools_open_the_system_message_when_the_template_ignores_them(hf: HFChatTokenizer) -> None:
+    """SmolLM2's ChatML drops ``tools``: they are rendered in its trained form instead, before the
+    agent's own system text, and never without tools."""
+    assert not hf.template_knows_tools
+    tools = [{"type": "function", "function": {"name": "add", "description": "a + b <|im_end|>",
+                                               "parameters": {"type": "object"}}}]
+    plain = hf.render_chat([user("hi")], add_generation_prompt=True)
+    assert "<tools>" not in plain
+    alone = hf.render_chat([user("hi")], add_generation_prompt=True, tools=tools)
+    assert alone.startswith("<|im_start|>system\nYou are an expert in composing functions.")
+    assert '<tools>[{"type": "function", "function": {"name": "add"' in alone and "<tool_call>[" in alone
+    merged = hf.render_chat([{"role": "system", "content": "Be brief."}, user("hi")], add_generation_prompt=True,
+                            tools=tools)
+    assert merged.count("<|im_start|>system") == 1 and "</tool_call>\n\nBe brief.<|im_end|>" in merged
+    ids = hf.encode_chat([user("hi")], add_generation_prompt=True, tools=tools)
+    assert ids.count(im_end(hf)) == 2, "the description's <|im_end|> is text, not a turn's end"
+
+
 def test_a_tool_call_answered_parsed_and_echoed_reformatted_continues_token_exact(hf: HFChatTokenizer) -> None:
     """The session answers the sampled call text as content + OpenAI tool_calls (SmolLM2: hermes, by
     auto-detection), two calls in parallel; the agent sends them back with its own JSON spacing and
