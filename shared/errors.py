@@ -77,6 +77,12 @@ class Unauthorized(ReinError):
     code = "unauthorized"
 
 
+class UnknownSessionKey(Unauthorized):
+    """A chat call's API key (or the key in its path) is not a session key this deployment minted."""
+
+    code = "unknown_session_key"
+
+
 class SessionNotFound(ReinError):
     """No session with this id is known to this proxy."""
 

@@ -34,6 +34,7 @@ from services.proxy.metrics import ProxyMetrics
 from services.proxy.openai_api import (
     ChatRequest,
     FinishBody,
+    OpenSessionBody,
     PauseBody,
     RenewBody,
     ResumeBody,
@@ -43,6 +44,7 @@ from services.proxy.openai_api import (
 )
 from services.proxy.publisher import Publisher
 from services.proxy.service import CallIds, ProxyService
+from services.proxy.session_keys import BadSessionKey, SessionKey, is_key, mint, read
 from services.proxy.settings import ProxySettings
 from shared import log, metrics
 from shared.errors import (
@@ -53,11 +55,13 @@ from shared.errors import (
     PayloadTooLarge,
     ReinError,
     Unauthorized,
+    UnknownSessionKey,
     http_body,
 )
 from shared.http_server import BodyLimit, DirectRoute
 from shared.lender import Lender
 from shared.model import load_family
+from shared.schemas import new_id
 
 _log = log.get(__name__)
 B = TypeVar("B", bound=BaseModel)
@@ -110,9 +114,16 @@ def create_app(settings: ProxySettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        return await _chat(request, _call_ids(_Headers(request.scope["headers"]), settings.admin_token))
+
+    @app.post("/sessions/{key}/v1/chat/completions")
+    async def chat_completions_by_path(key: str, request: Request) -> Response:
+        headers = _Headers(request.scope["headers"])
+        return await _chat(request, _call_ids(headers, settings.admin_token, path_key=key))
+
+    async def _chat(request: Request, ids: CallIds) -> Response:
         service: ProxyService = request.state.service
         headers = _Headers(request.scope["headers"])
-        ids = _call_ids(headers)
         body = _parse(ChatRequest, await request.body())
         soft = settings.soft_reject or headers.get(b"x-rein-soft-reject").strip().lower() in _TRUE
         sampling = Sampling(
@@ -144,9 +155,27 @@ def create_app(settings: ProxySettings) -> FastAPI:
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
                                              "owned_by": "rein"}]}
 
+    @app.get("/sessions/{key}/v1/models")
+    async def models_by_path(key: str) -> dict[str, Any]:
+        _session_key(key, settings.admin_token)
+        return await models()
+
+    @app.post("/v1/sessions")
+    async def open_session(request: Request) -> dict[str, Any]:
+        """A session for an agent that sets only a base URL and an API key (docs/agents.md)."""
+        body = _parse(OpenSessionBody, await request.body())
+        ids = SessionKey(body.session_id or new_id("session"), body.group_id, body.prompt_id, body.attempt)
+        key = mint(ids, settings.admin_token)
+        return {"session_id": ids.session_id, "group_id": ids.group_id, "prompt_id": ids.prompt_id,
+                "attempt": ids.attempt, "api_key": key,
+                "base_url": f"{str(request.base_url).rstrip('/')}/sessions/{key}/v1"}
+
     @app.post("/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request) -> dict[str, Any]:
+        """``session_id`` may be the session's key (whoever ran the agent holds it)."""
         service: ProxyService = request.state.service
+        if is_key(session_id):
+            session_id = _session_key(session_id, settings.admin_token).session_id
         body = _parse(FinishBody, await request.body())
         return await service.finish(session_id, body.reward, body.status, body.error)
 
@@ -241,10 +270,27 @@ class _Headers:
         return default if value is None else value.decode("latin-1")
 
 
-def _call_ids(headers: _Headers) -> CallIds:
+def _session_key(key: str, secret: str) -> SessionKey:
+    try:
+        return read(key, secret)
+    except BadSessionKey as exc:
+        raise UnknownSessionKey(f"unknown session key: {exc}; open a session with POST /v1/sessions") from None
+
+
+def _call_ids(headers: _Headers, secret: str, path_key: str | None = None) -> CallIds:
+    """The call's session: from the key in its path, else its headers, else its API key (``Authorization``)."""
+    turn_id = headers.get(b"x-turn-id").strip()
+    bearer = headers.get(b"authorization").strip()
+    key = path_key
+    if key is None and not headers.get(b"x-session-id").strip() and bearer[:7].lower() == "bearer ":
+        key = bearer[7:].strip()
+    if key is not None:
+        ids = _session_key(key, secret)
+        return CallIds(ids.session_id, ids.group_id, turn_id, ids.prompt_id, ids.attempt)
     session_id = headers.get(b"x-session-id").strip()
     if not session_id:
-        raise MissingHeader("header X-Session-Id is required: one id per agent conversation", header="X-Session-Id")
+        raise MissingHeader("no session: send header X-Session-Id (one id per agent conversation), or an API key "
+                            "or base URL from POST /v1/sessions", header="X-Session-Id")
     attempt_text = headers.get(b"x-attempt", "0").strip() or "0"
     if not (attempt_text.isascii() and attempt_text.isdigit()):  # '²'.isdigit() but int('²') fails
         raise InvalidRequest(f"header X-Attempt must be an integer >= 0, got {attempt_text!r}",
@@ -252,7 +298,7 @@ def _call_ids(headers: _Headers) -> CallIds:
     return CallIds(
         session_id=session_id,
         group_id=headers.get(b"x-group-id").strip(),
-        turn_id=headers.get(b"x-turn-id").strip(),
+        turn_id=turn_id,
         prompt_id=headers.get(b"x-prompt-id").strip(),
         attempt=int(attempt_text),
     )

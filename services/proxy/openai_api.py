@@ -130,6 +130,17 @@ class ChatRequest(BaseModel):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
+class OpenSessionBody(BaseModel):
+    """``POST /v1/sessions``: what a black-box agent's calls will be recorded as (``X-Group-Id`` etc.)."""
+
+    model_config = ConfigDict(extra="forbid")
+    group_id: str = Field(min_length=1, max_length=256)
+    prompt_id: str = Field(default="", max_length=256)
+    attempt: int = Field(default=0, ge=0)
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    """Absent: a fresh id."""
+
+
 class FinishBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reward: float = Field(allow_inf_nan=False)

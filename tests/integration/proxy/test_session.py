@@ -160,6 +160,47 @@ def test_models_health_metrics(engine: Engine, proxy_factory: ProxyFactory) -> N
     assert "rein_proxy_requests_total" in text and "rein_proxy_paused 0.0" in text
 
 
+def test_an_agent_with_only_a_base_url_and_a_key_is_recorded_as_the_session_it_was_given(
+    engine: Engine, proxy_factory: ProxyFactory
+) -> None:
+    """The two schemes for black-box agents: the API key as the session, and a per-session base URL.
+    The runner's side opens each session (group, prompt, attempt) and finishes it by the same key."""
+    proxy = proxy_factory([engine.url])
+    gid = f"g-{uuid.uuid4().hex}"
+    opened = [httpx.post(f"{proxy.url}/v1/sessions", json={"group_id": gid, "prompt_id": "p-3", "attempt": 1},
+                         timeout=30).json() for _ in range(2)]
+    by_key = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=opened[0]["api_key"], max_retries=0, timeout=120)
+    by_url = openai.OpenAI(base_url=opened[1]["base_url"], api_key="anything", max_retries=0, timeout=120)
+    assert [m.id for m in by_url.models.list().data] == ["rein-tiny"]
+    for client in (by_key, by_url):
+        resp = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "guess"}], max_tokens=2)
+        assert resp.choices[0].message.content is not None
+    for session in opened:  # finished by the key, as whoever ran the agent holds it
+        r = httpx.post(f"{proxy.url}/v1/sessions/{session['api_key']}/finish", json={"reward": 0.5}, timeout=30)
+        assert r.status_code == 200, r.text
+    chunks = [r for r in proxy.records("chunks", 2) if isinstance(r, Chunk)]
+    assert sorted((c.session_id, c.group_id, c.prompt_id, c.attempt) for c in chunks) == sorted(
+        (o["session_id"], gid, "p-3", 1) for o in opened)
+    ends = [r for r in proxy.records("events", 2) if isinstance(r, SessionFinished)]
+    assert sorted(e.session_id for e in ends) == sorted(o["session_id"] for o in opened)
+
+    ok = {"model": "m", "messages": [{"role": "user", "content": "guess"}], "max_tokens": 2}
+    key = opened[0]["api_key"]
+    forged = key[:-4] + ("AAAA" if not key.endswith("AAAA") else "BBBB")
+    with httpx.Client(timeout=30) as http:
+        for headers, url in [
+            ({"Authorization": "Bearer sk-not-ours"}, f"{proxy.url}/v1/chat/completions"),
+            ({"Authorization": f"Bearer {forged}"}, f"{proxy.url}/v1/chat/completions"),
+            ({}, f"{proxy.url}/sessions/rein-sk-nope/v1/chat/completions"),
+            ({}, f"{proxy.url}/sessions/{forged}/v1/models"),
+        ]:
+            r = http.request("GET" if url.endswith("models") else "POST", url, json=None if url.endswith("models")
+                             else ok, headers=headers)
+            assert r.status_code == 401 and r.json()["detail"]["error"] == "unknown_session_key", (url, r.text)
+        r = http.post(f"{proxy.url}/v1/sessions", json={"prompt_id": "p"})
+        assert r.status_code == 422 and "group_id" in [f["field"] for f in r.json()["detail"]["fields"]]
+
+
 def test_error_statuses(engine: Engine, proxy_factory: ProxyFactory) -> None:
     proxy = proxy_factory([engine.url], max_body_bytes=2048)
     url = f"{proxy.url}/v1/chat/completions"
