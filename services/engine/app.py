@@ -131,7 +131,8 @@ def create_app(settings: EngineSettings) -> FastAPI:
         engine_metrics.set_weights(weights)
         batcher = Batcher(weights, end_id=family.tokenizer.stop_ids, pad_id=family.tokenizer.pad_id,
                           max_batch_size=settings.max_batch_size, seed=settings.seed, device=device,
-                          kv_budget_tokens=settings.kv_budget_tokens, prefill_padding=settings.prefill_padding)
+                          kv_budget_tokens=settings.kv_budget_tokens, prefill_padding=settings.prefill_padding,
+                          decode=family.tokenizer.decode)
         runner = EngineRunner(
             batcher, weights_dir=settings.weights_dir, device=device, vocab_size=weights.vocab_size,
             loader=family.load,
@@ -159,6 +160,7 @@ def create_app(settings: EngineSettings) -> FastAPI:
         params = SamplingParams(
             max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
             stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos,
+            stop=(sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ()),
         )
         rid = body.rid if body.rid is not None else uuid.uuid4().hex
         req = await runner.generate(rid, body.input_ids, params)

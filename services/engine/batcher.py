@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -112,6 +112,27 @@ class SamplingParams:
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    """Stop strings (SGLang's ``stop``): generation ends with the token that completes one (kept in the
+    output). A string is matched in the text of the input's tail and the output, ending in the newest
+    token, so one cut by a preempt between two requests is found in the second."""
+
+
+def completes_stop(
+    ids: Sequence[int], new: int, stops: Sequence[str], decode: Callable[[Sequence[int]], str]
+) -> str | None:
+    """The stop string that the last ``new`` tokens of ``ids`` complete (None when none does): it occurs
+    in the text of the tail of ``ids``, and ends past the text that came before those tokens."""
+    if not stops or new <= 0:
+        return None
+    window = max(len(s) for s in stops) + new + 2  # a token is at least one character, or part of one
+    tail = list(ids[-window:])
+    before, after = decode(tail[:-new]), decode(tail)
+    for stop in stops:
+        at = after.find(stop, max(0, len(before) - len(stop) + 1))
+        if at != -1 and at + len(stop) > len(before):
+            return stop
+    return None
 
 
 @dataclass(eq=False)
@@ -128,7 +149,7 @@ class Request:
     versions: list[str] = field(default_factory=list)
     """Weight version that produced each output token."""
     finish_type: FinishType | None = None
-    matched_stop: int | None = None
+    matched_stop: int | str | None = None
     weight_version: str | None = None
     """Engine weight version when the request finished."""
 
@@ -165,8 +186,11 @@ class Batcher:
         kv_budget_tokens: int | None = None,
         kv_cache: bool = True,
         prefill_padding: float = MAX_PADDING,
+        decode: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
-        """``prefill_padding`` is the decoder's ``max_padding`` (:func:`shared.model.decoding.prefill_groups`)."""
+        """``prefill_padding`` is the decoder's ``max_padding`` (:func:`shared.model.decoding.prefill_groups`);
+        ``decode`` (the model's tokenizer) turns ids into text for stop strings (requests with ``stop`` are
+        refused without it)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if kv_budget_tokens is not None and kv_budget_tokens < 1:
@@ -176,6 +200,7 @@ class Batcher:
         self._prefill_padding = prefill_padding
         self._weights = weights
         self._end_ids = frozenset([end_id] if isinstance(end_id, int) else end_id)
+        self._decode = decode
         self._pad_id = pad_id
         self._max_batch = max_batch_size
         self._device = torch.device(device)
@@ -242,6 +267,8 @@ class Batcher:
                 )
             if rid in self._active:
                 raise DuplicateRidError(f"request id {rid!r} is already active")
+            if params.stop and (self._decode is None or not all(params.stop)):
+                raise AdmissionError("stop strings need a tokenizer to decode with, and must not be empty")
             stops = set(params.stop_token_ids)
             if not params.ignore_eos:
                 stops |= self._end_ids
@@ -338,8 +365,13 @@ class Batcher:
                 req.output_ids.append(tok)
                 req.logprobs.append(lp)
                 req.versions.append(weights.version)
+                matched = completes_stop(req.input_ids + req.output_ids, 1, req.params.stop, self._decode) \
+                    if req.params.stop and self._decode is not None else None
                 if tok in req.stop_ids:
                     req.matched_stop = tok
+                    self._finish(req, "stop")
+                elif matched is not None:
+                    req.matched_stop = matched
                     self._finish(req, "stop")
                 elif len(req.output_ids) >= req.params.max_new_tokens or req.length >= context:
                     self._finish(req, "length")

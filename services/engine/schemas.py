@@ -25,6 +25,8 @@ class SamplingParamsBody(BaseModel):
     stop_token_ids: list[int] | None = None
     """Extra stop tokens; ``<|end|>`` always stops unless ``ignore_eos`` (SGLang's EOS rule)."""
     ignore_eos: bool = False
+    stop: str | list[str] | None = None
+    """Stop strings: the generation ends with the token that completes one (kept in ``output_ids``)."""
     skip_special_tokens: bool = True
     """Drop special tokens from ``text`` (never from ``output_ids``)."""
     no_stop_trim: bool = False

@@ -131,6 +131,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
             top_p=body.top_p if body.top_p is not None else 1.0,
             top_k=body.top_k if body.top_k is not None else -1,
             ignore_eos=body.ignore_eos,
+            stop=body.stop_strings(),
         )
         outcome = await service.chat(
             ids, body.template_messages(), tools=body.template_tools(), budget=body.budget(settings.default_max_tokens),

@@ -62,6 +62,8 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = -1
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    """The request's stop strings (sent as SGLang's ``stop``; the engine keeps the one it matched in the output)."""
 
     def params(self) -> SamplingParams:
         """What the chunk records: the parameters that shape the sampling distribution."""
@@ -146,6 +148,7 @@ class EngineHandle:
                 "top_k": sampling.top_k,
                 "stop_token_ids": list(stop_ids),
                 "ignore_eos": sampling.ignore_eos,
+                **({"stop": list(sampling.stop)} if sampling.stop else {}),
                 "skip_special_tokens": False,
                 "no_stop_trim": True,
             },

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shared.errors import InvalidRequest, UnsupportedContent
 from shared.schemas import new_id
@@ -115,6 +115,19 @@ class ChatRequest(BaseModel):
     """Not OpenAI; as in vLLM / SGLang: keep generating past ``<|end|>`` until the budget."""
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)
+    stop: str | list[str] | None = None
+    """OpenAI's: up to 4 strings; the reply ends at the first one (which the content leaves out)."""
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        strings = [value] if isinstance(value, str) else value or []
+        if len(strings) > 4 or not all(strings):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def budget(self, default: int) -> int:
         if self.max_completion_tokens is not None:

@@ -140,7 +140,7 @@ class ProxyService:
                 before_chunk=lambda _i: _raise(session.check_engine(engine.version)),
                 on_chunk=lambda outcome: self._on_chunk(session, engine, plan, outcome),
             )
-            return session.complete(gen)
+            return session.complete(gen, stop=sampling.stop)
         except Exception as exc:
             await self._settle(session)
             step = session.fail(exc, soft=soft_reject)

@@ -82,6 +82,12 @@ class VersionRules:
     """Span cap with partial rollout (``None``: no cap)."""
 
 
+def until_stop(text: str, stops: Sequence[str]) -> str:
+    """``text`` before the earliest of ``stops`` in it (all of it when none occurs)."""
+    found = [at for at in (text.find(s) for s in stops if s) if at != -1]
+    return text[: min(found)] if found else text
+
+
 @dataclass(frozen=True)
 class ChatOutcome:
     """A finished chat call: the text and what the response's ``rein`` field reports."""
@@ -222,15 +228,17 @@ class Session(Transcript):
             "the session is rejected", session_id=self.session_id, seq=seq,
         )
 
-    def complete(self, gen: Generation) -> ChatOutcome:
+    def complete(self, gen: Generation, stop: Sequence[str] = ()) -> ChatOutcome:
         """The generation ended: the answer is the text of the sampled ids (a final stop id is no text),
-        split into content and tool calls when the model ended its turn (a reply cut by its budget is
-        content: its calls may be cut too)."""
+        up to the first of the request's ``stop`` strings (OpenAI leaves it out; the ids keep it), split
+        into content and tool calls when the model ended its turn (a reply cut by its budget is content:
+        its calls may be cut too)."""
         plan = self._call()
         text = self.tokenizer.decode(gen.output_ids)
-        reply = parse_reply(text, self.tool_calls) if gen.finish_reason == "stop" else None
+        shown = until_stop(text, stop) if gen.finish_reason == "stop" else text
+        reply = parse_reply(shown, self.tool_calls) if gen.finish_reason == "stop" else None
         calls = tuple(c.openai(new_id("call")) for c in reply.calls) if reply is not None else ()
-        content = reply.content if reply is not None and calls else text
+        content = reply.content if reply is not None and calls else shown
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = list(calls)

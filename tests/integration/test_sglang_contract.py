@@ -128,6 +128,10 @@ def test_chat_pause_abort_resume_against_sglang(
     # the model's stop ids reach the engine on every /generate (SGLang knows only the config's EOS)
     stops = [TOKENIZER.end_id]
     assert all(b["sampling_params"]["stop_token_ids"] == stops for b in engine.generate_bodies)
+    # a request's stop strings go to the engine as SGLang's ``stop``
+    client.chat.completions.create(model="m", messages=USER, max_tokens=2, stop=["Observation:", "\n\n"])  # type: ignore[arg-type]
+    assert engine.generate_bodies[-1]["sampling_params"]["stop"] == ["Observation:", "\n\n"]
+    assert "stop" not in engine.generate_bodies[0]["sampling_params"]
 
 
 def start_broadcaster(proxy: Proxy, engine_url: str, weights_topic: str, redis: RedisSettings, group: str,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from services.engine.batcher import (
     DuplicateRidError,
     SamplingParams,
     Weights,
+    completes_stop,
     sample_next,
 )
 from shared.checkpoint import digest
@@ -327,3 +329,34 @@ def test_sample_next_all_greedy_is_argmax_without_drawing() -> None:
                             generator=gen)
     assert torch.equal(tokens, logits.argmax(-1))
     assert torch.equal(gen.get_state(), state)  # no random draw spent on greedy rows
+
+
+def _chars(ids: Sequence[int]) -> str:
+    return "".join(chr(i) for i in ids)
+
+
+@pytest.mark.parametrize(
+    ("text", "new", "stops", "found"),
+    [
+        ("abc\n\n", 1, ["\n\n"], "\n\n"),
+        ("abc\n\nd", 1, ["\n\n"], None),  # completed by an earlier token: not this one's
+        ("Obs", 1, ["Observation:", "bs"], "bs"),
+        ("x: END", 2, ["END"], "END"),
+        ("prompt END then", 1, ["END"], None),  # only in the older text (a prompt)
+        ("EN" + "D", 1, ["END"], "END"),  # across the input/output boundary: the preempt case
+        ("abc", 1, [], None),
+    ],
+)
+def test_completes_stop(text: str, new: int, stops: list[str], found: str | None) -> None:
+    assert completes_stop([ord(c) for c in text], new, stops, _chars) == found
+
+
+def test_a_stop_string_ends_the_request_with_the_token_that_completes_it() -> None:
+    seven = TOKENIZER.token_id("7")
+    b = Batcher(forced(seven)[0], end_id=TOKENIZER.end_id, decode=TOKENIZER.decode)
+    req = b.admit("r", PROMPT, SamplingParams(max_new_tokens=9, stop=("7 7 7",)))
+    for _ in range(3):
+        b.step()
+    assert (req.finish_type, req.matched_stop, req.output_ids) == ("stop", "7 7 7", [seven] * 3)
+    with pytest.raises(AdmissionError, match="stop strings"):
+        Batcher(forced(seven)[0], end_id=TOKENIZER.end_id).admit("s", PROMPT, SamplingParams(stop=("x",)))

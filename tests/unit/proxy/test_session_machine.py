@@ -270,3 +270,26 @@ def test_events_out_of_order_are_bugs_not_answers(event: tuple[object, ...]) -> 
     driver = Driver(Session("s", "g"), outputs=[])
     with pytest.raises(RuntimeError):
         driver.event(event)
+
+
+@pytest.mark.parametrize(
+    ("words", "finish", "stop", "content"),
+    [
+        (["5", "7", "8"], "stop", ("7",), "5 "),  # the stop string and what follows it are left out
+        (["5", "7", "8"], "stop", ("8", "7 8"), "5 "),  # the earliest occurrence wins
+        (["5", "7"], "stop", ("9",), "5 7"),  # an end id stopped it: nothing to cut
+        (["5", "7"], "length", ("7",), "5 7"),  # cut by its budget: the engine did not stop on it
+    ],
+)
+def test_the_answer_ends_before_the_stop_string_and_the_ids_keep_it(
+    words: list[str], finish: FinishReason, stop: tuple[str, ...], content: str
+) -> None:
+    s = Session("s", "g")
+    plan = s.begin([{"role": "user", "content": "guess"}], "t")
+    ids = [TOK.token_id(w) for w in words]
+    out = EngineOutput("r0", ids, [-0.1] * len(ids), "v1", ["v1"] * len(ids), finish)
+    s.chunk(ChunkOutcome(0, plan.context_ids, out), "e")
+    s.chunk_sent()
+    answer = s.complete(Generation(output_ids=ids, finish_reason=finish, chunks=[]), stop=stop)
+    assert answer.content == content and answer.rein["output_ids"] == ids
+    assert s.current is not None and s.current.answers[-1].text == TOK.decode(ids), "what the next turn continues"
