@@ -57,6 +57,12 @@ class UnsupportedContent(BadRequest):
     code = "unsupported_content"
 
 
+class UnsupportedParameter(BadRequest):
+    """A request parameter this proxy cannot honour (``fields`` names each); refused, never ignored."""
+
+    code = "unsupported_parameter"
+
+
 class MissingHeader(BadRequest):
     """A required header (``X-Session-Id``) is absent or empty."""
 

@@ -125,6 +125,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
         service: ProxyService = request.state.service
         headers = _Headers(request.scope["headers"])
         body = _parse(ChatRequest, await request.body())
+        body.refuse_unsupported()
         soft = settings.soft_reject or headers.get(b"x-rein-soft-reject").strip().lower() in _TRUE
         sampling = Sampling(
             temperature=body.temperature if body.temperature is not None else settings.temperature,
@@ -135,7 +136,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
         )
         outcome = await service.chat(
             ids, body.template_messages(), tools=body.template_tools(), budget=body.budget(settings.default_max_tokens),
-            sampling=sampling, soft_reject=soft,
+            sampling=sampling, soft_reject=soft, calls=body.tool_calls(),
         )
         model = body.model or settings.model_name
         if outcome.soft_rejected:

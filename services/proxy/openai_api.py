@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.errors import InvalidRequest, UnsupportedContent
+from shared.errors import InvalidRequest, UnsupportedContent, UnsupportedParameter
 from shared.schemas import new_id
 
 
@@ -126,8 +126,48 @@ class ChatRequest(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return value
 
+    tool_choice: str | dict[str, Any] | None = None
+    """``auto`` (the default) and ``none`` (the reply is content, never calls) are honoured."""
+    parallel_tool_calls: bool | None = None
+    """``false``: the answer carries the reply's first call only (the recorded ids keep every token)."""
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def tool_calls(self) -> Literal["all", "none", "first"]:
+        """Which calls of the reply the answer carries."""
+        if self.tool_choice == "none":
+            return "none"
+        return "first" if self.parallel_tool_calls is False else "all"
+
+    def refuse_unsupported(self) -> None:
+        """400 ``unsupported_parameter`` naming each parameter that would change what is sampled or answered
+        in a way this proxy does not do (constrained decoding, penalties, biases): refused, never ignored."""
+        why = {
+            "tool_choice": "only 'auto' and 'none': forcing a call needs constrained decoding"
+            if self.tool_choice not in (None, "auto", "none") else None,
+            "response_format": "structured output needs constrained decoding"
+            if self.response_format and self.response_format.get("type") != "text" else None,
+            "logit_bias": "would sample from another distribution than the one trained" if self.logit_bias else None,
+            "presence_penalty": "would sample from another distribution than the one trained"
+            if self.presence_penalty else None,
+            "frequency_penalty": "would sample from another distribution than the one trained"
+            if self.frequency_penalty else None,
+            "logprobs": "not answered; the response's rein field carries the sampled ids" if self.logprobs else None,
+            "functions": "the legacy functions API: send tools" if self.functions else None,
+            "function_call": "the legacy functions API: send tool_choice" if self.function_call is not None else None,
+        }
+        fields = [{"field": name, "message": message} for name, message in why.items() if message]
+        if fields:
+            names = ", ".join(f["field"] for f in fields)
+            raise UnsupportedParameter(f"unsupported parameter(s): {names} ({fields[0]['message']})", fields=fields)
 
     def budget(self, default: int) -> int:
         if self.max_completion_tokens is not None:

@@ -44,7 +44,7 @@ from services.proxy.generation import (
 )
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.publisher import Ack, Publisher
-from services.proxy.session_machine import ChatOutcome, Step, TurnPlan, VersionRules
+from services.proxy.session_machine import ChatOutcome, Step, ToolCalls, TurnPlan, VersionRules
 from services.proxy.sessions import Session, SessionStore
 from services.proxy.settings import ProxySettings
 from shared import log
@@ -119,6 +119,7 @@ class ProxyService:
         budget: int,
         sampling: Sampling,
         soft_reject: bool,
+        calls: ToolCalls = "all",
     ) -> ChatOutcome:
         """Acquire the session, plan the turn, generate (submitting each chunk), answer.
 
@@ -140,7 +141,7 @@ class ProxyService:
                 before_chunk=lambda _i: _raise(session.check_engine(engine.version)),
                 on_chunk=lambda outcome: self._on_chunk(session, engine, plan, outcome),
             )
-            return session.complete(gen, stop=sampling.stop)
+            return session.complete(gen, stop=sampling.stop, calls=calls)
         except Exception as exc:
             await self._settle(session)
             step = session.fail(exc, soft=soft_reject)

@@ -82,6 +82,10 @@ class VersionRules:
     """Span cap with partial rollout (``None``: no cap)."""
 
 
+ToolCalls = Literal["all", "none", "first"]
+"""Which tool calls of a reply an answer carries (the request's ``tool_choice`` and ``parallel_tool_calls``)."""
+
+
 def until_stop(text: str, stops: Sequence[str]) -> str:
     """``text`` before the earliest of ``stops`` in it (all of it when none occurs)."""
     found = [at for at in (text.find(s) for s in stops if s) if at != -1]
@@ -228,20 +232,23 @@ class Session(Transcript):
             "the session is rejected", session_id=self.session_id, seq=seq,
         )
 
-    def complete(self, gen: Generation, stop: Sequence[str] = ()) -> ChatOutcome:
+    def complete(self, gen: Generation, stop: Sequence[str] = (), calls: ToolCalls = "all") -> ChatOutcome:
         """The generation ended: the answer is the text of the sampled ids (a final stop id is no text),
         up to the first of the request's ``stop`` strings (OpenAI leaves it out; the ids keep it), split
         into content and tool calls when the model ended its turn (a reply cut by its budget is content:
-        its calls may be cut too)."""
+        its calls may be cut too). ``calls``: ``none`` (``tool_choice: none``) answers the text as
+        content, ``first`` (``parallel_tool_calls: false``) only the first call."""
         plan = self._call()
         text = self.tokenizer.decode(gen.output_ids)
         shown = until_stop(text, stop) if gen.finish_reason == "stop" else text
-        reply = parse_reply(shown, self.tool_calls) if gen.finish_reason == "stop" else None
-        calls = tuple(c.openai(new_id("call")) for c in reply.calls) if reply is not None else ()
-        content = reply.content if reply is not None and calls else shown
+        parse = gen.finish_reason == "stop" and calls != "none"
+        reply = parse_reply(shown, self.tool_calls) if parse else None
+        found = reply.calls[:1] if reply is not None and calls == "first" else reply.calls if reply else ()
+        calls_out = tuple(c.openai(new_id("call")) for c in found)
+        content = reply.content if reply is not None and calls_out else shown
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = list(calls)
+        if calls_out:
+            message["tool_calls"] = list(calls_out)
         self.answered(plan, Answer(message, text))
         self._leave_call()
         rein = {
@@ -250,9 +257,9 @@ class Session(Transcript):
             "chunks": [{"rid": c.output.rid, "version": c.output.version, "finish_reason": c.output.finish_reason,
                         "num_tokens": len(c.output.output_ids)} for c in gen.chunks],
         }
-        return ChatOutcome(content=content, finish_reason="tool_calls" if calls else gen.finish_reason,
+        return ChatOutcome(content=content, finish_reason="tool_calls" if calls_out else gen.finish_reason,
                            prompt_tokens=len(plan.prompt_ids), completion_tokens=len(gen.output_ids), rein=rein,
-                           tool_calls=calls)
+                           tool_calls=calls_out)
 
     def fail(self, error: Exception, *, soft: bool = False) -> Step:
         """The call stopped on ``error``. A staleness rule rejects the session (softly when asked);

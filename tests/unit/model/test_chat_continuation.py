@@ -455,3 +455,25 @@ def test_tiny_property_append_only_conversations_equal_the_template_modulo_sampl
     delta = TINY.continue_chat(turns, messages)
     assert delta is not None
     assert [*canonical, *delta] == TINY.encode_chat(messages, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize(("calls", "expected"), [("none", 0), ("first", 1), ("all", 2)])
+def test_tool_choice_none_and_no_parallel_calls_shape_the_answer_not_the_ids(
+    hf: HFChatTokenizer, calls: str, expected: int
+) -> None:
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    sampled = [*ids_of(hf, text), im_end(hf)]
+    session = Session("s", "g", tokenizer=hf, tool_calls=hf.tool_call_format)
+    plan = session.begin([user("go")], "t1")
+    out = EngineOutput("r0", sampled, [-0.1] * len(sampled), "v1", ["v1"] * len(sampled), "stop")
+    session.chunk(ChunkOutcome(0, plan.context_ids, out), "e")
+    session.chunk_sent()
+    answer = session.complete(Generation(output_ids=sampled, finish_reason="stop", chunks=[]),
+                              calls=calls)  # type: ignore[arg-type]
+    assert len(answer.tool_calls) == expected and answer.rein["output_ids"] == sampled
+    assert answer.content == (text if calls == "none" else "")
+    echoed = {"role": "assistant", "content": answer.content or None,
+              **({"tool_calls": list(answer.tool_calls)} if answer.tool_calls else {})}
+    history = [user("go"), echoed, *({"role": "tool", "tool_call_id": c["id"], "content": "ok"}
+                                     for c in answer.tool_calls), user("next")]
+    assert not session.begin(history, "t2").new_segment, "the echo stands for every id sampled"

@@ -99,3 +99,49 @@ def test_a_reply_with_tool_calls_has_openais_shape_whole_and_streamed() -> None:
     plain = ChatCompletion.model_validate(completion(model="m", content="hi", finish_reason="stop", prompt_tokens=1,
                                                      completion_tokens=1))
     assert plain.choices[0].message.content == "hi" and plain.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "refused"),
+    [
+        ({"tool_choice": "required"}, ["tool_choice"]),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, ["tool_choice"]),
+        ({"response_format": {"type": "json_object"}, "logit_bias": {"1": 5}}, ["response_format", "logit_bias"]),
+        ({"presence_penalty": 0.5, "frequency_penalty": 0.1, "logprobs": True},
+         ["presence_penalty", "frequency_penalty", "logprobs"]),
+        ({"functions": [{"name": "f"}], "function_call": "auto"}, ["functions", "function_call"]),
+    ],
+)
+def test_parameters_that_would_change_what_is_sampled_are_refused_by_name(
+    extra: dict[str, Any], refused: list[str]
+) -> None:
+    from shared.errors import UnsupportedParameter
+
+    with pytest.raises(UnsupportedParameter) as err:
+        request([{"role": "user", "content": "hi"}], **extra).refuse_unsupported()
+    assert [f["field"] for f in err.value.fields["fields"]] == refused
+    assert err.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("extra", "calls"),
+    [
+        ({}, "all"),
+        ({"tool_choice": "auto", "parallel_tool_calls": True, "response_format": {"type": "text"},
+          "presence_penalty": 0, "logprobs": False}, "all"),
+        ({"tool_choice": "none"}, "none"),
+        ({"parallel_tool_calls": False}, "first"),
+    ],
+)
+def test_what_is_honoured(extra: dict[str, Any], calls: str) -> None:
+    body = request([{"role": "user", "content": "hi"}], **extra)
+    body.refuse_unsupported()
+    assert body.tool_calls() == calls
+
+
+def test_stop_is_a_string_or_up_to_four() -> None:
+    assert request([{"role": "user", "content": "hi"}], stop="\n").stop_strings() == ("\n",)
+    assert request([{"role": "user", "content": "hi"}], stop=["a", "b"]).stop_strings() == ("a", "b")
+    for bad in (["a"] * 5, [""], ""):
+        with pytest.raises(ValidationError):
+            request([{"role": "user", "content": "hi"}], stop=bad)
