@@ -45,6 +45,7 @@ from services.proxy.openai_api import (
 from services.proxy.publisher import Publisher
 from services.proxy.service import CallIds, ProxyService
 from services.proxy.session_keys import BadSessionKey, SessionKey, is_key, mint, read
+from services.proxy.session_machine import ChatOutcome
 from services.proxy.settings import ProxySettings
 from shared import log, metrics
 from shared.errors import (
@@ -134,23 +135,21 @@ def create_app(settings: ProxySettings) -> FastAPI:
             ignore_eos=body.ignore_eos,
             stop=body.stop_strings(),
         )
-        outcome = await service.chat(
+        chat = service.chat(
             ids, body.template_messages(), tools=body.template_tools(), budget=body.budget(settings.default_max_tokens),
             sampling=sampling, soft_reject=soft, calls=body.tool_calls(),
         )
         model = body.model or settings.model_name
-        if outcome.soft_rejected:
-            payload = empty_completion(model, outcome.rein)
-        else:
-            payload = completion(
-                model=model, content=outcome.content, finish_reason=outcome.finish_reason,
-                prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens, rein=outcome.rein,
-                tool_calls=outcome.tool_calls,
-            )
-        if body.stream:
-            return StreamingResponse(iter(list(sse_frames(payload))), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return JSONResponse(payload)
+        if not body.stream:
+            return JSONResponse(_payload(model, await chat))
+        # A streamed call answered within one heartbeat gets its real status, errors included; a longer
+        # one commits to 200 and keeps the connection alive until its frames (or its error) are ready.
+        call = asyncio.ensure_future(chat)
+        call.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if the client left
+        done, _ = await asyncio.wait({call}, timeout=settings.stream_heartbeat_s)
+        frames = sse_frames(_payload(model, call.result())) if done else _heartbeats(
+            call, model, settings.stream_heartbeat_s)
+        return StreamingResponse(frames, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -332,6 +331,38 @@ def _require_admin(request: Request, token: str) -> None:
 
 
 # --------------------------------------------------------------------------- errors and middleware
+
+
+def _payload(model: str, outcome: ChatOutcome) -> dict[str, Any]:
+    if outcome.soft_rejected:
+        return empty_completion(model, outcome.rein)
+    return completion(
+        model=model, content=outcome.content, finish_reason=outcome.finish_reason,
+        prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens, rein=outcome.rein,
+        tool_calls=outcome.tool_calls,
+    )
+
+
+async def _heartbeats(call: asyncio.Future[ChatOutcome], model: str, every_s: float) -> AsyncIterator[str]:
+    """SSE comments every ``every_s`` while ``call`` runs, then its frames; an error becomes OpenAI's
+    streamed ``{"error": ...}`` frame (the status is already 200). A client that leaves does not stop
+    the call: the session still records and answers it whole."""
+    while not call.done():
+        yield ": keep-alive\n\n"
+        await asyncio.wait({call}, timeout=every_s)
+    error = call.exception()
+    if error is None:
+        for frame in sse_frames(_payload(model, call.result())):
+            yield frame
+        return
+    detail = error.detail() if isinstance(error, ReinError) else {"error": "internal", "message": type(error).__name__}
+    if not isinstance(error, ReinError):
+        _log.error("unhandled_error", path="/v1/chat/completions", error=f"{type(error).__name__}: {error}",
+                   exc_info=error)
+    body = {"error": {"message": detail.get("message", ""), "type": detail.get("error"), "code": detail.get("error"),
+                      "detail": detail}}
+    yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 async def _rein_error(request: Request, exc: Exception) -> Response:

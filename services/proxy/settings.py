@@ -68,6 +68,10 @@ class ProxySettings(ModelServiceSettings):
     above, so an engine that aborts everything cannot loop a call forever."""
     temperature: float = Field(default=1.0, ge=0.0)
     """Sampling temperature of calls that do not set one (RL samples at 1.0)."""
+    stream_heartbeat_s: float = Field(default=10.0, gt=0)
+    """A streamed call (``stream: true``) still generating after this long is answered 200 at once and kept
+    alive by an SSE comment this often until its frames are ready (an error then is a streamed
+    ``{"error": ...}`` frame); one done sooner is answered as a whole, with its real status."""
     tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral", "pythonic"] = "auto"
     """How a finished reply is split into content and OpenAI ``tool_calls`` (``shared/model/tool_calls.py``):
     ``auto`` follows the model's chat template (``hermes`` for one that shows no convention), ``none`` never

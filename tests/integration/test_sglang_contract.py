@@ -134,6 +134,27 @@ def test_chat_pause_abort_resume_against_sglang(
     assert "stop" not in engine.generate_bodies[0]["sampling_params"]
 
 
+def test_a_long_streamed_call_is_kept_alive_then_sent_whole(
+    sglang: Callable[..., tuple[ScriptedSGLang, str]], proxy_factory: ProxyFactory
+) -> None:
+    """Past one heartbeat a streamed call answers 200 and sends SSE comments until its frames are ready;
+    the openai client reads through them."""
+    engine, url = sglang(token_delay_s=0.05)
+    proxy = proxy_factory([url], stream_heartbeat_s=0.1)
+    body = {"model": "m", "messages": USER, "max_tokens": 12, "stream": True}
+    with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body, timeout=60,
+                      headers={"X-Session-Id": f"s-{uuid.uuid4().hex}"}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+    assert first_data >= 2 and all(line == ": keep-alive" for line in lines[:first_data])
+    assert lines[-1] == "data: [DONE]"
+    client = proxy.client(f"s-{uuid.uuid4().hex}")
+    stream = client.chat.completions.create(model="m", messages=USER, max_tokens=12, stream=True)  # type: ignore[arg-type]
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text and len(engine.generate_bodies) == 2
+
+
 def start_broadcaster(proxy: Proxy, engine_url: str, weights_topic: str, redis: RedisSettings, group: str,
                       **overrides: Any) -> tuple[threading.Thread, threading.Event, int]:
     port = free_port()
