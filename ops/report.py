@@ -10,7 +10,7 @@ render. Panels, in order:
 - version gap: ``version_gap_min`` / ``version_gap_max`` / ``version_gap_mean``
 - drops: ``drops_in_batch`` and ``drops_cumulative`` (second axis), ``rejected_sessions``
 - untrained tokens: ``untrained_<cause>_cumulative`` for the window's causes (``window``,
-  ``no_signal``, ``failed``) and the running sum of ``version_masked_tokens`` (masked)
+  ``no_signal``, ``failed``, ``withheld``) and the running sum of ``version_masked_tokens`` (masked)
 - logprob diff: ``train_rollout_logprob_abs_diff``
 - masked tokens: ``masked_token_fraction``
 - loss: ``loss``
@@ -154,7 +154,9 @@ def waste(metrics: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Generated tokens never trained, as of the last line: by cause, in all, and their share of generated.
 
     The window's causes come from the last line's cumulative tally; ``masked`` is the sum of every
-    line's ``version_masked_tokens`` (one line per manifest). None when no line has the tally.
+    line's ``version_masked_tokens`` (one line per manifest); ``skipped`` the trainable tokens the
+    version mask left in batches the trainer skipped without an update (no gradient: a sync wave of
+    groups without signal). None when no line has the tally.
     """
     tallied = [r for r in metrics if _number(r.get("generated_tokens_cumulative")) is not None]
     if not tallied:
@@ -162,6 +164,10 @@ def waste(metrics: list[dict[str, Any]]) -> dict[str, Any] | None:
     last = tallied[-1]
     tokens = {c: int(_number(last.get(f"untrained_{c}_cumulative")) or 0) for c in UNTRAINED_CAUSE_NAMES}
     tokens["masked"] = int(sum(_number(r.get("version_masked_tokens")) or 0 for r in metrics))
+    tokens["skipped"] = int(sum(
+        (_number(r.get("trainable_tokens")) or 0) - (_number(r.get("version_masked_tokens")) or 0)
+        for r in metrics if r.get("skipped")
+    ))
     generated = int(last["generated_tokens_cumulative"])
     untrained = sum(tokens.values())
     return {

@@ -121,7 +121,8 @@ WASTE_ROWS: list[dict[str, Any]] = [
     {"step": 1, "version_masked_tokens": 2},  # a manifest from a collector without the tally
     {"step": 2, "version_masked_tokens": 3, "generated_tokens_cumulative": 100, "untrained_window_cumulative": 10,
      "untrained_no_signal_cumulative": 5, "untrained_failed_cumulative": 0},
-    {"step": 2, "skipped": "no_signal", "version_masked_tokens": 0, "generated_tokens_cumulative": 180,
+    {"step": 2, "skipped": "no_signal", "version_masked_tokens": 0, "trainable_tokens": 7,
+     "generated_tokens_cumulative": 180,
      "untrained_window_cumulative": 12, "untrained_no_signal_cumulative": 20, "untrained_failed_cumulative": 8,
      "untrained_withheld_cumulative": 4},
 ]
@@ -129,10 +130,10 @@ WASTE_ROWS: list[dict[str, Any]] = [
 
 def test_waste_takes_the_last_tally_and_sums_the_masked_tokens() -> None:
     assert waste(WASTE_ROWS) == {
-        "tokens": {"window": 12, "no_signal": 20, "failed": 8, "withheld": 4, "masked": 5},
-        "untrained": 49,
+        "tokens": {"window": 12, "no_signal": 20, "failed": 8, "withheld": 4, "masked": 5, "skipped": 7},
+        "untrained": 56,
         "generated": 180,
-        "share": round(49 / 180, 4),
+        "share": round(56 / 180, 4),
     }
     assert waste(WASTE_ROWS[:1]) is None and waste([]) is None
 
