@@ -178,6 +178,7 @@ class Agent:
                     max_tokens=self._max_tokens,
                     temperature=self._temperature,
                     extra_headers=ids.headers(turn),
+                    tools=episode.tools or openai.omit,  # type: ignore[arg-type]
                 )
             except openai.APIError as exc:
                 call = classify(exc)
@@ -196,7 +197,7 @@ class Agent:
             if message is not None and message.tool_calls:  # sent back as answered: the turn continues token-exact
                 answer["tool_calls"] = [call.model_dump(exclude_none=True) for call in message.tool_calls]
             messages.append(answer)
-            feedback = episode.step(text)
+            feedback = episode.step(text, answer.get("tool_calls", ()))
             if feedback is None:
                 break
             messages.extend(feedback)

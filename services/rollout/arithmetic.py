@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +101,12 @@ class ArithmeticEpisode:
         self.turns, self.done, self.score, self.replies = 0, False, 0.0, []
         return [{"role": "user", "content": f"Compute {self.a} {self.op} {self.b}. {INSTRUCTION}"}]
 
-    def step(self, assistant_text: str) -> list[Message] | None:
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        """No tools."""
+        return None
+
+    def step(self, assistant_text: str, tool_calls: Sequence[Mapping[str, Any]] = ()) -> list[Message] | None:
         if self.done:
             raise RuntimeError("step() called on a finished episode")
         self.turns += 1

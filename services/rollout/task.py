@@ -18,7 +18,7 @@ Every word used is in ``shared.tokenizer.VOCAB``, the only words the policy know
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -46,8 +46,14 @@ class Episode(Protocol):
         """The first messages the agent sends."""
         ...
 
-    def step(self, assistant_text: str) -> list[Message] | None:
-        """Judge one assistant reply: the environment's answer to append, or None when the episode is over."""
+    def step(self, assistant_text: str, tool_calls: Sequence[Mapping[str, Any]] = ()) -> list[Message] | None:
+        """Judge one assistant reply (its text, and its OpenAI ``tool_calls``): the environment's answer to
+        append (``tool`` messages for calls), or None when the episode is over."""
+        ...
+
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        """The tools offered with every call (OpenAI's ``tools``), or None."""
         ...
 
     def reward(self) -> float:
@@ -138,7 +144,12 @@ class GuessEpisode:
         self.turns, self.found, self.done, self.history = 0, False, False, []
         return [{"role": "user", "content": f"guess the number between {self.low} and {self.high}"}]
 
-    def step(self, assistant_text: str) -> list[Message] | None:
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        """No tools."""
+        return None
+
+    def step(self, assistant_text: str, tool_calls: Sequence[Mapping[str, Any]] = ()) -> list[Message] | None:
         if self.done:
             raise RuntimeError("step() called on a finished episode")
         self.turns += 1

@@ -83,6 +83,9 @@ class ScriptedSGLang:
     weight_version: str = "default"
     """SGLang's label before any update that names one."""
     model_path: str = "/models/base"
+    script: list[list[int]] = field(default_factory=list)
+    """Outputs of the next requests, in order (each taken whole, then the word cycle resumes): a script whose
+    last id is one of the request's ``stop_token_ids`` finishes ``stop``, as SGLang's would."""
     generate_bodies: list[dict[str, Any]] = field(default_factory=list)
     aborts: list[dict[str, Any]] = field(default_factory=list)
     updates: list[dict[str, Any]] = field(default_factory=list)
@@ -136,16 +139,20 @@ class ScriptedSGLang:
         rid = body.get("rid") or uuid.uuid4().hex
         req = self.running[rid] = _Running(rid)
         started = time.monotonic()
+        scripted = self.script.pop(0)[:max_new] if self.script else None
         try:
-            while len(req.output_ids) < max_new and not req.aborted:
+            while len(req.output_ids) < (max_new if scripted is None else len(scripted)) and not req.aborted:
                 await asyncio.sleep(self.token_delay_s)
                 if self.stall_after is not None and len(req.output_ids) >= self.stall_after:
                     continue
-                req.output_ids.append(WORDS[(len(input_ids) + len(req.output_ids)) % len(WORDS)])
+                req.output_ids.append(WORDS[(len(input_ids) + len(req.output_ids)) % len(WORDS)] if scripted is None
+                                      else scripted[len(req.output_ids)])
         finally:
             del self.running[rid]
+        stopped = bool(req.output_ids) and req.output_ids[-1] in (sp.get("stop_token_ids") or ())
         finish: dict[str, Any] = (
             {"type": "abort", "message": "Abort in waiting queue"} if req.aborted
+            else {"type": "stop", "matched": req.output_ids[-1]} if stopped
             else {"type": "length", "length": len(req.output_ids)}
         )
         meta: dict[str, Any] = {
