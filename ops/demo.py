@@ -38,6 +38,7 @@ from ops.local.stack import LocalStack, StackConfig, start
 from ops.report import optimizer_steps, plot_run, rows_so_far, waste
 
 _REJECTIONS = re.compile(r"^rein_proxy_rejections_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+_TOOL_CALLS = re.compile(r'^rein_proxy_tool_call_replies_total\{outcome="(\w+)"\}\s+([0-9.eE+-]+)$', re.M)
 _ENGINE_ACTIVE = re.compile(r"^rein_engine_active_requests\s+([0-9.eE+-]+)$", re.M)
 _ENGINE_TOKENS = re.compile(r"^rein_engine_generated_tokens_total\s+([0-9.eE+-]+)$", re.M)
 REPO = Path(__file__).resolve().parent.parent
@@ -118,6 +119,20 @@ def resolve_model(spec: str) -> str:
     return lines[-1]
 
 
+def proxy_tool_calls(url: str) -> dict[str, Any] | None:
+    """Replies with tool-call markup the proxy parsed into calls or found malformed, and the parsed share;
+    None when it could not be read or no reply had any."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=2.0).text
+    except httpx.HTTPError:
+        return None
+    counts = {outcome: int(float(n)) for outcome, n in _TOOL_CALLS.findall(text)}
+    calls, malformed = counts.get("calls", 0), counts.get("malformed", 0)
+    if not calls + malformed:
+        return None
+    return {"replies_with_calls": calls, "malformed": malformed, "well_formed_share": calls / (calls + malformed)}
+
+
 def proxy_rejections(url: str) -> int:
     try:
         text = httpx.get(f"{url}/metrics", timeout=2.0).text
@@ -186,6 +201,7 @@ def summarize(
     usage: EngineUsage | None = None,
     train_wall_s: float | None = None,
     train_started_ts: float | None = None,
+    tool_calls: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     rewards = [float(r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]  # skipped batches too
     verdict = judge(config.task, rewards)
@@ -224,6 +240,7 @@ def summarize(
         "dropped_groups": rows[-1].get("drops_cumulative") if rows else None,
         "waste": waste(rows),  # generated tokens never trained, by cause (ops.report.waste)
         "rejected_sessions": rejections,
+        "tool_calls": tool_calls,  # replies with call markup, parsed or malformed (the proxy's counter); None: none
         "settings": {
             "keep_versions": config.keep_versions,
             "max_preempts": config.max_preempts,
@@ -321,6 +338,7 @@ def run(args: argparse.Namespace) -> int:
     usage = EngineUsage() if hf else None
     up_at: float | None = None
     up_ts: float | None = None
+    tool_calls: dict[str, Any] | None = None
     try:
         local = start(config)
         up_at, up_ts = time.monotonic(), time.time()
@@ -370,6 +388,7 @@ def run(args: argparse.Namespace) -> int:
         train_wall = None if up_at is None else time.monotonic() - up_at
         if local is not None:
             rejections = max(rejections, proxy_rejections(local.urls["proxy"]))
+            tool_calls = proxy_tool_calls(local.urls["proxy"])
             local.stop()
             print("stopped every process the demo started", flush=True)
     wall = time.monotonic() - started
@@ -377,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
     if rows:
         write_outputs(
             config, rows, rejections, wall, stopped_by=stopped_by, usage=usage, train_wall_s=train_wall,
-            train_started_ts=up_ts,
+            train_started_ts=up_ts, tool_calls=tool_calls,
         )
     return code
 
@@ -392,10 +411,11 @@ def write_outputs(
     usage: EngineUsage | None = None,
     train_wall_s: float | None = None,
     train_started_ts: float | None = None,
+    tool_calls: dict[str, Any] | None = None,
 ) -> None:
     summary = summarize(
         rows, rejections, wall_s, config, stopped_by=stopped_by, usage=usage, train_wall_s=train_wall_s,
-        train_started_ts=train_started_ts,
+        train_started_ts=train_started_ts, tool_calls=tool_calls,
     )
     (config.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     png = plot_run(rows, config.run_dir / "plot.png", title=f"rein demo {config.run_dir.name}")

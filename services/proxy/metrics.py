@@ -19,6 +19,11 @@ class ProxyMetrics:
             "Segments started, by reason: first (a session's first), else why the call could not extend the "
             "last segment token-exact and re-tokenized its whole history", ("reason",),
         )
+        self.tool_call_replies = metrics.counter(
+            registry, "proxy/tool_call_replies",
+            "Replies with tool-call markup: calls (parsed into tool_calls) or malformed (answered as content)",
+            ("outcome",),
+        )
         self.tokens = metrics.counter(registry, "proxy/generated_tokens", "Output tokens received from engines")
         self.preempts = metrics.counter(registry, "proxy/preempts", "Engine requests that ended aborted (preempted)")
         self.rejections = metrics.counter(

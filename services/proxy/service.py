@@ -141,7 +141,10 @@ class ProxyService:
                 before_chunk=lambda _i: _raise(session.check_engine(engine.version)),
                 on_chunk=lambda outcome: self._on_chunk(session, engine, plan, outcome),
             )
-            return session.complete(gen, stop=sampling.stop, calls=calls)
+            outcome = session.complete(gen, stop=sampling.stop, calls=calls)
+            if outcome.tool_calls or outcome.malformed_calls:
+                self.metrics.tool_call_replies.labels(outcome="calls" if outcome.tool_calls else "malformed").inc()
+            return outcome
         except Exception as exc:
             await self._settle(session)
             step = session.fail(exc, soft=soft_reject)

@@ -104,6 +104,8 @@ class ChatOutcome:
     soft_rejected: bool = False
     tool_calls: tuple[dict[str, Any], ...] = ()
     """OpenAI ``tool_calls`` parsed from the reply (then ``finish_reason`` is ``tool_calls``)."""
+    malformed_calls: bool = False
+    """The reply had the model's call markup but it did not parse (answered as content)."""
 
 
 @dataclass(frozen=True)
@@ -259,7 +261,7 @@ class Session(Transcript):
         }
         return ChatOutcome(content=content, finish_reason="tool_calls" if calls_out else gen.finish_reason,
                            prompt_tokens=len(plan.prompt_ids), completion_tokens=len(gen.output_ids), rein=rein,
-                           tool_calls=calls_out)
+                           tool_calls=calls_out, malformed_calls=reply is not None and reply.malformed)
 
     def fail(self, error: Exception, *, soft: bool = False) -> Step:
         """The call stopped on ``error``. A staleness rule rejects the session (softly when asked);

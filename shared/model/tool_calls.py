@@ -63,6 +63,8 @@ class ParsedReply:
 
     content: str
     calls: tuple[ToolCall, ...] = ()
+    malformed: bool = False
+    """The reply has the convention's call markup, but it does not parse into calls (then it is all content)."""
 
 
 class _NotCalls(ValueError):
@@ -95,7 +97,7 @@ def parse_reply(text: str, fmt: ToolCallFormat) -> ParsedReply:
         if fmt is ToolCallFormat.PYTHONIC:
             return _pythonic(text)
     except (_NotCalls, ValueError, SyntaxError, RecursionError):
-        pass
+        return ParsedReply(text, malformed=True)
     return ParsedReply(text)
 
 
@@ -103,7 +105,7 @@ _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 def _hermes(text: str) -> ParsedReply:
-    if "<tool_call>" not in text:
+    if "<tool_call>" not in text and "</tool_call>" not in text:
         return ParsedReply(text)
     calls: list[ToolCall] = []
     rest: list[str] = []
@@ -147,8 +149,10 @@ def _mistral(text: str) -> ParsedReply:
 
 def _pythonic(text: str) -> ParsedReply:
     body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
-    if not (body.startswith("[") and body.endswith("]")):
+    if not body.startswith("[") or "(" not in body:  # a list of calls has both; plain text rarely does
         return ParsedReply(text)
+    if not body.endswith("]"):
+        raise _NotCalls("a list of calls that does not end")
     tree = ast.parse(body, mode="eval").body
     if not isinstance(tree, ast.List) or not tree.elts:
         raise _NotCalls("not a list of calls")

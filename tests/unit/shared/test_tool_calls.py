@@ -74,7 +74,9 @@ CASES: list[tuple[str, ToolCallFormat, str, ParsedReply | None]] = [
 
 @pytest.mark.parametrize(("text", "fmt", "expected"), [pytest.param(t, f, e, id=n) for n, f, t, e in CASES])
 def test_parse_reply(text: str, fmt: ToolCallFormat, expected: ParsedReply | None) -> None:
-    assert parse_reply(text, fmt) == (expected or ParsedReply(text)), "None: the whole text is content"
+    reply = parse_reply(text, fmt)
+    assert reply == (expected or ParsedReply(text, malformed=reply.malformed)), "None: the whole text is content"
+    assert reply.malformed == (expected is None and fmt is not ToolCallFormat.NONE), "markup that does not parse"
 
 
 def test_a_call_in_openais_shape() -> None:
