@@ -44,3 +44,26 @@ def test_an_altered_key_or_another_deployments_is_refused() -> None:
         read(text, "another-secret")
     with pytest.raises(BadSessionKey, match="did not mint"):
         read(f"{PREFIX}{body}", SECRET)  # no tag
+
+
+def test_which_identity_a_call_carries() -> None:
+    from services.proxy.app import _call_ids, _Headers
+    from shared.errors import MissingHeader, UnknownSessionKey
+
+    key = mint(SessionKey("s-key", "g-key", "p", 2), SECRET)
+
+    def ids(path_key: str | None = None, **headers: str) -> tuple[str, str, str, int, str]:
+        raw = [(k.lower().replace("_", "-").encode(), v.encode()) for k, v in headers.items()]
+        got = _call_ids(_Headers(raw), SECRET, path_key=path_key)
+        return got.session_id, got.group_id, got.prompt_id, got.attempt, got.turn_id
+
+    assert ids(authorization=f"Bearer {key}", x_turn_id="t") == ("s-key", "g-key", "p", 2, "t")
+    assert ids(path_key=key, authorization="Bearer whatever") == ("s-key", "g-key", "p", 2, "")
+    # the header wins over any API key (the rollout runner sends both)
+    assert ids(x_session_id="s-h", x_group_id="g-h", authorization=f"Bearer {key}") == ("s-h", "g-h", "", 0, "")
+    with pytest.raises(UnknownSessionKey, match="POST /v1/sessions"):
+        ids(authorization="Bearer sk-someone-elses")
+    with pytest.raises(UnknownSessionKey):
+        ids(path_key="rein-sk-forged.tag", x_session_id="s-h")  # a path names its session: no fallback
+    with pytest.raises(MissingHeader):
+        ids()
