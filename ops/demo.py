@@ -75,7 +75,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, help="trainer learning rate (tiny: the trainer's 1e-3, HF: 2e-5)")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay (tiny: the trainer's 0.01, HF: 0)")
     p.add_argument("--keep-checkpoints", type=int, help="newest trainer steps kept on disk (tiny: 0 = all, HF: 2)")
-    p.add_argument("--mode", choices=["async", "sync"], default="async")
+    p.add_argument("--mode", choices=["async", "sync"],
+                   help="async (tiny's default) or sync (HF's: it learned faster on SmolLM2, docs/benchmarks.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs-dir", type=Path, default=Path("runs"))
     p.add_argument(

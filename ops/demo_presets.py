@@ -10,6 +10,9 @@ class Preset:
     """A model's demo defaults; a flag given on the command line overrides its field."""
 
     steps: int
+    mode: str
+    """``async`` or ``sync``: on SmolLM2 sync reached the format reward 2.3x sooner (docs/benchmarks.md,
+    "Time to reward"), so the HF preset runs sync; the tiny policy has no such table and stays async."""
     minutes: float
     """Training wall-time budget, counted from when every service is up (0: steps only)."""
     collectors: int
@@ -28,6 +31,7 @@ PRESETS: dict[str, Preset] = {
     # the step cap only bounds a much faster machine)
     "tiny": Preset(
         steps=2000,
+        mode="async",
         minutes=8,
         collectors=2,
         batch_groups=8,
@@ -44,6 +48,7 @@ PRESETS: dict[str, Preset] = {
     # the two newest checkpoints kept (an HF step is ~0.5 GB of weights plus ~1 GB of AdamW state)
     "hf": Preset(
         steps=500,
+        mode="sync",
         minutes=20,
         collectors=1,
         batch_groups=2,

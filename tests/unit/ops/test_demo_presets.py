@@ -16,6 +16,7 @@ from ops.report import optimizer_steps
 def test_tiny_demo_keeps_its_defaults() -> None:
     args = parse_args([])
     assert (args.model, args.steps, args.minutes, args.group_size, args.batch_groups) == ("tiny", 2000, 8, 8, 8)
+    assert args.mode == "async"
     assert (args.task, args.max_tokens, args.lr, args.keep_checkpoints, args.timeout_min) == (
         "guess_number",
         None,
@@ -30,6 +31,7 @@ def test_a_real_model_gets_the_hf_preset_and_flags_override_it() -> None:
     hf = PRESETS["hf"]
     assert args.task == "arithmetic" and args.max_tokens == hf.max_tokens and args.lr == hf.lr
     assert args.minutes == 20 and args.keep_checkpoints == 2 and args.group_size == 2
+    assert args.mode == "sync" and parse_args(["--model", "smollm2", "--mode", "async"]).mode == "async"
     assert args.timeout_min >= args.minutes + 10  # the error timeout never cuts the time budget short
 
 
