@@ -456,17 +456,19 @@ def stale_members(group: WindowGroup, cutoff: int | None, index_of: IndexOf) -> 
     return tuple(m for m, v in zip(group.members, group.versions, strict=True) if index_of(v) < cutoff)
 
 
-def _judge_stale(group: WindowGroup, cutoff: int | None, index_of: IndexOf, config: WindowConfig) -> WindowGroup | None:
+def _judge_stale(
+    group: WindowGroup, snap: WindowSnapshot, index_of: IndexOf, config: WindowConfig
+) -> WindowGroup | None:
     """A group as the window keeps it, or None to drop it whole.
 
     Inside the window: unchanged. Outside, under :attr:`StaleGroups.WITHHOLD`, with at least one
     member inside: its members outside are withheld (added to those withheld before). Else None.
     """
-    if cutoff is None or not any(index_of(v) < cutoff for v in group.versions):
+    if not is_stale((index_of(v) for v in group.versions), snap.current_index, snap.keep_versions):
         return group
     if config.stale_groups is not StaleGroups.WITHHOLD:
         return None
-    stale = stale_members(group, cutoff, index_of)
+    stale = stale_members(group, snap.cutoff_index, index_of)
     if not group.members or len(stale) == len(group.members):
         return None
     return replace(group, withheld=tuple(dict.fromkeys((*group.withheld, *stale))))
@@ -517,12 +519,11 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
             current = newest
             advanced = True
     snap = _snapshot(current, index_of, keep)
-    cutoff = snap.cutoff_index
 
     if advanced and pending:
         still: list[WindowGroup] = []
         for held in pending:
-            judged = _judge_stale(held, cutoff, index_of, config)
+            judged = _judge_stale(held, snap, index_of, config)
             if judged is None:
                 left = held.tokens - held.tokens_of(held.withheld)  # withheld members were counted then
                 decisions.append(
@@ -538,7 +539,7 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
                 still.append(judged)
         pending = still
 
-    judged = _judge_stale(group, cutoff, index_of, config)
+    judged = _judge_stale(group, snap, index_of, config)
     withheld: tuple[str, ...] = ()
     if judged is None:
         kind = Decision.DROPPED_STALE
