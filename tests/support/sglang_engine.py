@@ -162,7 +162,8 @@ class ScriptedSGLang:
         }
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[-0.5 - 0.01 * i, tok, None] for i, tok in enumerate(req.output_ids)]
-        return {"text": TOKENIZER.decode(req.output_ids), "output_ids": req.output_ids, "meta_info": meta}
+        text = TOKENIZER.decode(req.output_ids) if scripted is None else ""  # scripted ids need not be tiny words
+        return {"text": text, "output_ids": req.output_ids, "meta_info": meta}
 
     async def abort_request(self, request: Request) -> Response:
         body = await request.json()

@@ -400,7 +400,9 @@ def test_groups_without_signal_are_dropped_counted_and_not_retried(
     flat_tokens = 8 + 4 + 8 if policy == "drop" else 0  # flat1, solo, flat0 (4 tokens a trajectory)
     assert decode_window(window).tokens == TokenTally(generated=44, window=0, no_signal=flat_tokens, failed=8)
     if policy == "drop":
-        assert made[0].untrained_tokens_cumulative == {"window": 0, "no_signal": flat_tokens, "failed": 8}
+        assert made[0].untrained_tokens_cumulative == {
+            "window": 0, "no_signal": flat_tokens, "failed": 8, "withheld": 0,
+        }
     for t in (tail, retries, manifests):
         t.close()
     source.close()
