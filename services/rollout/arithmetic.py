@@ -27,7 +27,7 @@ import random
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from services.rollout.task import EpisodeStatus, Message, Prompt
 
@@ -55,12 +55,14 @@ def parse_answer(text: str) -> int | None:
 
 
 def solve(a: int, op: str, b: int) -> int:
-    """The exact result of ``a op b`` for the task's operators."""
+    """The exact result of ``a op b`` (``+`` and ``-``; ``*`` for the calculator task)."""
     if op == "+":
         return a + b
     if op == "-":
         return a - b
-    raise ValueError(f"unknown operator {op!r}; the task uses {OPS}")
+    if op == "*":
+        return a * b
+    raise ValueError(f"unknown operator {op!r}; the tasks use + - *")
 
 
 def grade(text: str, expected: int) -> tuple[float, bool]:
@@ -80,9 +82,15 @@ class ArithmeticEpisode:
     b: int = 0
     max_turns: int = MAX_TURNS
     turns: int = 0
+    reminders: int = 0
     done: bool = False
     score: float = 0.0
     replies: list[str] = field(default_factory=list)
+
+    task: ClassVar[str] = "arithmetic"
+    ops: ClassVar[tuple[str, ...]] = OPS
+    instruction: ClassVar[str] = INSTRUCTION
+    reminder: ClassVar[str] = REMINDER
 
     @property
     def expected(self) -> int:
@@ -92,18 +100,23 @@ class ArithmeticEpisode:
         try:
             self.a, self.b = int(payload["a"]), int(payload["b"])
             self.op = str(payload["op"])
-            self.max_turns = int(payload.get("max_turns", MAX_TURNS))
-            solve(self.a, self.op, self.b)
+            self.max_turns = int(payload.get("max_turns", type(self).max_turns))
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"bad arithmetic payload {payload!r}: {exc}") from None
+            raise ValueError(f"bad {self.task} payload {payload!r}: {exc}") from None
+        if self.op not in self.ops:
+            raise ValueError(f"bad {self.task} payload {payload!r}: op must be one of {self.ops}")
         if self.max_turns < 1:
-            raise ValueError(f"bad arithmetic payload {payload!r}: max_turns must be at least 1")
-        self.turns, self.done, self.score, self.replies = 0, False, 0.0, []
-        return [{"role": "user", "content": f"Compute {self.a} {self.op} {self.b}. {INSTRUCTION}"}]
+            raise ValueError(f"bad {self.task} payload {payload!r}: max_turns must be at least 1")
+        self.turns, self.reminders, self.done, self.score, self.replies = 0, 0, False, 0.0, []
+        return [{"role": "user", "content": f"Compute {self.a} {self.op} {self.b}. {self.instruction}"}]
 
     @property
     def tools(self) -> list[dict[str, Any]] | None:
         """No tools."""
+        return None
+
+    def answer_calls(self, tool_calls: Sequence[Mapping[str, Any]]) -> list[Message] | None:
+        """The ``tool`` messages for a reply's calls; None: the task has no tools, the reply is judged as text."""
         return None
 
     def step(self, assistant_text: str, tool_calls: Sequence[Mapping[str, Any]] = ()) -> list[Message] | None:
@@ -114,9 +127,13 @@ class ArithmeticEpisode:
         reward, kept = grade(assistant_text, self.expected)
         if kept or self.turns >= self.max_turns:
             self.done = True
-            self.score = reward * RETRY_SCALE ** (self.turns - 1)
+            self.score = reward * RETRY_SCALE ** self.reminders
             return None
-        return [{"role": "user", "content": REMINDER}]
+        answers = self.answer_calls(tool_calls) if tool_calls else None
+        if answers is not None:
+            return answers
+        self.reminders += 1
+        return [{"role": "user", "content": self.reminder}]
 
     def reward(self) -> float:
         return self.score if self.done else 0.0
@@ -133,14 +150,20 @@ class ArithmeticTask:
     max_operand: int = MAX_OPERAND
     max_turns: int = MAX_TURNS
     name: str = "arithmetic"
+    id_prefix: ClassVar[str] = "ar"
+
+    def question(self, rng: random.Random) -> tuple[int, str, int]:
+        """``(a, op, b)`` of the next prompt."""
+        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+        return a, rng.choice(OPS), b
 
     def prompts(self, seed: int) -> Iterator[Prompt]:
         rng = random.Random(seed)
         index = 0
         while True:
-            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-            payload = {"task": self.name, "a": a, "op": rng.choice(OPS), "b": b, "max_turns": self.max_turns}
-            yield Prompt(prompt_id=f"ar-s{seed}-{index:07d}", payload=payload)
+            a, op, b = self.question(rng)
+            payload = {"task": self.name, "a": a, "op": op, "b": b, "max_turns": self.max_turns}
+            yield Prompt(prompt_id=f"{self.id_prefix}-s{seed}-{index:07d}", payload=payload)
             index += 1
 
     def episode(self) -> ArithmeticEpisode:

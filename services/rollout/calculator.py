@@ -18,12 +18,12 @@ import ast
 import json
 import operator
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from services.rollout.arithmetic import RETRY_SCALE, grade
-from services.rollout.task import EpisodeStatus, Message, Prompt
+from services.rollout.arithmetic import ArithmeticEpisode, ArithmeticTask
+from services.rollout.task import Message
 
 MAX_TURNS = 4
 OPS = ("+", "-", "*")
@@ -96,85 +96,46 @@ def run_call(call: Mapping[str, Any]) -> tuple[str, bool]:
 
 
 @dataclass
-class CalculatorEpisode:
-    """One question; see the module docstring for the rules."""
+class CalculatorEpisode(ArithmeticEpisode):
+    """One question: :class:`ArithmeticEpisode` with the calculator offered and its calls answered."""
 
-    a: int = 0
     op: str = "*"
-    b: int = 0
     max_turns: int = MAX_TURNS
-    turns: int = 0
-    reminders: int = 0
-    done: bool = False
-    score: float = 0.0
     calls_ok: int = 0
     calls_bad: int = 0
-    replies: list[str] = field(default_factory=list)
+
+    task: ClassVar[str] = "calculator"
+    ops: ClassVar[tuple[str, ...]] = OPS
+    instruction: ClassVar[str] = INSTRUCTION
+    reminder: ClassVar[str] = REMINDER
 
     @property
     def tools(self) -> list[dict[str, Any]]:
         return TOOLS
 
-    @property
-    def expected(self) -> int:
-        return int(evaluate(f"{self.a} {self.op} {self.b}"))
-
     def reset(self, payload: dict[str, Any]) -> list[Message]:
-        try:
-            self.a, self.b, self.op = int(payload["a"]), int(payload["b"]), str(payload["op"])
-            self.max_turns = int(payload.get("max_turns", MAX_TURNS))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"bad calculator payload {payload!r}: {exc}") from None
-        if self.op not in OPS or self.max_turns < 1:
-            raise ValueError(f"bad calculator payload {payload!r}: op must be one of {OPS}, max_turns >= 1")
-        self.turns, self.reminders, self.done, self.score = 0, 0, False, 0.0
-        self.calls_ok, self.calls_bad, self.replies = 0, 0, []
-        return [{"role": "user", "content": f"Compute {self.a} {self.op} {self.b}. {INSTRUCTION}"}]
+        self.calls_ok = self.calls_bad = 0
+        return super().reset(payload)
 
-    def step(self, assistant_text: str, tool_calls: Sequence[Mapping[str, Any]] = ()) -> list[Message] | None:
-        if self.done:
-            raise RuntimeError("step() called on a finished episode")
-        self.turns += 1
-        self.replies.append(assistant_text)
-        reward, kept = grade(assistant_text, self.expected)
-        if kept or self.turns >= self.max_turns:
-            self.done = True
-            self.score = reward * RETRY_SCALE ** self.reminders
-            return None
-        if tool_calls:
-            answers: list[Message] = []
-            for call in tool_calls:
-                content, ok = run_call(call)
-                self.calls_ok, self.calls_bad = self.calls_ok + ok, self.calls_bad + (not ok)
-                answers.append({"role": "tool", "tool_call_id": str(call.get("id", "")), "content": content})
-            return answers
-        self.reminders += 1
-        return [{"role": "user", "content": REMINDER}]
-
-    def reward(self) -> float:
-        return self.score if self.done else 0.0
-
-    @property
-    def status(self) -> EpisodeStatus:
-        return "completed"
+    def answer_calls(self, tool_calls: Sequence[Mapping[str, Any]]) -> list[Message]:
+        answers: list[Message] = []
+        for call in tool_calls:
+            content, ok = run_call(call)
+            self.calls_ok, self.calls_bad = self.calls_ok + ok, self.calls_bad + (not ok)
+            answers.append({"role": "tool", "tool_call_id": str(call.get("id", "")), "content": content})
+        return answers
 
 
 @dataclass(frozen=True)
-class CalculatorTask:
+class CalculatorTask(ArithmeticTask):
     """Questions ``a op b`` with ``a`` in 100..999 and ``b`` in 10..99, drawn from the seed."""
 
     max_turns: int = MAX_TURNS
     name: str = "calculator"
+    id_prefix: ClassVar[str] = "calc"
 
-    def prompts(self, seed: int) -> Iterator[Prompt]:
-        rng = random.Random(seed)
-        index = 0
-        while True:
-            payload = {"task": self.name, "a": rng.randint(100, 999), "op": rng.choice(OPS), "b": rng.randint(10, 99),
-                       "max_turns": self.max_turns}
-            yield Prompt(prompt_id=f"calc-s{seed}-{index:07d}", payload=payload)
-            index += 1
+    def question(self, rng: random.Random) -> tuple[int, str, int]:
+        return rng.randint(100, 999), rng.choice(OPS), rng.randint(10, 99)
 
     def episode(self) -> CalculatorEpisode:
         return CalculatorEpisode(max_turns=self.max_turns)
-
