@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,36 +38,18 @@ from tests.support.proxy import (
     ADMIN,
     Proxy,
     ProxyFactory,
-    ServerThread,
     in_background,
     proxy_factory,
     rein,
 )
-from tests.support.sglang_engine import ScriptedSGLang
+from tests.support.sglang_engine import ScriptedServers, ScriptedSGLang, sglang
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration]
-__all__ = ["proxy_factory"]
+__all__ = ["proxy_factory", "sglang"]
 
 USER = [{"role": "user", "content": "guess"}]
 PROMPT = TOKENIZER.apply_chat_template(USER, add_generation_prompt=True)
-
-@pytest.fixture
-def sglang() -> Iterator[Callable[..., tuple[ScriptedSGLang, str]]]:
-    servers: list[ServerThread] = []
-
-    def make(**kw: Any) -> tuple[ScriptedSGLang, str]:
-        engine = ScriptedSGLang(**kw)
-        server = ServerThread(engine.app(), free_port())
-        server.start()
-        servers.append(server)
-        return engine, server.url
-
-    try:
-        yield make
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def ask(client: openai.OpenAI, max_tokens: int) -> Any:
@@ -86,7 +68,7 @@ def chunks(proxy: Proxy, n: int, session_id: str) -> list[Chunk]:
 
 
 def test_chat_pause_abort_resume_against_sglang(
-    sglang: Callable[..., tuple[ScriptedSGLang, str]], proxy_factory: ProxyFactory
+    sglang: ScriptedServers, proxy_factory: ProxyFactory
 ) -> None:
     engine, url = sglang(max_req_input_len=40)
     proxy = proxy_factory([url])
@@ -135,7 +117,7 @@ def test_chat_pause_abort_resume_against_sglang(
 
 
 def test_a_long_streamed_call_is_kept_alive_then_sent_whole(
-    sglang: Callable[..., tuple[ScriptedSGLang, str]], proxy_factory: ProxyFactory
+    sglang: ScriptedServers, proxy_factory: ProxyFactory
 ) -> None:
     """Past one heartbeat a streamed call answers 200 and sends SSE comments until its frames are ready;
     the openai client reads through them."""
@@ -197,7 +179,7 @@ def redis_settings(redis_db_url: str) -> RedisSettings:
 
 
 def test_broadcaster_applies_and_verifies_a_version_by_its_label(
-    sglang: Callable[..., tuple[ScriptedSGLang, str]], proxy_factory: ProxyFactory, unique_topic: Callable[..., str],
+    sglang: ScriptedServers, proxy_factory: ProxyFactory, unique_topic: Callable[..., str],
     unique_group: str, redis_settings: RedisSettings, tmp_path: Path,
 ) -> None:
     engine, url = sglang(stall_after=2)
@@ -237,7 +219,7 @@ def test_broadcaster_applies_and_verifies_a_version_by_its_label(
 
 
 def test_an_engine_that_does_not_take_the_label_fails_the_update(
-    sglang: Callable[..., tuple[ScriptedSGLang, str]], proxy_factory: ProxyFactory, unique_topic: Callable[..., str],
+    sglang: ScriptedServers, proxy_factory: ProxyFactory, unique_topic: Callable[..., str],
     unique_group: str, redis_settings: RedisSettings, tmp_path: Path,
 ) -> None:
     engine, url = sglang(keep_label=True)

@@ -28,14 +28,18 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from ops.local.ports import free_port
 from shared.tokenizer import TOKENIZER
+from tests.support.proxy import ServerThread
 
 GENERATE_FIELDS = frozenset({
     "text", "input_ids", "input_embeds", "image_data", "sampling_params", "rid", "return_logprob",
@@ -203,3 +207,26 @@ class ScriptedSGLang:
 def _error(message: str) -> JSONResponse:
     """SGLang's ``_create_error_response``: 400 ``{"error": {"message": ...}}``."""
     return JSONResponse({"error": {"message": message}}, status_code=400)
+
+
+ScriptedServers = Callable[..., tuple[ScriptedSGLang, str]]
+"""``make(**fields) -> (engine, url)``: a :class:`ScriptedSGLang` served on a free port."""
+
+
+@pytest.fixture
+def sglang() -> Iterator[ScriptedServers]:
+    """Scripted SGLang servers for one test, stopped after it (import the fixture where it is used)."""
+    servers: list[ServerThread] = []
+
+    def make(**kw: Any) -> tuple[ScriptedSGLang, str]:
+        engine = ScriptedSGLang(**kw)
+        server = ServerThread(engine.app(), free_port())
+        server.start()
+        servers.append(server)
+        return engine, server.url
+
+    try:
+        yield make
+    finally:
+        for server in servers:
+            server.stop()

@@ -24,17 +24,16 @@ from tests.support.procs import Proc
 from tests.support.proxy import (
     ADMIN,
     ProxyFactory,
-    ServerThread,
     count_records,
     proxy_factory,
     rein,
 )
-from tests.support.sglang_engine import ScriptedSGLang
+from tests.support.sglang_engine import ScriptedServers, sglang
 from tests.support.stack import Engine, engine_process, proxy_process
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration]
-__all__ = ["proxy_factory"]
+__all__ = ["proxy_factory", "sglang"]
 
 
 @pytest.fixture(scope="module")
@@ -302,23 +301,18 @@ def test_idle_sessions_are_rejected_on_record(engine: Engine, proxy_factory: Pro
 
 
 def test_a_stopping_proxy_cancels_calls_held_by_a_pause_that_never_ends(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+    sglang: ScriptedServers, kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
 ) -> None:
     """The broadcaster died between pause and resume: SIGTERM must still stop the proxy, and promptly.
     The engine holds its generation until aborted, so the pause always finds it in flight (the tiny engine
     could finish 60 tokens between the test seeing the call active and the pause)."""
-    stalled = ScriptedSGLang(stall_after=2)
-    server = ServerThread(stalled.app(), free_port())
-    server.start()
-    try:
-        with proxy_process(
-            [server.url], kafka_bootstrap, Topics(chunks=unique_topic(), events=unique_topic()), tmp_path,
-            admin_token=ADMIN, log_level="info", extra_env={"REIN_SHUTDOWN_TIMEOUT_S": "2"},
-        ) as proxy:
-            proc, url = proxy.proc, proxy.url
-            took, outcome = _stop_while_a_call_is_held(proc, url)
-    finally:
-        server.stop()
+    _, engine_url = sglang(stall_after=2)
+    with proxy_process(
+        [engine_url], kafka_bootstrap, Topics(chunks=unique_topic(), events=unique_topic()), tmp_path,
+        admin_token=ADMIN, log_level="info", extra_env={"REIN_SHUTDOWN_TIMEOUT_S": "2"},
+    ) as proxy:
+        proc, url = proxy.proc, proxy.url
+        took, outcome = _stop_while_a_call_is_held(proc, url)
     assert took < 2 + 5, f"the proxy took {took:.1f}s to stop"
     assert proc.popen.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
     assert "error" in outcome, f"the held call was not failed: {outcome}"

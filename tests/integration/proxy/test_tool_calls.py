@@ -5,44 +5,24 @@ with the tool's result, and the session goes on from the ids sampled, token-exac
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ops.demo import proxy_tool_calls
-from ops.local.ports import free_port
 from services.rollout.calculator import CalculatorEpisode
 from shared.model.hf import HFChatTokenizer, HFFamily
 from shared.schemas import Chunk
-from tests.support.proxy import ProxyFactory, ServerThread, proxy_factory, rein
-from tests.support.sglang_engine import ScriptedSGLang
+from tests.support.proxy import ProxyFactory, proxy_factory, rein
+from tests.support.sglang_engine import ScriptedServers, sglang
 
 pytestmark = [pytest.mark.integration]
-__all__ = ["proxy_factory"]
-
-
-@pytest.fixture
-def scripted() -> Iterator[Callable[..., tuple[ScriptedSGLang, str]]]:
-    servers: list[ServerThread] = []
-
-    def make(**kw: Any) -> tuple[ScriptedSGLang, str]:
-        engine = ScriptedSGLang(**kw)
-        server = ServerThread(engine.app(), free_port())
-        server.start()
-        servers.append(server)
-        return engine, server.url
-
-    try:
-        yield make
-    finally:
-        for server in servers:
-            server.stop()
+__all__ = ["proxy_factory", "sglang"]
 
 
 def test_the_openai_clients_tool_loop_round_trips_token_exact(
-    scripted: Callable[..., tuple[ScriptedSGLang, str]], proxy_factory: ProxyFactory, tiny_llama_dir: Path
+    sglang: ScriptedServers, proxy_factory: ProxyFactory, tiny_llama_dir: Path
 ) -> None:
     tok = HFFamily(tiny_llama_dir).tokenizer
     assert isinstance(tok, HFChatTokenizer)
@@ -51,7 +31,7 @@ def test_the_openai_clients_tool_loop_round_trips_token_exact(
                  "</tool_call>")
     script = [[*tok.inner.encode(call_text, add_special_tokens=False), end],
               [*tok.inner.encode("417 * 38 = 15846.\nAnswer: 15846", add_special_tokens=False), end]]
-    engine, url = scripted(max_req_input_len=4000, token_delay_s=0.0, script=[list(s) for s in script])
+    engine, url = sglang(max_req_input_len=4000, token_delay_s=0.0, script=[list(s) for s in script])
     proxy = proxy_factory([url], model=str(tiny_llama_dir))
     sid = f"s-{uuid.uuid4().hex}"
     client = proxy.client(sid, f"g-{uuid.uuid4().hex}")
