@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from services.proxy.session_machine import ToolCalls
 from shared.errors import InvalidRequest, UnsupportedContent, UnsupportedParameter
 from shared.schemas import new_id
 
@@ -141,7 +142,7 @@ class ChatRequest(BaseModel):
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    def tool_calls(self) -> Literal["all", "none", "first"]:
+    def tool_calls(self) -> ToolCalls:
         """Which calls of the reply the answer carries."""
         if self.tool_choice == "none":
             return "none"

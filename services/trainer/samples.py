@@ -76,9 +76,8 @@ class BatchSamples:
     degenerate_groups: int = 0
     """Groups whose kept trajectories all have the same reward (zero advantage: nothing learned)."""
     withheld_trajectories: int = 0
-    """Trajectories the window withheld: in their group's baseline, not in the loss."""
-    withheld_tokens: int = 0
-    """Trainable tokens (mask 1) of the withheld trajectories' segments."""
+    """Trajectories the window withheld: in their group's baseline, not in the loss (their tokens are
+    in the window's tally, cause ``withheld``)."""
 
     @property
     def masked_token_fraction(self) -> float:
@@ -126,7 +125,6 @@ def build_samples(
             group_rewards.append(float(traj.reward))
             if traj.session_id in withheld:
                 out.withheld_trajectories += 1
-                out.withheld_tokens += sum(seg.loss_mask.count(1) for seg in traj.segments)
                 continue
             for seg in sorted(traj.segments, key=lambda s: s.segment_index):
                 sample = _segment_sample(seg, traj_pos, traj.session_id, mask_nonlast_version, max_tokens, out)

@@ -10,23 +10,30 @@ from services.proxy.session_machine import ChatOutcome
 from shared.errors import EngineUnavailable
 
 
-async def _collect(result: ChatOutcome | Exception) -> list[str]:
+async def _collect(result: ChatOutcome | Exception, heartbeats: int = 2) -> list[str]:
+    """Frames of a call that ends only after ``heartbeats`` comments were sent (no timing involved)."""
+    release = asyncio.Event()
+
     async def call() -> ChatOutcome:
-        await asyncio.sleep(0.05)
+        await release.wait()
         if isinstance(result, Exception):
             raise result
         return result
 
-    task = asyncio.ensure_future(call())
-    return [frame async for frame in _heartbeats(task, "m", 0.01)]
+    frames: list[str] = []
+    async for frame in _heartbeats(asyncio.ensure_future(call()), "m", 0.01):
+        frames.append(frame)
+        if len(frames) == heartbeats:
+            release.set()
+    return frames
 
 
 def test_comments_until_the_answer_then_its_frames() -> None:
     outcome = ChatOutcome(content="hi", finish_reason="stop", prompt_tokens=1, completion_tokens=1, rein={})
     frames = asyncio.run(_collect(outcome))
-    keep = [f for f in frames if f == ": keep-alive\n\n"]
+    first_data = next(i for i, f in enumerate(frames) if f.startswith("data:"))
+    assert first_data >= 2 and all(f == ": keep-alive\n\n" for f in frames[:first_data])
     data = [json.loads(f.removeprefix("data: ")) for f in frames if f.startswith("data: {")]
-    assert len(keep) >= 2 and frames.index(keep[-1]) < frames.index(next(f for f in frames if f.startswith("data:")))
     assert "".join(d["choices"][0]["delta"].get("content", "") for d in data) == "hi"
     assert frames[-1] == "data: [DONE]\n\n"
 

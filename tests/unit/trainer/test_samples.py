@@ -104,7 +104,7 @@ def test_a_withheld_trajectory_stays_in_the_baseline_and_leaves_the_loss() -> No
     out = build_samples([group("g", stale, fresh), group("h", other)], withheld={"stale"})
     assert out.rewards == [1.0, 0.0, 0.5] and out.trajectory_group == [0, 0, 1]
     assert [s.session_id for s in out.samples] == ["fresh", "other"]
-    assert out.withheld_trajectories == 1 and out.withheld_tokens == 4
+    assert out.withheld_trajectories == 1 and out.trainable_tokens == 2 + 1, "the fresh ones' tokens only"
     assert out.degenerate_groups == 1, "g's rewards differ (the withheld one counts); h has one"
     adv = grpo_advantages(torch.tensor(out.rewards), torch.tensor(out.trajectory_group))
     assert adv[out.samples[0].trajectory].item() == pytest.approx(-0.5), "the baseline is the mean of both"
