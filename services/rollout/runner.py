@@ -34,6 +34,7 @@ from kafka.errors import KafkaError
 from prometheus_client import CollectorRegistry
 
 from services.rollout.agent import Agent, ProxyClients
+from services.rollout.command_agent import CommandAgent
 from services.rollout.feeds import Feeds
 from services.rollout.groups import Groups
 from services.rollout.observe import RolloutMetrics
@@ -149,8 +150,12 @@ class Runner:
             async with contextlib.AsyncExitStack() as opened:
                 http = await opened.enter_async_context(httpx.AsyncClient(timeout=timeout, verify=tls))
                 opened.push_async_callback(_close_all, clients)
-                agent = Agent(clients, proxy_url=s.proxy_url, model=s.model, max_tokens=s.max_tokens,
-                              temperature=s.temperature, finish_attempts=s.finish_attempts)
+                agent = (CommandAgent(clients, command=s.agent_command, timeout_s=s.agent_timeout_s,
+                                      proxy_url=s.proxy_url, model=s.model, max_tokens=s.max_tokens,
+                                      temperature=s.temperature, finish_attempts=s.finish_attempts)
+                         if s.agent_command else
+                         Agent(clients, proxy_url=s.proxy_url, model=s.model, max_tokens=s.max_tokens,
+                               temperature=s.temperature, finish_attempts=s.finish_attempts))
                 await self._wait_proxy(http)
                 self._redis = await asyncio.to_thread(connect, s.redis)
                 producer = await asyncio.to_thread(self._connect_kafka)

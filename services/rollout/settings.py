@@ -18,9 +18,10 @@ class RolloutSettings(ServiceSettings):
     """Bearer key the openai client sends; the proxy does not check it, the client requires one."""
     model: str = "rein-tiny"
     """Model name put in each chat request (the proxy accepts any)."""
-    task: Literal["guess_number", "arithmetic"] = "guess_number"
+    task: Literal["guess_number", "arithmetic", "calculator"] = "guess_number"
     """Built-in task to play (``services.rollout.tasks.TASKS``): ``guess_number`` for the tiny policy,
-    ``arithmetic`` for an instruct model (``REIN_MODEL`` = a Hugging Face model; docs/task.md)."""
+    ``arithmetic`` for an instruct model (``REIN_MODEL`` = a Hugging Face model; docs/task.md), ``calculator``
+    for one that calls tools (docs/agents.md)."""
     seed: int = 0
     """Seed of the prompt stream: the same seed gives the same prompts (and prompt ids) in the same order."""
     group_size: int = Field(default=8, ge=1)
@@ -52,6 +53,13 @@ class RolloutSettings(ServiceSettings):
     (docs/task.md). The proxy closes the assistant message with the end token either way."""
     temperature: float = Field(default=1.0, ge=0.0)
     """Sampling temperature of every call (RL samples at 1.0)."""
+    agent_command: list[str] = Field(default_factory=list)
+    """A black-box agent to run for each episode instead of rein's ``openai`` tool loop (JSON list, for example
+    ``["llm", "openai", "endpoint", "{base_url}", "{prompt}", "-m", "m", "--key", "{api_key}"]``): it gets the
+    session's base URL and key (``OPENAI_*`` / ``ANTHROPIC_*``) and the prompt; its stdout is graded
+    (``services/rollout/command_agent.py``, docs/agents.md). Empty: rein's own agent loop."""
+    agent_timeout_s: float = Field(default=600.0, gt=0)
+    """Bound on one run of ``agent_command``; past it the command's process group is killed and the episode fails."""
     request_timeout_s: float = Field(default=120.0, gt=0)
     """Bound on one chat or finish call. A call held across a weight update (pause, load, resume)
     must fit inside it; past it the episode ends as failed."""

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import json
+from typing import get_args
 
 import pytest
 
 from services.rollout.arithmetic import RETRY_SCALE
 from services.rollout.calculator import REMINDER, TOOLS, CalculatorEpisode, CalculatorTask, evaluate, run_call
+from services.rollout.settings import RolloutSettings
 from services.rollout.tasks import TASKS
 
 
@@ -75,3 +77,7 @@ def test_prompts_are_seeded_and_distinct_and_the_task_is_registered() -> None:
     assert isinstance(TASKS["calculator"](), CalculatorTask)
     with pytest.raises(ValueError):
         CalculatorEpisode().reset({"a": 1, "op": "**", "b": 2})
+
+
+def test_every_built_in_task_can_be_chosen_by_setting() -> None:
+    assert set(get_args(RolloutSettings.model_fields["task"].annotation)) == set(TASKS)
