@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import httpcore
 import httpx
@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.proxy import messages_api, responses_api
 from services.proxy.engine_client import EngineHandle, NetworkBackend, Sampling
 from services.proxy.generation import PauseController
 from services.proxy.metrics import ProxyMetrics
@@ -40,6 +41,7 @@ from services.proxy.openai_api import (
     ResumeBody,
     completion,
     empty_completion,
+    sse_error_frame,
     sse_frames,
 )
 from services.proxy.publisher import Publisher
@@ -115,17 +117,39 @@ def create_app(settings: ProxySettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _chat(request, _call_ids(_Headers(request.scope["headers"]), settings.admin_token))
+        return await _chat(request, _call_ids(_Headers(request.scope["headers"]), settings.admin_token), _chat_wire)
 
     @app.post("/sessions/{key}/v1/chat/completions")
     async def chat_completions_by_path(key: str, request: Request) -> Response:
         headers = _Headers(request.scope["headers"])
-        return await _chat(request, _call_ids(headers, settings.admin_token, path_key=key))
+        return await _chat(request, _call_ids(headers, settings.admin_token, path_key=key), _chat_wire)
 
-    async def _chat(request: Request, ids: CallIds) -> Response:
+    # The Responses and Messages wires: thin adapters onto the same call (docs/agents.md, "Other wires")
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _chat(request, _call_ids(_Headers(request.scope["headers"]), settings.admin_token),
+                           _responses_wire)
+
+    @app.post("/sessions/{key}/v1/responses")
+    async def responses_by_path(key: str, request: Request) -> Response:
+        headers = _Headers(request.scope["headers"])
+        return await _chat(request, _call_ids(headers, settings.admin_token, path_key=key), _responses_wire)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await _chat(request, _call_ids(_Headers(request.scope["headers"]), settings.admin_token),
+                           _messages_wire)
+
+    @app.post("/sessions/{key}/v1/messages")
+    async def messages_by_path(key: str, request: Request) -> Response:
+        headers = _Headers(request.scope["headers"])
+        return await _chat(request, _call_ids(headers, settings.admin_token, path_key=key), _messages_wire)
+
+    async def _chat(request: Request, ids: CallIds, wire: Callable[[bytes], _Call]) -> Response:
         service: ProxyService = request.state.service
         headers = _Headers(request.scope["headers"])
-        body = _parse(ChatRequest, await request.body())
+        call = wire(await request.body())
+        body = call.chat
         body.refuse_unsupported()
         soft = settings.soft_reject or headers.get(b"x-rein-soft-reject").strip().lower() in _TRUE
         sampling = Sampling(
@@ -141,14 +165,14 @@ def create_app(settings: ProxySettings) -> FastAPI:
         )
         model = body.model or settings.model_name
         if not body.stream:
-            return JSONResponse(_payload(model, await chat))
+            return JSONResponse(call.answer(_payload(model, await chat)))
         # A streamed call answered within one heartbeat gets its real status, errors included; a longer
         # one commits to 200 and keeps the connection alive until its frames (or its error) are ready.
-        call = asyncio.ensure_future(chat)
-        call.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if the client left
-        done, _ = await asyncio.wait({call}, timeout=settings.stream_heartbeat_s)
-        frames = sse_frames(_payload(model, call.result())) if done else _heartbeats(
-            call, model, settings.stream_heartbeat_s)
+        running = asyncio.ensure_future(chat)
+        running.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if the client left
+        done, _ = await asyncio.wait({running}, timeout=settings.stream_heartbeat_s)
+        frames = call.frames(_payload(model, running.result())) if done else _heartbeats(
+            running, model, settings.stream_heartbeat_s, call)
         return StreamingResponse(frames, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.get("/v1/models")
@@ -167,9 +191,10 @@ def create_app(settings: ProxySettings) -> FastAPI:
         body = _parse(OpenSessionBody, await request.body())
         ids = SessionKey(body.session_id or new_id("session"), body.group_id, body.prompt_id, body.attempt)
         key = mint(ids, settings.admin_token)
+        root = f"{str(request.base_url).rstrip('/')}/sessions/{key}"
         return {"session_id": ids.session_id, "group_id": ids.group_id, "prompt_id": ids.prompt_id,
-                "attempt": ids.attempt, "api_key": key,
-                "base_url": f"{str(request.base_url).rstrip('/')}/sessions/{key}/v1"}
+                "attempt": ids.attempt, "api_key": key, "base_url": f"{root}/v1",
+                "anthropic_base_url": root}  # Anthropic's clients add /v1 themselves
 
     @app.post("/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request) -> dict[str, Any]:
@@ -279,12 +304,16 @@ def _session_key(key: str, secret: str) -> SessionKey:
 
 
 def _call_ids(headers: _Headers, secret: str, path_key: str | None = None) -> CallIds:
-    """The call's session: from the key in its path, else its headers, else its API key (``Authorization``)."""
+    """The call's session: from the key in its path, else its headers, else its API key (``Authorization:
+    Bearer``, or ``x-api-key`` as Anthropic's clients send it)."""
     turn_id = headers.get(b"x-turn-id").strip()
     bearer = headers.get(b"authorization").strip()
     key = path_key
-    if key is None and not headers.get(b"x-session-id").strip() and bearer[:7].lower() == "bearer ":
-        key = bearer[7:].strip()
+    if key is None and not headers.get(b"x-session-id").strip():
+        if bearer[:7].lower() == "bearer ":
+            key = bearer[7:].strip()
+        elif headers.get(b"x-api-key").strip():
+            key = headers.get(b"x-api-key").strip()
     if key is not None:
         ids = _session_key(key, secret)
         return CallIds(ids.session_id, ids.group_id, turn_id, ids.prompt_id, ids.attempt)
@@ -305,6 +334,33 @@ def _call_ids(headers: _Headers, secret: str, path_key: str | None = None) -> Ca
     )
 
 
+class _Call(NamedTuple):
+    """One chat call as a wire speaks it: the chat-completions request it asks for, and how the finished
+    ``chat.completion`` body is answered whole, streamed, or (after the stream began) failed."""
+
+    chat: ChatRequest
+    answer: Callable[[dict[str, Any]], dict[str, Any]]
+    frames: Callable[[dict[str, Any]], Iterator[str]]
+    error_frame: Callable[[dict[str, Any]], str]
+
+
+def _chat_wire(raw: bytes) -> _Call:
+    return _Call(_parse(ChatRequest, raw), lambda body: body, sse_frames, sse_error_frame)
+
+
+def _responses_wire(raw: bytes) -> _Call:
+    request = _parse(responses_api.ResponsesRequest, raw)
+    return _Call(_validate(ChatRequest, responses_api.to_chat(request)),
+                 lambda body: responses_api.answer(body, request), lambda body: responses_api.events(body, request),
+                 responses_api.error_event)
+
+
+def _messages_wire(raw: bytes) -> _Call:
+    request = _parse(messages_api.MessagesRequest, raw)
+    return _Call(_validate(ChatRequest, messages_api.to_chat(request)), messages_api.answer, messages_api.events,
+                 messages_api.error_event)
+
+
 def _parse(model: type[B], raw: bytes, empty_ok: bool = False) -> B:
     """Validate a JSON body; 422 naming each bad field."""
     if empty_ok and not raw.strip():
@@ -314,6 +370,10 @@ def _parse(model: type[B], raw: bytes, empty_ok: bool = False) -> B:
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly nested JSON
         fields = [{"field": "body", "message": str(exc)}]
         raise InvalidRequest(f"body is not valid JSON: {exc}", fields=fields) from None
+    return _validate(model, data)
+
+
+def _validate(model: type[B], data: Any) -> B:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -343,26 +403,23 @@ def _payload(model: str, outcome: ChatOutcome) -> dict[str, Any]:
     )
 
 
-async def _heartbeats(call: asyncio.Future[ChatOutcome], model: str, every_s: float) -> AsyncIterator[str]:
-    """SSE comments every ``every_s`` while ``call`` runs, then its frames; an error becomes OpenAI's
-    streamed ``{"error": ...}`` frame (the status is already 200). A client that leaves does not stop
-    the call: the session still records and answers it whole."""
-    while not call.done():
+async def _heartbeats(running: asyncio.Future[ChatOutcome], model: str, every_s: float, call: _Call,
+                      ) -> AsyncIterator[str]:
+    """SSE comments every ``every_s`` while the call runs, then its frames; an error becomes the wire's
+    streamed error (the status is already 200). A client that leaves does not stop the call: the session
+    still records and answers it whole."""
+    while not running.done():
         yield ": keep-alive\n\n"
-        await asyncio.wait({call}, timeout=every_s)
-    error = call.exception()
+        await asyncio.wait({running}, timeout=every_s)
+    error = running.exception()
     if error is None:
-        for frame in sse_frames(_payload(model, call.result())):
+        for frame in call.frames(_payload(model, running.result())):
             yield frame
         return
     detail = error.detail() if isinstance(error, ReinError) else {"error": "internal", "message": type(error).__name__}
     if not isinstance(error, ReinError):
-        _log.error("unhandled_error", path="/v1/chat/completions", error=f"{type(error).__name__}: {error}",
-                   exc_info=error)
-    body = {"error": {"message": detail.get("message", ""), "type": detail.get("error"), "code": detail.get("error"),
-                      "detail": detail}}
-    yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-    yield "data: [DONE]\n\n"
+        _log.error("unhandled_error", path="chat", error=f"{type(error).__name__}: {error}", exc_info=error)
+    yield call.error_frame(detail)
 
 
 async def _rein_error(request: Request, exc: Exception) -> Response:
@@ -393,11 +450,15 @@ def _too_large(max_bytes: int) -> Response:
     return JSONResponse(http_body(error), status_code=error.status)
 
 
-_ROUTES = ("/v1/chat/completions", "/v1/models", "/v1/rollout/pause", "/v1/rollout/renew", "/v1/rollout/resume",
-           "/v1/rollout/state", "/health", "/metrics")
+_ROUTES = frozenset({
+    "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/v1/sessions", "/v1/rollout/pause",
+    "/v1/rollout/renew", "/v1/rollout/resume", "/v1/rollout/state", "/health", "/metrics",
+})
 
 
 def _route_label(path: str) -> str:
+    if path.startswith("/sessions/") and "/v1/" in path:  # the same routes under a session's base URL
+        path = path[path.index("/v1/"):]
     if path in _ROUTES:
         return path
     if path.startswith("/v1/sessions/") and path.endswith("/finish"):

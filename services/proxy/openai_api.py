@@ -290,3 +290,11 @@ def sse_frames(body: dict[str, Any]) -> Iterator[str]:
         extra["rein"] = body["rein"]
     yield frame({}, choice["finish_reason"], **extra)
     yield "data: [DONE]\n\n"
+
+
+def sse_error_frame(detail: dict[str, Any]) -> str:
+    """A failure after the stream began: OpenAI's streamed ``{"error": ...}`` frame (rein's detail under
+    ``error.detail``), then ``[DONE]``."""
+    body = {"error": {"message": detail.get("message", ""), "type": detail.get("error"), "code": detail.get("error"),
+                      "detail": detail}}
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\ndata: [DONE]\n\n"

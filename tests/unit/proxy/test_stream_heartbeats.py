@@ -1,16 +1,18 @@
-"""A streamed call that outlasts a heartbeat: SSE comments, then its frames or OpenAI's error frame."""
+"""A streamed call that outlasts a heartbeat: SSE comments, then its frames or the wire's error frame."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
-from services.proxy.app import _heartbeats
+from services.proxy.app import _Call, _chat_wire, _heartbeats, _messages_wire
 from services.proxy.session_machine import ChatOutcome
 from shared.errors import EngineUnavailable
 
+CHAT = _chat_wire(b'{"messages": [{"role": "user", "content": "x"}]}')
 
-async def _collect(result: ChatOutcome | Exception, heartbeats: int = 2) -> list[str]:
+
+async def _collect(result: ChatOutcome | Exception, heartbeats: int = 2, wire: _Call = CHAT) -> list[str]:
     """Frames of a call that ends only after ``heartbeats`` comments were sent (no timing involved)."""
     release = asyncio.Event()
 
@@ -21,7 +23,7 @@ async def _collect(result: ChatOutcome | Exception, heartbeats: int = 2) -> list
         return result
 
     frames: list[str] = []
-    async for frame in _heartbeats(asyncio.ensure_future(call()), "m", 0.01):
+    async for frame in _heartbeats(asyncio.ensure_future(call()), "m", 0.01, wire):
         frames.append(frame)
         if len(frames) == heartbeats:
             release.set()
@@ -40,6 +42,17 @@ def test_comments_until_the_answer_then_its_frames() -> None:
 
 def test_an_error_after_the_200_is_openais_streamed_error_frame() -> None:
     frames = asyncio.run(_collect(EngineUnavailable("no engine answered", engines=["http://e"])))
-    error = json.loads(frames[-2].removeprefix("data: "))["error"]
+    error_frame, done = frames[-1].removesuffix("\n\n").split("\n\n")
+    error = json.loads(error_frame.removeprefix("data: "))["error"]
     assert error["code"] == "engine_unavailable" and error["message"] == "no engine answered"
-    assert error["detail"]["engines"] == ["http://e"] and frames[-1] == "data: [DONE]\n\n"
+    assert error["detail"]["engines"] == ["http://e"] and done == "data: [DONE]"
+
+
+def test_an_error_after_the_200_on_the_messages_wire_is_anthropics_error_event() -> None:
+    wire = _messages_wire(b'{"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}')
+    frames = asyncio.run(_collect(EngineUnavailable("no engine answered"), wire=wire))
+    assert all(f == ": keep-alive\n\n" for f in frames[:-1])
+    event, data = frames[-1].removesuffix("\n\n").split("\n")
+    assert event == "event: error"
+    assert json.loads(data.removeprefix("data: "))["error"] == {"type": "engine_unavailable",
+                                                                "message": "no engine answered"}

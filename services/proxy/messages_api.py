@@ -1,0 +1,183 @@
+"""Anthropic's Messages API (``POST /v1/messages``) as a thin adapter onto the chat-completions call.
+
+Pure functions, no I/O, like :mod:`services.proxy.responses_api`: a request becomes the chat-completions
+request the session machine serves (:func:`to_chat`), the finished ``chat.completion`` body becomes a
+``message`` (:func:`answer`) or its streamed events (:func:`events`), so Claude-Code-style agents share
+the one session machine and transcript. The mapping:
+
+- ``system`` (a string or text blocks) is a leading system message; a message's content is a string or
+  blocks: ``text``; an assistant's ``tool_use`` blocks are its ``tool_calls`` (``input`` as the JSON
+  arguments: an echoed answer continues token-exact); a user's ``tool_result`` blocks are ``tool``
+  messages, before the user's own text.
+- ``tools`` (``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``, ``none``; ``any``
+  and ``tool`` are refused as on the chat route: forcing a call needs constrained decoding;
+  ``disable_parallel_tool_use``), ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``,
+  ``top_k`` and ``stream`` map one to one.
+- Refused with 400, never ignored: Anthropic's server tools (a ``type`` other than ``custom``), image,
+  document and thinking blocks, and ``thinking`` enabled (the proxy serves no reasoning mode).
+- ``stop_reason``: ``tool_use`` for calls, ``max_tokens`` when cut, else ``end_turn``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.errors import UnsupportedContent, UnsupportedParameter
+
+STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
+"""A chat completion's finish reason -> Anthropic's ``stop_reason`` (anything else: ``end_turn``)."""
+
+
+class MessagesRequest(BaseModel):
+    """The fields the adapter reads; the rest (``metadata``, ...) are accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str = ""
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    thinking: dict[str, Any] | None = None
+
+
+def to_chat(body: MessagesRequest) -> dict[str, Any]:
+    """The chat-completions request (as JSON data) that asks for the same turn."""
+    refused: dict[str, str] = {}
+    if body.thinking and body.thinking.get("type") != "disabled":
+        refused["thinking"] = "the proxy serves no reasoning mode"
+    tools: list[dict[str, Any]] = []
+    for i, tool in enumerate(body.tools or ()):
+        if tool.get("type", "custom") != "custom":
+            refused[f"tools.{i}"] = f"only custom tools are served, not the server tool {tool.get('type')!r}"
+            continue
+        spec = {"name": tool.get("name"), "description": tool.get("description"),
+                "parameters": tool.get("input_schema")}
+        tools.append({"type": "function", "function": {k: v for k, v in spec.items() if v is not None}})
+    if refused:
+        fields = [{"field": name, "message": message} for name, message in refused.items()]
+        names = ", ".join(f["field"] for f in fields)
+        raise UnsupportedParameter(f"unsupported parameter(s): {names} ({fields[0]['message']})", fields=fields)
+    system = _text(body.system, "system") if body.system else None
+    messages = [{"role": "system", "content": system}] if system else []
+    for i, message in enumerate(body.messages):
+        messages += _message(message, i)
+    chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream}
+    if tools:
+        chat["tools"] = tools
+    choice = body.tool_choice or {}
+    kind = choice.get("type")
+    if kind is not None:
+        chat["tool_choice"] = {"auto": "auto", "none": "none", "any": "required"}.get(
+            kind, {"type": "function", "function": {"name": choice.get("name")}})
+    if choice.get("disable_parallel_tool_use"):
+        chat["parallel_tool_calls"] = False
+    values = {"max_tokens": body.max_tokens, "stop": body.stop_sequences or None, "temperature": body.temperature,
+              "top_p": body.top_p, "top_k": body.top_k}
+    chat.update({k: v for k, v in values.items() if v is not None})
+    return chat
+
+
+def _message(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
+    role, content, where = message.get("role"), message.get("content"), f"messages.{index}.content"
+    if isinstance(content, str) or content is None:
+        return [{"role": role, "content": content or ""}]
+    blocks = content if isinstance(content, list) else [content]
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            calls.append({"id": block.get("id", ""), "type": "function", "function": {
+                "name": block.get("name", ""), "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
+        elif kind == "tool_result" and role == "user":
+            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id", ""),
+                            "content": _text(block.get("content"), f"{where}.{j}.content") or ""})
+        else:
+            raise UnsupportedContent(f"{where}.{j}: a {kind!r} block is not supported in a {role} message; this "
+                                     "proxy serves text, tool_use and tool_result blocks of a text model",
+                                     field=f"{where}.{j}", part_type=kind)
+    if role == "assistant":
+        out: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts or not calls else None}
+        if calls:
+            out["tool_calls"] = calls
+        return [out]
+    return results + ([{"role": role, "content": "\n".join(texts)}] if texts or not results else [])
+
+
+def _text(content: Any, field: str) -> str | None:
+    """A string, or text blocks joined by newlines."""
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for j, block in enumerate(content if isinstance(content, list) else [content]):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise UnsupportedContent(f"{field}.{j}: a {kind!r} block is not supported; this proxy serves a text "
+                                     "model (send text blocks or a string)", field=f"{field}.{j}", part_type=kind)
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def answer(chat: dict[str, Any]) -> dict[str, Any]:
+    """The ``message`` for a finished ``chat.completion`` body (its ``rein`` field carried over)."""
+    choice = chat["choices"][0]
+    content: list[dict[str, Any]] = []
+    if choice["message"].get("content"):
+        content.append({"type": "text", "text": choice["message"]["content"]})
+    for call in choice["message"].get("tool_calls", ()):
+        content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                        "input": json.loads(call["function"]["arguments"] or "{}")})
+    body: dict[str, Any] = {
+        "id": chat["id"].replace("chatcmpl", "msg", 1), "type": "message", "role": "assistant",
+        "model": chat["model"], "content": content,
+        "stop_reason": STOP_REASONS.get(choice["finish_reason"], "end_turn"), "stop_sequence": None,
+        "usage": {"input_tokens": chat["usage"]["prompt_tokens"], "output_tokens": chat["usage"]["completion_tokens"]},
+    }
+    if "rein" in chat:
+        body["rein"] = chat["rein"]
+    return body
+
+
+def events(chat: dict[str, Any]) -> Iterator[str]:
+    """The answer as the Messages API streams it: ``message_start``, each content block started, its text or
+    input JSON as one delta, stopped, then ``message_delta`` (the stop reason) and ``message_stop``."""
+
+    def event(kind: str, **data: Any) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'))}\n\n"
+
+    final = answer(chat)
+    usage = final["usage"]
+    start = {**final, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 0}}
+    yield event("message_start", message=start)
+    for index, block in enumerate(final["content"]):
+        if block["type"] == "text":
+            yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
+            yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": block["text"]})
+        else:
+            yield event("content_block_start", index=index, content_block={**block, "input": {}})
+            yield event("content_block_delta", index=index,
+                        delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+        yield event("content_block_stop", index=index)
+    yield event("message_delta", delta={"stop_reason": final["stop_reason"], "stop_sequence": None},
+                usage={"output_tokens": usage["output_tokens"]})
+    yield event("message_stop")
+
+
+def error_event(detail: dict[str, Any]) -> str:
+    """A failure after the stream began, as the Messages API streams one (rein's detail under ``detail``)."""
+    payload = {"type": "error", "error": {"type": detail.get("error"), "message": detail.get("message", "")},
+               "detail": detail}
+    return f"event: error\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
