@@ -19,13 +19,14 @@ import argparse
 import itertools
 import json
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,9 @@ from ops.report import optimizer_steps, plot_run, rows_so_far, waste
 
 _REJECTIONS = re.compile(r"^rein_proxy_rejections_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 _TOOL_CALLS = re.compile(r'^rein_proxy_tool_call_replies_total\{outcome="(\w+)"\}\s+([0-9.eE+-]+)$', re.M)
+_CHAT_REPLIES = re.compile(
+    r'^rein_proxy_requests_total\{route="/v1/chat/completions",status="200"\}\s+([0-9.eE+-]+)$', re.M
+)
 _ENGINE_ACTIVE = re.compile(r"^rein_engine_active_requests\s+([0-9.eE+-]+)$", re.M)
 _ENGINE_TOKENS = re.compile(r"^rein_engine_generated_tokens_total\s+([0-9.eE+-]+)$", re.M)
 REPO = Path(__file__).resolve().parent.parent
@@ -70,8 +74,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-groups", type=int, help="GRPO groups per training batch (tiny: 8, HF: 2)")
     p.add_argument("--group-size", type=int, help="episodes per group (tiny: 8, HF: 4)")
     p.add_argument("--concurrent-groups", type=int, help="groups in flight (tiny: 16, HF: 4)")
-    p.add_argument("--task", help="rollout task (tiny: guess_number, HF: arithmetic)")
+    p.add_argument("--task",
+                   help="rollout task (tiny: guess_number; HF: arithmetic, or calculator, which needs a tool call)")
     p.add_argument("--max-tokens", type=int, help="output budget of each reply (tiny: the runner's 1, HF: 48)")
+    p.add_argument("--temperature", type=float, help="sampling temperature of every reply (the runner's 1.0)")
+    p.add_argument("--agent-command", type=shlex.split,
+                   help="a black-box agent run per episode instead of rein's own loop, as a shell would split it; "
+                        "{prompt}, {base_url} and {api_key} are replaced (REIN_AGENT_COMMAND, docs/agents.md)")
     p.add_argument("--lr", type=float, help="trainer learning rate (tiny: the trainer's 1e-3, HF: 2e-5)")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay (tiny: the trainer's 0.01, HF: 0)")
     p.add_argument("--keep-checkpoints", type=int, help="newest trainer steps kept on disk (tiny: 0 = all, HF: 2)")
@@ -121,8 +130,8 @@ def resolve_model(spec: str) -> str:
 
 
 def proxy_tool_calls(url: str) -> dict[str, Any] | None:
-    """Replies with tool-call markup the proxy parsed into calls or found malformed, and the parsed share;
-    None when it could not be read or no reply had any."""
+    """The proxy's chat answers (``replies``), those with tool-call markup it parsed into calls or found
+    malformed, and the parsed share of the latter; None when it could not be read or no reply had any."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=2.0).text
     except httpx.HTTPError:
@@ -131,7 +140,36 @@ def proxy_tool_calls(url: str) -> dict[str, Any] | None:
     calls, malformed = counts.get("calls", 0), counts.get("malformed", 0)
     if not calls + malformed:
         return None
-    return {"replies_with_calls": calls, "malformed": malformed, "well_formed_share": calls / (calls + malformed)}
+    replies = sum(int(float(n)) for n in _CHAT_REPLIES.findall(text))
+    return {"replies": replies, "replies_with_calls": calls, "malformed": malformed,
+            "well_formed_share": calls / (calls + malformed)}
+
+
+@dataclass
+class ToolCallSeries:
+    """The proxy's tool-call counters read with each batch of trainer lines, so a tool task's run shows how
+    the share of replies that are well-formed calls moves while it trains (summary and plot)."""
+
+    url: str
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+    def sample(self, lines: int) -> None:
+        """Read the counters once ``lines`` trainer lines were shown."""
+        counts = proxy_tool_calls(self.url)
+        if counts is not None and counts["replies"]:
+            self.samples.append({"lines": lines, "ts": round(time.time(), 1), **counts})
+
+    def annotate(self, rows: list[dict[str, Any]]) -> None:
+        """Put on the last line each sample saw the share of the replies since the previous sample that were
+        parsed calls (``tool_call_share``) and malformed markup (``malformed_call_share``)."""
+        before = {"replies": 0, "replies_with_calls": 0, "malformed": 0}
+        for sample in self.samples:
+            replies = sample["replies"] - before["replies"]
+            if replies > 0 and 0 < sample["lines"] <= len(rows):
+                row = rows[sample["lines"] - 1]
+                row["tool_call_share"] = (sample["replies_with_calls"] - before["replies_with_calls"]) / replies
+                row["malformed_call_share"] = (sample["malformed"] - before["malformed"]) / replies
+            before = sample
 
 
 def proxy_rejections(url: str) -> int:
@@ -259,6 +297,7 @@ def summarize(
             "lr": config.lr,
             "weight_decay": config.weight_decay,
             "keep_checkpoints": config.keep_checkpoints,
+            "rollout_env": config.extra_env.get("rollout") or None,  # --temperature, --agent-command
         },
     }
 
@@ -316,6 +355,10 @@ def stack_config(args: argparse.Namespace, model: str, run_dir: Path) -> StackCo
         keep_checkpoints=args.keep_checkpoints,
         startup_timeout_s=600.0 if hf else 120.0,
         stop_timeout_s=120.0 if hf else 20.0,
+        extra_env={"rollout": {
+            **({} if args.temperature is None else {"REIN_TEMPERATURE": str(args.temperature)}),
+            **({"REIN_AGENT_COMMAND": json.dumps(args.agent_command)} if args.agent_command else {}),
+        }},
     )
 
 
@@ -340,8 +383,10 @@ def run(args: argparse.Namespace) -> int:
     up_at: float | None = None
     up_ts: float | None = None
     tool_calls: dict[str, Any] | None = None
+    calls = ToolCallSeries("")
     try:
         local = start(config)
+        calls.url = local.urls["proxy"]
         up_at, up_ts = time.monotonic(), time.time()
         versions = ", ".join(f"{k} {v}" for k, v in local.infra.versions.items())
         print(f"up in {up_at - started:.0f}s ({versions}); logs in {config.run_dir / 'logs'}", flush=True)
@@ -357,6 +402,7 @@ def run(args: argparse.Namespace) -> int:
                 for row in rows[shown:]:
                     print(progress_line(row, config.steps, rejections, started, budget), flush=True)
                 shown = len(rows)
+                calls.sample(shown)
             steps = len(optimizer_steps(rows))
             if config.steps and steps >= config.steps:
                 break
@@ -395,6 +441,9 @@ def run(args: argparse.Namespace) -> int:
     wall = time.monotonic() - started
     rows = rows_so_far(config.run_dir / "trainer" / "metrics.jsonl") or rows  # a stopping trainer adds its last step
     if rows:
+        if tool_calls is not None:
+            calls.annotate(rows)
+            tool_calls["series"] = calls.samples
         write_outputs(
             config, rows, rejections, wall, stopped_by=stopped_by, usage=usage, train_wall_s=train_wall,
             train_started_ts=up_ts, tool_calls=tool_calls,

@@ -14,6 +14,8 @@ render. Panels, in order:
 - logprob diff: ``train_rollout_logprob_abs_diff``
 - masked tokens: ``masked_token_fraction``
 - loss: ``loss``
+- tool calls: ``tool_call_share`` / ``malformed_call_share`` (a tool task's demo puts the proxy's counts
+  on its lines: ``ops.demo.ToolCallSeries``)
 
 The x axis is ``step`` (the line number when a line has none).
 """
@@ -55,6 +57,7 @@ PANELS: tuple[Panel, ...] = (
     Panel("train vs rollout logprob", ("train_rollout_logprob_abs_diff",), ylabel="mean |diff|"),
     Panel("masked tokens", ("masked_token_fraction",), ylabel="fraction"),
     Panel("loss", ("loss",), ylabel="loss"),
+    Panel("tool calls", ("tool_call_share", "malformed_call_share"), ylabel="share of replies"),
 )
 
 

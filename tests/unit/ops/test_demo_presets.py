@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from ops.demo import EngineUsage, parse_args, progress_line, resolve_model, stack_config, summarize, timing
+from ops.demo import (
+    EngineUsage,
+    ToolCallSeries,
+    parse_args,
+    progress_line,
+    resolve_model,
+    stack_config,
+    summarize,
+    timing,
+)
 from ops.demo_presets import PRESETS
 from ops.local.stack import StackConfig
 from ops.report import optimizer_steps
@@ -118,3 +127,27 @@ def test_a_skipped_batch_shows_in_progress_and_summary_but_is_no_step(tmp_path: 
     assert summary["reward_start"] == 0.1 and summary["reward_window_steps"] == 1  # a quarter of 3 batches, at least 1
     assert summary["seconds_per_step"]["step_wall_s"] == 2.0  # between the two steps, the skip inside
     assert summary["waste"] is None  # no line carries the window's token tally
+
+
+def test_the_rollout_flags_reach_the_runner_and_the_summary(tmp_path: Path) -> None:
+    args = parse_args(["--model", "smollm2", "--temperature", "0.7", "--agent-command", "llm openai endpoint "
+                       "'{base_url}' '{prompt}' --key '{api_key}'"])
+    config = stack_config(args, "/m", tmp_path)
+    assert config.extra_env["rollout"] == {
+        "REIN_TEMPERATURE": "0.7",
+        "REIN_AGENT_COMMAND": '["llm", "openai", "endpoint", "{base_url}", "{prompt}", "--key", "{api_key}"]',
+    }
+    assert stack_config(parse_args([]), "tiny", tmp_path).extra_env == {"rollout": {}}
+
+
+def test_tool_call_counts_become_per_interval_shares_on_the_lines_they_were_read_with() -> None:
+    series = ToolCallSeries("http://proxy", samples=[
+        {"lines": 1, "replies": 10, "replies_with_calls": 2, "malformed": 1},
+        {"lines": 3, "replies": 20, "replies_with_calls": 8, "malformed": 1},
+        {"lines": 4, "replies": 20, "replies_with_calls": 8, "malformed": 1},  # no reply since: nothing put
+    ])
+    rows: list[dict[str, object]] = [{"step": i} for i in range(4)]
+    series.annotate(rows)
+    assert rows[0] == {"step": 0, "tool_call_share": 0.2, "malformed_call_share": 0.1}
+    assert rows[2] == {"step": 2, "tool_call_share": 0.6, "malformed_call_share": 0.0}
+    assert rows[1] == {"step": 1} and rows[3] == {"step": 3}
