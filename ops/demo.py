@@ -37,6 +37,7 @@ from ops.learned import judge
 from ops.local.launcher import LaunchError
 from ops.local.stack import LocalStack, StackConfig, start
 from ops.report import optimizer_steps, plot_run, rows_so_far, waste
+from services.rollout.tasks import TASKS
 
 _REJECTIONS = re.compile(r"^rein_proxy_rejections_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 _TOOL_CALLS = re.compile(r'^rein_proxy_tool_call_replies_total\{outcome="(\w+)"\}\s+([0-9.eE+-]+)$', re.M)
@@ -131,18 +132,21 @@ def resolve_model(spec: str) -> str:
 
 def proxy_tool_calls(url: str) -> dict[str, Any] | None:
     """The proxy's chat answers (``replies``), those with tool-call markup it parsed into calls or found
-    malformed, and the parsed share of the latter; None when it could not be read or no reply had any."""
+    malformed, and the parsed share of the latter (None without markup); None when it could not be read."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=2.0).text
     except httpx.HTTPError:
         return None
     counts = {outcome: int(float(n)) for outcome, n in _TOOL_CALLS.findall(text)}
     calls, malformed = counts.get("calls", 0), counts.get("malformed", 0)
-    if not calls + malformed:
-        return None
     replies = sum(int(float(n)) for n in _CHAT_REPLIES.findall(text))
     return {"replies": replies, "replies_with_calls": calls, "malformed": malformed,
-            "well_formed_share": calls / (calls + malformed)}
+            "well_formed_share": calls / (calls + malformed) if calls + malformed else None}
+
+
+def offers_tools(task: str) -> bool:
+    """Whether the task's episodes offer tools (its run then reports tool calls)."""
+    return bool(TASKS[task]().episode().tools) if task in TASKS else False
 
 
 @dataclass
@@ -156,7 +160,7 @@ class ToolCallSeries:
     def sample(self, lines: int) -> None:
         """Read the counters once ``lines`` trainer lines were shown."""
         counts = proxy_tool_calls(self.url)
-        if counts is not None and counts["replies"]:
+        if counts is not None and counts["replies"]:  # every batch of lines; kept only for a tool task
             self.samples.append({"lines": lines, "ts": round(time.time(), 1), **counts})
 
     def annotate(self, rows: list[dict[str, Any]]) -> None:
@@ -436,6 +440,8 @@ def run(args: argparse.Namespace) -> int:
         if local is not None:
             rejections = max(rejections, proxy_rejections(local.urls["proxy"]))
             tool_calls = proxy_tool_calls(local.urls["proxy"])
+            if tool_calls is not None and tool_calls["well_formed_share"] is None and not offers_tools(config.task):
+                tool_calls = None  # a task without tools whose replies never held call markup: nothing to say
             local.stop()
             print("stopped every process the demo started", flush=True)
     wall = time.monotonic() - started

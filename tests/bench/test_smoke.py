@@ -55,6 +55,12 @@ def _engine_vs_generate(out: Path) -> None:
     assert all(0 <= r["agree"] <= 1 and r["prefill_s"] > 0 for r in data["rows"][1:])
 
 
+def _tool_call_share(out: Path) -> None:
+    data = _json(out, "model", "prompts", "samples", "rows")
+    assert [r["temperature"] for r in data["rows"]] == [1.0, 0.0]
+    assert all(r["replies"] == 4 and 0 <= r["call_share"] <= 1 for r in data["rows"])
+
+
 def _collector(out: Path) -> None:
     data = _json(out, "throughput", "decision_cost")
     assert [r["replicas"] for r in data["throughput"]] == [1, 2]
@@ -157,6 +163,11 @@ SMOKE: dict[str, Smoke] = {
                         "--checkpoints", "0.25", "--episodes", "8", "--threshold", "0.5", "--out", str(out),
                         "--plot", str(out.with_suffix(".png"))],
         _time_to_reward, marks=(pytest.mark.integration, pytest.mark.slow), timeout_s=280,
+    ),
+    "tool_call_share": Smoke(
+        lambda out, fx: ["--model", fx["tiny_llama_dir"], "--prompts", "2", "--samples", "2", "--temperatures", "1",
+                         "0", "--max-tokens", "4", "--threads", "1", "--demonstration", "--out", str(out)],
+        _tool_call_share, fixtures=("tiny_llama_dir",),
     ),
     "hot_path": Smoke(
         lambda out, _: ["--warmup", "1", "--steps", "2", "--timeout-s", "240", "--out", str(out)],

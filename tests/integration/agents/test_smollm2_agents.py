@@ -116,10 +116,11 @@ def test_the_llm_cli_completes_a_turn(proxy: Proxy, tmp_path: Path) -> None:
                         "def calculator(expression: str) -> str:\n"
                         f'    """{tool["description"]}"""\n'
                         "    return str(evaluate(expression))\n",
-         "--chain-limit", "1"],
+         "--chain-limit", "2"],
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )
-    # a reply with a call makes llm run it and want one more turn, past the limit of one: it says so and exits 1
-    ended = proc.returncode == 0 or (proc.returncode == 1 and "Chain limit of 1 exceeded" in proc.stderr)
+    # llm counts replies against its chain limit: a first reply with a call runs the tool and gets a second
+    # reply, which reaches the limit of two (llm says so and exits 1); a first reply without one ends the run
+    ended = proc.returncode == 0 or (proc.returncode == 1 and "Chain limit of 2 exceeded" in proc.stderr)
     assert ended, f"llm exited {proc.returncode}: {proc.stderr[-2000:]}"
     recorded(proxy, session["session_id"])

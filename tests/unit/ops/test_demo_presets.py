@@ -10,6 +10,7 @@ import pytest
 from ops.demo import (
     EngineUsage,
     ToolCallSeries,
+    offers_tools,
     parse_args,
     progress_line,
     resolve_model,
@@ -151,3 +152,7 @@ def test_tool_call_counts_become_per_interval_shares_on_the_lines_they_were_read
     assert rows[0] == {"step": 0, "tool_call_share": 0.2, "malformed_call_share": 0.1}
     assert rows[2] == {"step": 2, "tool_call_share": 0.6, "malformed_call_share": 0.0}
     assert rows[1] == {"step": 1} and rows[3] == {"step": 3}
+
+
+def test_only_a_task_that_offers_tools_reports_tool_calls_without_markup() -> None:
+    assert offers_tools("calculator") and not offers_tools("arithmetic") and not offers_tools("guess_number")
