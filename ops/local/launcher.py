@@ -42,18 +42,22 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def _script(name: str, *args: str, timeout_s: float = 180, env: dict[str, str] | None = None) -> dict[str, str]:
-    """Run a deploy/ script and parse its ``key=value`` stdout lines."""
+def deploy_script(name: str, *args: str, timeout_s: float = 180, env: dict[str, str] | None = None) -> dict[str, str]:
+    """Run a deploy/ script (``kafka.sh``, ``redis.sh``) and parse its ``key=value`` stdout lines; LaunchError
+    with its output when it fails, ``subprocess.TimeoutExpired`` past ``timeout_s``. The one wrapper of those
+    scripts: the demo's stack and the test session's services (``tests/support/infra.py``) both use it."""
     proc = subprocess.run(
         ["bash", str(REPO / "deploy" / name), *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
         check=False,
+        stdin=subprocess.DEVNULL,
         env=None if env is None else with_env(env),
     )
     if proc.returncode != 0:
-        raise LaunchError(f"deploy/{name} {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+        output = (proc.stdout + proc.stderr).strip()
+        raise LaunchError(f"`bash deploy/{name} {' '.join(args)}` exited {proc.returncode}:\n{output[-3000:]}")
     out: dict[str, str] = {}
     for line in proc.stdout.splitlines():
         key, sep, value = line.partition("=")
@@ -76,12 +80,12 @@ class Infra:
         infra = cls(data_dir)
         (data_dir / "kafka").mkdir(parents=True, exist_ok=True)
         (data_dir / "redis").mkdir(parents=True, exist_ok=True)
-        _script("kafka.sh", "fetch", timeout_s=900)
-        _script("redis.sh", "install", timeout_s=900)
+        deploy_script("kafka.sh", "fetch", timeout_s=900)
+        deploy_script("redis.sh", "install", timeout_s=900)
         try:
-            redis = _script("redis.sh", "start", str(data_dir / "redis"))
+            redis = deploy_script("redis.sh", "start", str(data_dir / "redis"))
             infra.redis_url, infra.versions["redis"] = redis["url"], redis.get("version", "?")
-            kafka = _script("kafka.sh", "start", str(data_dir / "kafka"))
+            kafka = deploy_script("kafka.sh", "start", str(data_dir / "kafka"))
             infra.kafka_bootstrap, infra.versions["kafka"] = kafka["bootstrap"], kafka.get("version", "?")
         except BaseException:
             infra.stop()
@@ -93,14 +97,14 @@ class Infra:
         start it again with its data on the same address: clients see an outage, not a new server."""
         if name not in ("kafka", "redis"):
             raise ValueError(f"no infrastructure part named {name!r}")
-        _script(f"{name}.sh", "restart", str(self.data_dir / name), *(["--kill"] if kill else []),
+        deploy_script(f"{name}.sh", "restart", str(self.data_dir / name), *(["--kill"] if kill else []),
                 env={"RESTART_DOWN_S": str(down_s)})
 
     def stop(self) -> None:
         for name in ("kafka", "redis"):
             if (self.data_dir / name).exists():
                 try:
-                    _script(f"{name}.sh", "stop", str(self.data_dir / name), timeout_s=60)
+                    deploy_script(f"{name}.sh", "stop", str(self.data_dir / name), timeout_s=60)
                 except (LaunchError, subprocess.TimeoutExpired) as exc:
                     _log.error("infra_stop_failed", what=name, error=str(exc))
 

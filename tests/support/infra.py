@@ -5,7 +5,8 @@ tests need (found from each test's fixture closure), both at once in background 
 broker boots while the unit tests run. A fixture that needs a service waits for its start to finish.
 A run of pure unit tests starts nothing. At session end (and, as backstops, at interpreter exit and
 on SIGTERM) every service this session started is stopped by its pid file, through the same
-scripts; nothing else is touched. A missing Java, Maven or redis-server is a test failure with the
+scripts (run by :func:`ops.local.launcher.deploy_script`, as the demo's stack runs them); nothing else
+is touched. A missing Java, Maven or redis-server is a test failure with the
 script's message, never a skip.
 """
 
@@ -23,6 +24,8 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ops.local.launcher import LaunchError, deploy_script
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -60,10 +63,6 @@ class Service:
     @property
     def pid_file(self) -> Path:
         return self.data_dir / ("pid" if self.name == KAFKA else "redis.pid")
-
-
-def _script_output(proc: subprocess.CompletedProcess[str]) -> str:
-    return (proc.stdout + proc.stderr).strip()
 
 
 class Infra:
@@ -115,32 +114,20 @@ class Infra:
         began = time.monotonic()
         svc.data_dir.mkdir(parents=True, exist_ok=True)
         try:
-            proc = subprocess.run(
-                ["bash", str(svc.script), "start", str(svc.data_dir)],
-                capture_output=True,
-                text=True,
-                timeout=START_TIMEOUT_S,
-                stdin=subprocess.DEVNULL,
-                check=False,
-            )
+            fields = deploy_script(svc.script.name, "start", str(svc.data_dir), timeout_s=START_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             svc.error = f"{svc.script.name} start did not finish within {START_TIMEOUT_S:.0f}s"
+            return svc
+        except LaunchError as exc:
+            svc.error = f"could not start {svc.name} for the integration tests: {exc}"
+            return svc
+        finally:
             self._record_pid(svc)
-            return svc
-        self._record_pid(svc)
-        if proc.returncode != 0:
-            svc.error = (
-                f"could not start {svc.name} for the integration tests "
-                f"(`bash {svc.script.relative_to(REPO)} start {svc.data_dir}` exited {proc.returncode}):\n"
-                f"{_script_output(proc)}"
-            )
-            return svc
-        fields = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
         svc.address = fields.get("bootstrap", fields.get("url", ""))
         svc.version = fields.get("version", "?")
         svc.start_s = time.monotonic() - began
         if not svc.address:
-            svc.error = f"{svc.script.name} start printed no address:\n{_script_output(proc)}"
+            svc.error = f"{svc.script.name} start printed no address: {fields}"
         return svc
 
     @staticmethod
@@ -171,15 +158,10 @@ class Infra:
             return
         svc.stopped = True
         try:
-            proc = subprocess.run(
-                ["bash", str(svc.script), "stop", str(svc.data_dir)],
-                capture_output=True,
-                text=True,
-                timeout=STOP_TIMEOUT_S,
-                stdin=subprocess.DEVNULL,
-                check=False,
-            )
-            svc.stop_note = "stopped" if proc.returncode == 0 else f"stop failed: {_script_output(proc)}"
+            deploy_script(svc.script.name, "stop", str(svc.data_dir), timeout_s=STOP_TIMEOUT_S)
+            svc.stop_note = "stopped"
+        except LaunchError as exc:
+            svc.stop_note = f"stop failed: {exc}"
         except subprocess.TimeoutExpired:
             svc.stop_note = "stop script timed out"
         # Backstop: whatever pid this session recorded must be gone; SIGKILL it if not.

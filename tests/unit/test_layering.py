@@ -34,6 +34,8 @@ PURE: dict[str, frozenset[str]] = {
     "services/weight_broadcaster/decide.py": IO_CLIENTS,
     "services/rollout/scheduler.py": IO_CLIENTS,
     "services/rollout/task.py": IO_CLIENTS,
+    "services/proxy/responses_api.py": IO_CLIENTS,
+    "services/proxy/messages_api.py": IO_CLIENTS,
 }
 
 
