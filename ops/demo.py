@@ -42,7 +42,8 @@ from services.rollout.tasks import TASKS
 _REJECTIONS = re.compile(r"^rein_proxy_rejections_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 _TOOL_CALLS = re.compile(r'^rein_proxy_tool_call_replies_total\{outcome="(\w+)"\}\s+([0-9.eE+-]+)$', re.M)
 _CHAT_REPLIES = re.compile(
-    r'^rein_proxy_requests_total\{route="/v1/chat/completions",status="200"\}\s+([0-9.eE+-]+)$', re.M
+    r'^rein_proxy_requests_total\{route="/v1/(?:chat/completions|responses|messages)",status="200"\}\s+([0-9.eE+-]+)$',
+    re.M,
 )
 _ENGINE_ACTIVE = re.compile(r"^rein_engine_active_requests\s+([0-9.eE+-]+)$", re.M)
 _ENGINE_TOKENS = re.compile(r"^rein_engine_generated_tokens_total\s+([0-9.eE+-]+)$", re.M)

@@ -16,8 +16,9 @@ the runner posts the reward by the session (the proxy recorded every call the ag
 key). Exit status 0 is graded (an episode that wanted more turns ends ``truncated``); any other exit
 status is a ``failed`` episode (``agent_exit_<status>``, counted toward the prompt's retries), and so is
 a command still running after ``REIN_AGENT_TIMEOUT_S`` (``agent_timeout``: its process group is
-killed). An agent whose session the proxy rejected gets the proxy's 502 or 409 on its next call; the
-finish then reports the rejection, as for rein's own agent loop.
+killed) or one that cannot be started (``agent_not_started``, logged as an error). An agent whose
+session the proxy rejected gets the proxy's 502 or 409 on its next call; the finish then reports the
+rejection, as for rein's own agent loop.
 """
 
 from __future__ import annotations
@@ -89,9 +90,13 @@ class CommandAgent(Agent):
             logger.warning("agent_session_not_opened", error=opened.error)
             return opened
         argv = command_line(self._command, prompt, f"{self._proxy_url}/v1", opened)
-        code, stdout, stderr = await self._run(argv, prompt, agent_env(self._proxy_url, opened, prompt))
+        try:
+            code, stdout, stderr = await self._run(argv, prompt, agent_env(self._proxy_url, opened, prompt))
+        except OSError as exc:  # not found, not executable: every episode will fail the same way
+            logger.error("agent_command_not_started", command=argv[0], error=str(exc))
+            code, stdout, stderr = -1, "", str(exc)
         if code != 0:
-            error = "agent_timeout" if code is None else f"agent_exit_{code}"
+            error = {None: "agent_timeout", -1: "agent_not_started"}.get(code, f"agent_exit_{code}")
             logger.info("agent_command_failed", error=error, stderr=stderr[-STDERR_TAIL:])
             result = EpisodeResult(ids.session_id, "failed", turns=1, error=error, messages=messages)
             return await self._report(clients.finish, result, logger)

@@ -69,6 +69,11 @@ def test_a_failing_command_fails_its_episode(scripted: Scripted) -> None:
     assert not result.on_record, "no call was made: the runner publishes the session's end"
 
 
+def test_a_command_that_cannot_start_fails_its_episode(scripted: Scripted) -> None:
+    result = play(scripted.proxy.url, ["/nonexistent/agent", "{prompt}"])
+    assert (result.outcome, result.error) == ("failed", "agent_not_started")
+
+
 def test_a_command_past_its_timeout_is_killed(scripted: Scripted) -> None:
     started = time.monotonic()
     result = play(scripted.proxy.url, ["sh", "-c", "sleep 60 & sleep 60; wait"], timeout_s=0.5)
