@@ -200,10 +200,12 @@ def create_app(settings: ProxySettings) -> FastAPI:
     async def finish(session_id: str, request: Request) -> dict[str, Any]:
         """``session_id`` may be the session's key (whoever ran the agent holds it)."""
         service: ProxyService = request.state.service
+        opened = None
         if is_key(session_id):
-            session_id = _session_key(session_id, settings.admin_token).session_id
+            ids = _session_key(session_id, settings.admin_token)
+            session_id, opened = ids.session_id, CallIds(ids.session_id, ids.group_id, "", ids.prompt_id, ids.attempt)
         body = _parse(FinishBody, await request.body())
-        return await service.finish(session_id, body.reward, body.status, body.error)
+        return await service.finish(session_id, body.reward, body.status, body.error, opened=opened)
 
     @app.post("/v1/rollout/pause")
     async def pause(request: Request) -> dict[str, Any]:

@@ -251,11 +251,18 @@ class ProxyService:
 
     # ------------------------------------------------------------------ finish
 
-    async def finish(self, session_id: str, reward: float, status: str, error: str = "") -> dict[str, Any]:
+    async def finish(self, session_id: str, reward: float, status: str, error: str = "", *,
+                     opened: CallIds | None = None) -> dict[str, Any]:
         """Once every chunk of the session is acked, publish SessionFinished, then end the session;
         a Kafka failure of that record leaves it open (finish again). A chunk Kafka refused rejects
         the session instead (best effort on record, 503 ``kafka_unavailable``). While this waits the
-        session is busy: a call or another finish gets 409."""
+        session is busy: a call or another finish gets 409.
+
+        ``opened``: the finish names the session by its key, which proves it was opened here; a session
+        that made no call yet then ends on record with no chunk, so its group completes instead of
+        waiting for it (a raw id never seen stays 404: it may be a typo)."""
+        if opened is not None and not self.sessions.known(session_id):
+            self.sessions.release(self.sessions.acquire(session_id, opened.group_id, opened.prompt_id, opened.attempt))
         session = self.sessions.get(session_id)
         if session.busy:
             raise SessionBusy(f"session {session_id} has a call in flight; finish it after", session_id=session_id)

@@ -93,6 +93,10 @@ class SessionStore:
         while len(self._final) > self._memory:
             self._final.popitem(last=False)
 
+    def known(self, session_id: str) -> bool:
+        """Live, or finalized and still remembered."""
+        return session_id in self._live or session_id in self._final
+
     def outcome(self, session_id: str) -> str | None:
         return self._final.get(session_id)
 

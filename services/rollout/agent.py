@@ -204,10 +204,12 @@ class Agent:
         result = EpisodeResult(ids.session_id, episode.status, reward=episode.reward(), turns=turn, messages=messages)
         return await self._report(clients.finish, result, logger)
 
-    async def _report(self, http: httpx.AsyncClient, result: EpisodeResult, logger: Any) -> EpisodeResult:
+    async def _report(self, http: httpx.AsyncClient, result: EpisodeResult, logger: Any,
+                      finish_as: str | None = None) -> EpisodeResult:
+        """Finish the session (named ``finish_as``, its key, when given) and read what the proxy said."""
         status = "failed" if result.outcome == "failed" else result.outcome
         error = (result.error or "")[:200] if status == "failed" else ""
-        delivered = await self.finish(http, result.session_id, result.reward, status, error)
+        delivered = await self.finish(http, finish_as or result.session_id, result.reward, status, error)
         if delivered == "conflict_first":
             # The proxy had already closed the session (it rejected it, e.g. a soft reject).
             result.outcome, result.error = "rejected", result.error or "session_closed"

@@ -12,13 +12,14 @@ session, group, prompt and attempt), then runs ``REIN_AGENT_COMMAND`` with
 - the runner's environment without its ``REIN_*`` variables (no admin token reaches the agent).
 
 The command's stdout is its final answer: the task's episode grades it as one assistant reply, and
-the runner posts the reward by the session (the proxy recorded every call the agent made with the
-key). Exit status 0 is graded (an episode that wanted more turns ends ``truncated``); any other exit
-status is a ``failed`` episode (``agent_exit_<status>``, counted toward the prompt's retries), and so is
-a command still running after ``REIN_AGENT_TIMEOUT_S`` (``agent_timeout``: its process group is
-killed) or one that cannot be started (``agent_not_started``, logged as an error). An agent whose
-session the proxy rejected gets the proxy's 502 or 409 on its next call; the finish then reports the
-rejection, as for rein's own agent loop.
+the runner posts the reward by the session's key (the proxy recorded every call the agent made with
+it; a session that made none still ends on record, with no chunk). Exit status 0 is graded (an
+episode that wanted more turns ends ``truncated``); any other exit status is a ``failed`` episode
+(``agent_exit_<status>``, counted toward the prompt's retries), and so is a command still running
+after ``REIN_AGENT_TIMEOUT_S`` (``agent_timeout``: its process group is killed) or one that cannot be
+started (``agent_not_started``, logged as an error). An agent whose session the proxy rejected gets
+the proxy's 502 or 409 on its next call; the finish then reports the rejection, as for rein's own
+agent loop.
 """
 
 from __future__ import annotations
@@ -99,13 +100,13 @@ class CommandAgent(Agent):
             error = {None: "agent_timeout", -1: "agent_not_started"}.get(code, f"agent_exit_{code}")
             logger.info("agent_command_failed", error=error, stderr=stderr[-STDERR_TAIL:])
             result = EpisodeResult(ids.session_id, "failed", turns=1, error=error, messages=messages)
-            return await self._report(clients.finish, result, logger)
+            return await self._report(clients.finish, result, logger, finish_as=opened)
         answer = stdout.strip()
         messages.append({"role": "assistant", "content": answer})
         ended = episode.step(answer) is None
         result = EpisodeResult(ids.session_id, episode.status if ended else "truncated", reward=episode.reward(),
                                turns=1, messages=messages)
-        return await self._report(clients.finish, result, logger)
+        return await self._report(clients.finish, result, logger, finish_as=opened)
 
     async def _open(self, http: httpx.AsyncClient, ids: SessionIds) -> str | EpisodeResult:
         """The session's API key from ``POST /v1/sessions``, or the failed result when the proxy cannot give one."""

@@ -66,7 +66,9 @@ def test_a_cli_agent_plays_an_episode_graded_by_the_task(scripted: Scripted, tmp
 def test_a_failing_command_fails_its_episode(scripted: Scripted) -> None:
     result = play(scripted.proxy.url, ["sh", "-c", "echo 'Answer: 15846'; exit 3"])
     assert (result.outcome, result.error, result.reward) == ("failed", "agent_exit_3", 0.0)
-    assert not result.on_record, "no call was made: the runner publishes the session's end"
+    assert result.on_record, "finished by its key: on record though the agent made no call"
+    [end] = [r for r in scripted.proxy.records("events", 1) if isinstance(r, SessionFinished)]
+    assert (end.session_id, end.status, end.error, end.num_chunks) == (result.session_id, "failed", "agent_exit_3", 0)
 
 
 def test_a_command_that_cannot_start_fails_its_episode(scripted: Scripted) -> None:

@@ -202,6 +202,26 @@ def test_an_agent_with_only_a_base_url_and_a_key_is_recorded_as_the_session_it_w
         assert r.status_code == 422 and "group_id" in [f["field"] for f in r.json()["detail"]["fields"]]
 
 
+def test_a_session_opened_by_key_that_never_called_ends_on_record_when_finished_by_its_key(
+    proxy_factory: ProxyFactory,
+) -> None:
+    """A black-box agent that dies before its first call: the finish by its key still ends the session
+    on record (no chunk), so its group completes instead of waiting; a raw id never seen stays 404."""
+    proxy = proxy_factory([f"http://127.0.0.1:{free_port()}"])  # no call reaches an engine here
+    gid = f"g-{uuid.uuid4().hex}"
+    opened = httpx.post(f"{proxy.url}/v1/sessions", json={"group_id": gid}, timeout=30).json()
+    with httpx.Client(base_url=proxy.url, timeout=30) as http:
+        r = http.post(f"/v1/sessions/{opened['api_key']}/finish", json={"reward": 0.0, "status": "failed",
+                                                                         "error": "agent_exit_1"})
+        assert r.status_code == 200 and r.json()["num_chunks"] == 0, r.text
+        again = http.post(f"/v1/sessions/{opened['api_key']}/finish", json={"reward": 0.0})
+        assert again.status_code == 409 and again.json()["detail"]["error"] == "session_finalized"
+        assert http.post(f"/v1/sessions/s-{uuid.uuid4().hex}/finish", json={"reward": 0.0}).status_code == 404
+    [end] = [r for r in proxy.records("events", 1) if isinstance(r, SessionFinished)]
+    assert (end.session_id, end.group_id, end.num_chunks, end.status, end.error) == (
+        opened["session_id"], gid, 0, "failed", "agent_exit_1")
+
+
 def test_error_statuses(engine: Engine, proxy_factory: ProxyFactory) -> None:
     proxy = proxy_factory([engine.url], max_body_bytes=2048)
     url = f"{proxy.url}/v1/chat/completions"
