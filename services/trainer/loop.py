@@ -28,6 +28,9 @@ Lifecycle:
   at once without one: the sidecar alone moves its ``last_index`` on (``store.advance``),
   then metrics line → ``BatchSkipped`` on ``weights`` (a sync-mode runner waits for a
   version otherwise) → commit. One with steps pending waits for their checkpoint.
+
+Under ``torchrun`` (``services/trainer/parallel.py``, docs/scaling.md) this loop is rank 0's; the other
+ranks load the same checkpoint and step on their shard of every batch rank 0 hands them.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from services.trainer.corrections import CorrectionConfig
 from services.trainer.fetch import Fetched, FetchTimeout, GroupFetcher
 from services.trainer.metrics import TrainerMetrics, step_line
 from services.trainer.ordering import ManifestOrder
+from services.trainer.parallel import ALONE, Ranks
 from services.trainer.samples import build_samples
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import Hyper, PolicyTrainer
@@ -97,9 +101,11 @@ class RunResult:
 class TrainerLoop:
     """Wires consumer → order → fetch → samples → step → store → publish → commit."""
 
-    def __init__(self, settings: TrainerSettings, stop: threading.Event | None = None) -> None:
+    def __init__(self, settings: TrainerSettings, stop: threading.Event | None = None, ranks: Ranks = ALONE) -> None:
         self.settings = settings
         self.stop = stop or threading.Event()
+        self.ranks = ranks
+        """Data-parallel ranks (``services/trainer/parallel.py``): rank 0 runs this loop, the others follow it."""
         self.metrics = TrainerMetrics(CollectorRegistry(auto_describe=True))
         self.device = resolve_device(settings.device)
         self.family: ModelFamily = load_family(settings.model, tiny_config=PolicyConfig(
@@ -125,7 +131,7 @@ class TrainerLoop:
         s = self.settings
         if s.gradient_checkpointing and not set_gradient_checkpointing(model, True):
             _log.warning("gradient_checkpointing_unsupported", model=self.family.name)
-        return PolicyTrainer(model, hyper_from(s), self.device, autocast=self._autocast())
+        return PolicyTrainer(model, hyper_from(s), self.device, autocast=self._autocast(), ranks=self.ranks)
 
     def _restore(self) -> tuple[PolicyTrainer, Sidecar]:
         s = self.settings
@@ -154,7 +160,34 @@ class TrainerLoop:
     def run(self) -> RunResult:
         s = self.settings
         torch.set_num_threads(s.torch_threads)
+        if self.ranks.rank != 0:
+            return self._follow()
         trainer, sidecar = self._restore()
+        self.ranks.barrier()  # the newest checkpoint is on disk: the other ranks load it
+        try:
+            return self._lead(trainer, sidecar)
+        finally:
+            self.ranks.broadcast(None)  # the other ranks stop (no-op alone)
+
+    def _follow(self) -> RunResult:
+        """A rank other than 0: load the checkpoint rank 0 resumed from, then step on each batch it broadcasts
+        until it broadcasts None. SIGTERM is rank 0's to act on: a follower stops when rank 0 does."""
+        self.ranks.barrier()
+        resumed = latest(self.settings.weights_dir, self.family, self.device, dtype=torch.float32)
+        assert resumed is not None, "rank 0 writes a checkpoint before the barrier"
+        trainer = self._new_trainer(resumed.checkpoint.model)
+        if resumed.optimizer_state is not None:
+            trainer.load_optimizer_state(resumed.optimizer_state)
+        step = resumed.sidecar.step
+        _log.info("trainer_rank_following", rank=self.ranks.rank, world=self.ranks.world, step=step)
+        while (message := self.ranks.broadcast(None)) is not None:
+            batch, version = message
+            if trainer.step(batch, version=version).updated:
+                step += 1
+        return RunResult(start_step=resumed.sidecar.step, step=step)
+
+    def _lead(self, trainer: PolicyTrainer, sidecar: Sidecar) -> RunResult:
+        s = self.settings
         self.trainer, self.sidecar = trainer, sidecar
         self.max_tokens = context_window_of(self.family, trainer.model)
         self.step = sidecar.step
@@ -246,7 +279,10 @@ class TrainerLoop:
         withheld = {sid for ref in manifest.groups for sid in ref.withheld}
         batch = build_samples(fetched.groups, mask_nonlast_version=s.nonlast_version_tokens == "mask",
                               max_tokens=self.max_tokens, withheld=withheld)
-        stats = self.trainer.step(batch, version=version_label(self.step))  # the weights held: v<steps so far>
+        version = version_label(self.step)  # the weights held: v<steps so far>
+        if self.ranks.world > 1:
+            self.ranks.broadcast((batch, version))  # every rank steps on its shard of it
+        stats = self.trainer.step(batch, version=version)
         if stats.updated:
             self.step += 1
         line = step_line(step=self.step, manifest=manifest, batch=batch, stats=stats, bad_refs=len(fetched.bad),
@@ -339,6 +375,6 @@ def _last_skip(sidecar: Sidecar) -> BatchSkipped | None:
                         version=sidecar.version)
 
 
-def run(settings: TrainerSettings, stop: threading.Event | None = None) -> RunResult:
-    """Build the loop and run it until ``max_steps`` or ``stop`` is set."""
-    return TrainerLoop(settings, stop).run()
+def run(settings: TrainerSettings, stop: threading.Event | None = None, ranks: Ranks = ALONE) -> RunResult:
+    """Build the loop and run it until ``max_steps`` or ``stop`` is set (rank 0; the other ranks follow it)."""
+    return TrainerLoop(settings, stop, ranks).run()

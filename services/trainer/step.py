@@ -28,6 +28,7 @@ from services.trainer.corrections import (
     m2po_cutoff,
 )
 from services.trainer.loss import grpo_advantages
+from services.trainer.parallel import ALONE, Ranks
 from services.trainer.samples import BatchSamples, Sample
 from shared.model import SamplingTensors, token_logprobs
 from shared.model.sampling import NO_TOP_K
@@ -140,11 +141,15 @@ class PolicyTrainer:
     """The model, its optimizer and the update rule."""
 
     def __init__(
-        self, model: nn.Module, hyper: Hyper, device: torch.device, autocast: torch.dtype | None = None
+        self, model: nn.Module, hyper: Hyper, device: torch.device, autocast: torch.dtype | None = None,
+        ranks: Ranks = ALONE,
     ) -> None:
         self.model = model.to(device)
         self.hyper = hyper
         self.device = device
+        self.ranks = ranks
+        """The data-parallel group this trainer steps with (``services/trainer/parallel.py``): each rank scores
+        its shard of a batch, the gradients and statistics are summed over the ranks, every rank steps alike."""
         self.autocast = autocast
         """Dtype of the forward pass under ``torch.autocast`` (bf16 on a GPU); None: the weights' dtype."""
         self.optimizer = torch.optim.AdamW(
@@ -162,7 +167,7 @@ class PolicyTrainer:
         self.optimizer.load_state_dict(state)
 
     def _micro_batches(self, samples: list[Sample]) -> Iterator[list[Sample]]:
-        size = self.hyper.micro_batch_size or len(samples)
+        size = self.hyper.micro_batch_size or max(len(samples), 1)  # a rank's shard may be empty
         for start in range(0, len(samples), size):
             yield samples[start : start + size]
 
@@ -191,8 +196,9 @@ class PolicyTrainer:
         loss_sum = diff_sum = clip_sum = trunc_sum = ratio_sum = same_diff_sum = 0.0
         same_count = 0
         corrected = CorrectionStats()
-        cutoff = self._m2po_cutoff(batch, advantages, version)
-        for chunk in self._micro_batches(batch.samples):
+        mine = batch.samples[self.ranks.rank :: self.ranks.world]  # this rank's shard (all of it alone)
+        cutoff = self._m2po_cutoff(mine, advantages, version)
+        for chunk in self._micro_batches(mine):
             t, logprobs = self._score(chunk, advantages, version)
             loss, stats, correction_stats = corrected_loss(
                 logprobs, t["rollout"], t["adv"], t["mask"], correction=h.correction,
@@ -209,6 +215,16 @@ class PolicyTrainer:
             clip_sum += stats.clip_fraction * n
             trunc_sum += stats.truncated_fraction * n
             ratio_sum += stats.ratio_mean * n
+        if self.ranks.world > 1:
+            self._sum_gradients()
+            sums = torch.tensor([loss_sum, diff_sum, clip_sum, trunc_sum, ratio_sum, same_diff_sum, same_count,
+                                 corrected.tokens, corrected.masked, corrected.clipped, corrected.weight_sum,
+                                 corrected.weight_sq_sum], dtype=torch.float64)
+            self.ranks.all_sum(sums)
+            loss_sum, diff_sum, clip_sum, trunc_sum, ratio_sum, same_diff_sum = sums[:6].tolist()
+            same_count = int(sums[6].item())
+            corrected = CorrectionStats(int(sums[7].item()), int(sums[8].item()), int(sums[9].item()),
+                                        float(sums[10].item()), float(sums[11].item()))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip).item())
         skipped: SkipReason | None = "zero_gradient" if grad_norm == 0.0 else None
         if skipped is None:
@@ -232,6 +248,22 @@ class PolicyTrainer:
             offpolicy_ess=corrected.ess,
         )
 
+    def _sum_gradients(self) -> None:
+        """Sum every parameter's gradient over the ranks in one collective (a rank whose shard was empty
+        adds zeros): each shard's loss is normalised by the whole batch's tokens, so the sum is the batch's."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+        self.ranks.all_sum(flat)
+        start = 0
+        for p in params:
+            assert p.grad is not None
+            n = p.grad.numel()
+            p.grad.copy_(flat[start : start + n].view_as(p.grad))
+            start += n
+
     def _score(
         self, samples: list[Sample], advantages: torch.Tensor, version: str | None
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -244,16 +276,18 @@ class PolicyTrainer:
         with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext():
             return t, token_logprobs(self.model, t["ids"], sampling=sampling, where=where)
 
-    def _m2po_cutoff(self, batch: BatchSamples, advantages: torch.Tensor, version: str | None) -> float | None:
-        """M2PO's cutoff over the whole batch when it is split into micro-batches (None otherwise: the loss
-        takes it from the one it sees). Costs one forward pass without gradient per micro-batch."""
+    def _m2po_cutoff(self, mine: list[Sample], advantages: torch.Tensor, version: str | None) -> float | None:
+        """M2PO's cutoff over the whole batch when it is split, into micro-batches or over ranks (None
+        otherwise: the loss takes it from the one it sees). Costs one forward pass without gradient per
+        micro-batch; the ranks gather each other's squared log ratios."""
         h = self.hyper
-        chunks = list(self._micro_batches(batch.samples))
-        if h.correction.kind != "m2po" or len(chunks) < 2:
+        chunks = list(self._micro_batches(mine))
+        if h.correction.kind != "m2po" or (len(chunks) < 2 and self.ranks.world == 1):
             return None
-        squares = []
+        squares = [torch.zeros(0, dtype=torch.float64)]
         with torch.no_grad():
             for chunk in chunks:
                 t, logprobs = self._score(chunk, advantages, version)
-                squares.append(behaviour_log_ratio(logprobs, t["rollout"], t["mask"])[t["mask"]].to(torch.float64) ** 2)
-        return m2po_cutoff(torch.cat(squares), h.correction.m2po_threshold)
+                ratio = behaviour_log_ratio(logprobs, t["rollout"], t["mask"])[t["mask"]]
+                squares.append(ratio.to(torch.float64).cpu() ** 2)
+        return m2po_cutoff(torch.cat(self.ranks.all_gather(torch.cat(squares))), h.correction.m2po_threshold)

@@ -309,6 +309,39 @@ def test_sigkill_mid_run_trains_each_manifest_once(env: Env) -> None:
     _check_checkpoints(env, env.published(7), 6)
 
 
+def test_two_ranks_under_torchrun_train_the_weights_one_rank_trains(env: Env) -> None:
+    """``torchrun --nproc-per-node 2 -m services.trainer`` (gloo on loopback): rank 0 consumes, checkpoints
+    and publishes as one trainer does, both ranks step on their shards, and the checkpoints equal those of
+    one trainer on the same manifests (float summation order aside)."""
+    refs = env.groups(6)
+    env.manifests([_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(3)])
+    alone = run(env.settings(max_steps=3))
+    assert alone.trained_indices == [0, 1, 2]
+    ddp = env.tmp / "ddp"
+    run_env = {
+        "REIN_KAFKA__BOOTSTRAP_SERVERS": env.kafka.bootstrap_servers, "REIN_TOPICS__GROUPS": env.topics.groups,
+        "REIN_TOPICS__BATCHES": env.topics.batches, "REIN_TOPICS__WEIGHTS": env.topics.weights,
+        "REIN_WEIGHTS_DIR": str(ddp / "weights"), "REIN_RUN_DIR": str(ddp / "run"),
+        "REIN_CONSUMER_GROUP": f"{env.group}-ddp", "REIN_METRICS_PORT": "0", "REIN_MAX_STEPS": "3",
+        "REIN_TORCH_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+         "services.trainer"],
+        cwd=REPO_ROOT, timeout=240, capture_output=True, text=True,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("REIN_")}, **run_env},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert '"rank": 1' in proc.stdout + proc.stderr, "the second rank ran and followed"
+    lines = [json.loads(x) for x in (ddp / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["manifest_index"], x["step"]) for x in lines] == [(0, 1), (1, 2), (2, 3)]
+    for step in (1, 2, 3):
+        one = checkpoint.load(env.tmp / "weights" / f"v{step}.pt").model.state_dict()
+        two = checkpoint.load(ddp / "weights" / f"v{step}.pt").model.state_dict()
+        for name, tensor in one.items():
+            assert torch.allclose(tensor, two[name], atol=1e-5, rtol=0), (step, name)
+
+
 def test_hf_model_trains_resumes_and_prunes_directory_checkpoints(env: Env, tiny_llama_dir: Path) -> None:
     """REIN_MODEL=<HF directory>: same ordering and exactly-once machinery; checkpoints are HF directories."""
     family = load_family(str(tiny_llama_dir))
