@@ -55,6 +55,12 @@ def _engine_vs_generate(out: Path) -> None:
     assert all(0 <= r["agree"] <= 1 and r["prefill_s"] > 0 for r in data["rows"][1:])
 
 
+def _trainer_ranks(out: Path) -> None:
+    data = _json(out, "model", "samples", "threads", "rows")
+    assert [r["variant"] for r in data["rows"]] == ["1 rank", "2 ranks"]
+    assert all(r["step_s"] > 0 for r in data["rows"]) and data["rows"][0]["x_one_rank"] == 1.0
+
+
 def _tool_call_share(out: Path) -> None:
     data = _json(out, "model", "prompts", "samples", "rows")
     assert [r["temperature"] for r in data["rows"]] == [1.0, 0.0]
@@ -163,6 +169,11 @@ SMOKE: dict[str, Smoke] = {
                         "--checkpoints", "0.25", "--episodes", "8", "--threshold", "0.5", "--out", str(out),
                         "--plot", str(out.with_suffix(".png"))],
         _time_to_reward, marks=(pytest.mark.integration, pytest.mark.slow), timeout_s=280,
+    ),
+    "trainer_ranks": Smoke(
+        lambda out, _: ["--tiny-llama", "--samples", "3", "--min-len", "16", "--max-len", "24", "--rounds", "1",
+                        "--out", str(out)],
+        _trainer_ranks,
     ),
     "tool_call_share": Smoke(
         lambda out, fx: ["--model", fx["tiny_llama_dir"], "--prompts", "2", "--samples", "2", "--temperatures", "1",
