@@ -53,12 +53,14 @@ class ResponsesRequest(BaseModel):
 
 def to_chat(body: ResponsesRequest) -> dict[str, Any]:
     """The chat-completions request (as JSON data) that asks for the same turn."""
+    text_format = (body.text or {}).get("format")
     refused = {
         "previous_response_id": "the proxy keeps no responses: send the whole input" if body.previous_response_id
         else None,
         "conversation": "the proxy keeps no conversations: send the whole input" if body.conversation else None,
         "text.format": "structured output needs constrained decoding"
-        if ((body.text or {}).get("format") or {}).get("type", "text") != "text" else None,
+        if text_format is not None and not (isinstance(text_format, dict) and text_format.get("type", "text") == "text")
+        else None,
     }
     tools: list[dict[str, Any]] = []
     for i, tool in enumerate(body.tools or ()):
@@ -135,9 +137,9 @@ def _cut(chat: dict[str, Any]) -> bool:
 def _output(chat: dict[str, Any]) -> list[dict[str, Any]]:
     message = chat["choices"][0]["message"]
     output: list[dict[str, Any]] = []
-    if message.get("content"):
+    if message.get("content") or not message.get("tool_calls"):  # an empty reply is an empty message, echoed back
         output.append({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
-                       "content": [{"type": "output_text", "text": message["content"], "annotations": []}]})
+                       "content": [{"type": "output_text", "text": message["content"] or "", "annotations": []}]})
     for call in message.get("tool_calls", ()):
         output.append({"type": "function_call", "id": new_id("fc"), "call_id": call["id"],
                        "name": call["function"]["name"], "arguments": call["function"]["arguments"],

@@ -9,6 +9,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from services.proxy import messages_api, responses_api
 from services.proxy.messages_api import MessagesRequest
@@ -79,6 +81,7 @@ def test_calls_without_a_message_before_them_are_an_assistant_message_of_their_o
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format"),
+    ({"input": "hi", "text": {"format": "json"}}, "text.format"),
 ])
 def test_responses_parameters_the_proxy_cannot_honour_are_refused(request_body: dict[str, Any], field: str) -> None:
     with pytest.raises(UnsupportedParameter) as refused:
@@ -209,3 +212,40 @@ def test_a_message_streams_as_the_messages_events() -> None:
     assert events[2][1]["delta"] == {"type": "text_delta", "text": "Computing."}
     assert json.loads(events[5][1]["delta"]["partial_json"]) == {"expression": "2 * 3"}
     assert events[7][1]["delta"]["stop_reason"] == "tool_use"
+
+
+# --------------------------------------------------------------------------- the echo, both wires
+
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)
+_CALLS = st.lists(st.builds(
+    lambda i, name, args: {"id": f"call_{i}", "type": "function",
+                           "function": {"name": name, "arguments": json.dumps(args)}},
+    st.integers(0, 10**6), st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
+    st.dictionaries(st.from_regex(r"[a-z]{1,5}", fullmatch=True), st.integers() | _TEXT, max_size=3),
+), max_size=3, unique_by=lambda c: c["id"])
+
+
+def _same_turn(echoed: dict[str, Any], chat: dict[str, Any]) -> None:
+    """The echoed assistant message is the answer's: the same text and calls (arguments as JSON values)."""
+    message = chat["choices"][0]["message"]
+    assert (echoed["content"] or "") == (message["content"] or "")
+    got = [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+           for c in echoed.get("tool_calls", [])]
+    want = [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message.get("tool_calls", [])]
+    assert got == want
+
+
+@given(_TEXT, _CALLS)
+def test_an_answer_echoed_on_either_wire_is_the_assistant_message_it_answered(text: str, calls: Any) -> None:
+    """What makes the next turn continue token-exact: a client that sends an answer back on the Responses or
+    Messages wire gives the session machine the very assistant message the chat call answered."""
+    chat = chat_body(text, tuple(calls), "tool_calls" if calls else "stop")
+    response = responses_api.answer(chat, ResponsesRequest.model_validate({"input": "x"}))
+    items = [{"role": "user", "content": "x"}, *response["output"]]
+    [_, echoed] = responses_api.to_chat(ResponsesRequest.model_validate({"input": items}))["messages"]
+    _same_turn(echoed, chat)
+    message = messages_api.answer(chat)
+    body = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": message["content"]}]}
+    [_, echoed] = messages_api.to_chat(MessagesRequest.model_validate(body))["messages"]
+    _same_turn(echoed, chat)
