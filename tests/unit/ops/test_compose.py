@@ -259,6 +259,43 @@ def test_proxy_and_broadcaster_agree(loaded: dict[str, Any]) -> None:
     assert proxy.engine_urls == broadcaster.engine_urls
 
 
+LOCAL_ENV = REPO / "deploy" / "images" / "local.env"
+
+
+def _local_images() -> dict[str, str]:
+    lines = [line for line in LOCAL_ENV.read_text().splitlines() if line and not line.startswith("#")]
+    return dict(line.split("=", 1) for line in lines)
+
+
+def test_local_images_replace_the_official_ones_through_compose_variables(compose: dict[str, Any]) -> None:
+    """deploy/images/local.env swaps images in through variables whose defaults are the official images, so
+    the compose test runs the file a user runs; the local Kafka is the version deploy/kafka.sh resolves."""
+    local = _local_images()
+    text = COMPOSE.read_text()
+    for var in local:
+        assert re.search(r"\$\{" + var + r":-[^}]+\}", text), f"docker-compose.yml does not read {var} with a default"
+    pom = (REPO / "deploy" / "kafka" / "pom.xml").read_text()
+    [version] = re.findall(r"<kafka.version>([^<]+)</kafka.version>", pom)
+    assert local["KAFKA_IMAGE"].endswith(f":{version}")
+    assert interpolate(_service(compose, "kafka")["image"]) == f"apache/kafka:{version}"
+    assert interpolate(_service(compose, "trainer")["build"]["args"]["PYTHON_IMAGE"]) == "python:3.11-slim"
+    assert "ARG PYTHON_IMAGE=python:3.11-slim" in (REPO / "Dockerfile").read_text()
+
+
+@pytest.mark.parametrize("name", ["kafka", "redis", "proxy", "prometheus", "grafana"])
+def test_host_ports_are_published_on_loopback_and_movable(compose: dict[str, Any], name: str) -> None:
+    """What the host reaches is on 127.0.0.1 only; the compose test moves each port to a free one."""
+    [port] = _service(compose, name)["ports"]
+    assert re.fullmatch(r"127\.0\.0\.1:\$\{" + name.upper() + r"_HOST_PORT:-\d+\}:\d+", port), port
+
+
+def test_kafka_advertises_the_published_address_to_the_host(compose: dict[str, Any]) -> None:
+    env = _service(compose, "kafka")["environment"]
+    [published] = _service(compose, "kafka")["ports"]
+    host_side = published.rsplit(":", 1)[0]
+    assert f"EXTERNAL://{host_side}" in env["KAFKA_ADVERTISED_LISTENERS"]
+
+
 def test_kafka_and_redis_addresses_match_the_infrastructure(compose: dict[str, Any]) -> None:
     kafka = environment(_service(compose, "kafka"))
     assert "PLAINTEXT://kafka:9092" in kafka["KAFKA_ADVERTISED_LISTENERS"].split(",")
@@ -266,8 +303,8 @@ def test_kafka_and_redis_addresses_match_the_infrastructure(compose: dict[str, A
     assert kafka["KAFKA_PROCESS_ROLES"] == "broker,controller"
     assert kafka["KAFKA_CONTROLLER_QUORUM_VOTERS"] == f"{kafka['KAFKA_NODE_ID']}@kafka:9093"
     assert kafka["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false"
-    assert _service(compose, "kafka")["image"].startswith("apache/kafka:4.1.")
-    assert _service(compose, "redis")["image"] == "redis:7"
+    assert interpolate(_service(compose, "kafka")["image"]).startswith("apache/kafka:4.1.")
+    assert interpolate(_service(compose, "redis")["image"]) == "redis:7"
     for name in ("kafka", "redis"):
         assert _service(compose, name).get("healthcheck"), f"{name} needs a healthcheck (services wait on it)"
 

@@ -1,0 +1,255 @@
+"""`docker compose up`, for real: the whole system in containers, scaled, killed and resumed.
+
+What a user runs, on the images ``deploy/images.sh`` builds without a registry (the compose file
+is unchanged; ``deploy/images/local.env`` swaps the official Kafka, Redis, Prometheus and Python
+images for local ones configured the same way). The Docker engine is installed and started if
+absent (``deploy/docker.sh``) and stopped again if this test started it; the project is always
+taken down with its volumes. One scenario, in order, each step with a bounded wait:
+
+0. ``--profile gpu config``: the GPU profile's configuration is valid (there is no GPU to run it on).
+1. ``up -d``: Kafka, Redis, topics, trainer, broadcaster, engine, proxy, collector, runner; the
+   trainer steps; ``rein status`` and ``rein tail`` on the host reach the containers.
+2. ``up -d --scale collector=3``: three members in the collectors' consumer group; training goes on.
+3. ``kill trainer`` then ``up -d``: the trainer resumes from its newest durable step and steps on.
+4. The observability profile's Prometheus has every rein service's target up.
+5. The runner stops; read back from the host: every completed group decided, no group in two
+   manifests, no version label naming two different weights.
+
+Figures (build time, time to the first step, image sizes) are printed (``-s``) and written to
+``compose.json`` in the test's temp dir, for docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+from kafka.admin import KafkaAdminClient
+
+from ops.local.ports import free_ports
+from shared.bus import read_topic
+from shared.schemas import BatchManifest, CompletedGroup, DecisionRecord, WeightPublished
+from shared.settings import KafkaSettings
+
+pytestmark = [pytest.mark.slow, pytest.mark.compose, pytest.mark.timeout(3600)]
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_ENV = REPO / "deploy" / "images" / "local.env"
+ADMIN_TOKEN = "compose-test-token"
+REIN_TARGETS = {"engine", "proxy", "trainer", "weight_broadcaster", "collector", "rollout"}
+"""Prometheus jobs that must be up (``sglang`` is only there with ``--profile gpu``)."""
+
+T = TypeVar("T")
+
+
+def _wait(what: str, cond: Callable[[], T | None], timeout_s: float, on_fail: Callable[[], str]) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{on_fail()}")
+        time.sleep(2)
+
+
+def _run(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None,
+         context: Callable[[], str] = lambda: "") -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout_s:.0f}s\n{context()}")
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {done.returncode}\n--- stdout\n{done.stdout[-4000:]}\n"
+                    f"--- stderr\n{done.stderr[-4000:]}\n{context()}")
+    return done.stdout + done.stderr
+
+
+@dataclass
+class Compose:
+    """One compose project on the local images, with its host ports."""
+
+    project: str
+    ports: dict[str, int]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.env = {**os.environ, "ADMIN_TOKEN": ADMIN_TOKEN, "LOG_LEVEL": "info",
+                    **{f"{name.upper()}_HOST_PORT": str(port) for name, port in self.ports.items()}}
+
+    def __call__(self, *args: str, timeout_s: float = 600) -> str:
+        return _run(["docker", "compose", "--env-file", str(LOCAL_ENV), "-p", self.project, *args],
+                    timeout_s, self.env, context=lambda: "--- logs\n" + self.logs(tail=15))
+
+    def logs(self, *services: str, tail: int = 40) -> str:
+        """The services' last log lines (all services when none is named)."""
+        done = subprocess.run(["docker", "compose", "--env-file", str(LOCAL_ENV), "-p", self.project, "logs",
+                               "--no-color", "--tail", str(tail), *services],
+                              capture_output=True, text=True, timeout=60, env=self.env, cwd=REPO)
+        return done.stdout[-8000:] + done.stderr[-2000:]
+
+    def ps(self) -> list[dict[str, Any]]:
+        out = self("ps", "--all", "--format", "json", timeout_s=60)
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+    @property
+    def kafka(self) -> KafkaSettings:
+        return KafkaSettings(bootstrap_servers=f"127.0.0.1:{self.ports['kafka']}")
+
+
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    out: dict[str, Any] = {}
+    yield out
+    path = tmp_path_factory.mktemp("compose") / "compose.json"
+    path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    print(f"\ncompose figures ({path}):\n{json.dumps(out, indent=2, sort_keys=True)}", file=sys.stderr)
+
+
+@pytest.fixture(scope="module")
+def docker_engine() -> Iterator[None]:
+    """A Docker engine and Compose v2; the engine is stopped afterwards if this fixture started it."""
+    _run(["bash", "deploy/docker.sh", "install"], 900)
+    ours = subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode != 0
+    _run(["bash", "deploy/docker.sh", "start"], 120)
+    try:
+        yield
+    finally:
+        if ours:
+            _run(["bash", "deploy/docker.sh", "stop"], 120)
+
+
+@pytest.fixture(scope="module")
+def images(docker_engine: None, figures: dict[str, Any]) -> None:
+    t0 = time.monotonic()
+    _run(["bash", "deploy/images.sh", "build"], 2400)
+    figures["images_build_s"] = round(time.monotonic() - t0, 1)
+    t0 = time.monotonic()
+    _run(["bash", "deploy/images.sh", "build"], 600)
+    figures["images_rebuild_s"] = round(time.monotonic() - t0, 1)
+    tags = [line.split("=", 1)[1] for line in LOCAL_ENV.read_text().splitlines() if "_IMAGE=" in line]
+    for tag in [*tags, "rein:local"]:
+        size = _run(["docker", "image", "inspect", "-f", "{{.Size}}", tag], 60).strip()
+        figures.setdefault("image_mb", {})[tag] = round(int(size) / 1e6)
+
+
+@pytest.fixture
+def compose(images: None) -> Iterator[Compose]:
+    names = ("kafka", "redis", "proxy", "prometheus", "grafana")
+    project = Compose(f"rein-test-{uuid.uuid4().hex[:8]}", dict(zip(names, free_ports(len(names)), strict=True)))
+    try:
+        yield project
+    finally:
+        project("--profile", "observability", "down", "--volumes", "--remove-orphans", "--timeout", "20",
+                timeout_s=300)
+
+
+def _published(compose: Compose) -> list[WeightPublished]:
+    return [r for r in read_topic(compose.kafka, "weights", 20) if isinstance(r, WeightPublished)]
+
+
+def _max_step(compose: Compose) -> int:
+    return max((r.step for r in _published(compose)), default=-1)
+
+
+def _steps_past(compose: Compose, step: int, timeout_s: float, what: str) -> int:
+    return _wait(what, lambda: (s := _max_step(compose)) > step and s, timeout_s,
+                 lambda: compose.logs("trainer", "collector", "rollout"))
+
+
+def _rein(*args: str) -> str:
+    rein = shutil.which("rein", path=str(Path(sys.executable).parent)) or "rein"
+    return _run([rein, *args], 120)
+
+
+def _collector_members(compose: Compose) -> int:
+    admin = KafkaAdminClient(bootstrap_servers=compose.kafka.bootstrap_servers, request_timeout_ms=10_000)
+    try:
+        [group] = admin.describe_consumer_groups(["rein-collector"])
+        return len(group.members)
+    finally:
+        admin.close()
+
+
+def test_the_whole_system_runs_scales_and_resumes_in_containers(compose: Compose, figures: dict[str, Any]) -> None:
+    compose("--profile", "gpu", "config", "--quiet", timeout_s=60)  # the GPU profile at least parses (no GPU here)
+
+    # 1. Up: the trainer steps; the host's tools reach the containers.
+    t0 = time.monotonic()
+    compose("up", "-d", timeout_s=900)
+    figures["up_s"] = round(time.monotonic() - t0, 1)
+    states = {c["Service"]: c["State"] for c in compose.ps()}
+    assert states.get("topics") == "exited" and all(
+        states.get(s) == "running" for s in ("kafka", "redis", *REIN_TARGETS)), states
+    first = _steps_past(compose, 0, 600, "the trainer's first step")
+    figures["first_step_s"] = round(time.monotonic() - t0, 1)
+
+    status = json.loads(_rein("status", "--json", "--kafka", compose.kafka.bootstrap_servers,
+                              "--redis", f"redis://127.0.0.1:{compose.ports['redis']}/0",
+                              "--proxy", f"http://127.0.0.1:{compose.ports['proxy']}", "--admin-token", ADMIN_TOKEN))
+    assert status["ok"] and status["registry"] and status["proxies"], json.dumps(status, indent=1)[:4000]
+    tailed = _rein("tail", "weights", "--bootstrap", compose.kafka.bootstrap_servers, "--from-beginning", "--max", "1")
+    assert "weight_published" in tailed, tailed
+
+    # 2. Three collectors share the partitions; training goes on.
+    compose("up", "-d", "--scale", "collector=3")
+    _wait("three members in the collectors' group", lambda: _collector_members(compose) == 3, 180,
+          lambda: compose.logs("collector"))
+    scaled = _steps_past(compose, max(first, _max_step(compose)), 600, "a step after scaling the collectors")
+
+    # 3. The trainer is killed and comes back from its newest durable step.
+    compose("kill", "trainer", timeout_s=120)
+    before = _max_step(compose)
+    compose("up", "-d", "--scale", "collector=3")
+    resumed = _wait("the trainer's resume line", lambda: re.search(
+        r'"event": "trainer_resumed".*?"step": (\d+)|"step": (\d+).*?"event": "trainer_resumed"',
+        compose.logs("trainer", tail=400)), 300, lambda: compose.logs("trainer"))
+    assert int(resumed.group(1) or resumed.group(2)) >= before >= scaled, (resumed.group(0), before)
+    _steps_past(compose, before, 600, "a step after the trainer's restart")
+
+    # 4. Prometheus scrapes every rein service.
+    compose("--profile", "observability", "up", "-d", "--no-deps", "prometheus")
+
+    def targets_up() -> set[str] | None:
+        try:
+            active = httpx.get(f"http://127.0.0.1:{compose.ports['prometheus']}/api/v1/targets", timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        up = {t["labels"]["job"] for t in active["data"]["activeTargets"] if t["health"] == "up"}
+        return up if up >= REIN_TARGETS else None
+
+    _wait("every rein target up in Prometheus", targets_up, 180, lambda: compose.logs("prometheus"))
+
+    # 5. Read back: nothing lost, nothing trained twice, no label for two different weights.
+    compose("stop", "rollout", timeout_s=120)
+
+    def all_decided() -> tuple[set[str], list[DecisionRecord]] | None:
+        groups = {r.group_id for r in read_topic(compose.kafka, "rollout.groups", 30) if isinstance(r, CompletedGroup)}
+        decisions = [r for r in read_topic(compose.kafka, "staleness.decisions", 30) if isinstance(r, DecisionRecord)]
+        return (groups, decisions) if groups and groups <= {d.group_id for d in decisions} else None
+
+    groups, decisions = _wait("a decision for every completed group", all_decided, 180,
+                              lambda: compose.logs("collector"))
+    manifests = [r for r in read_topic(compose.kafka, "train.batches", 30) if isinstance(r, BatchManifest)]
+    in_manifests = Counter(ref.group_id for m in manifests for ref in m.groups)
+    assert not [g for g, n in in_manifests.items() if n > 1], "a group in two manifests"
+    assert set(in_manifests) <= groups
+    digests: dict[str, set[str]] = {}
+    for record in _published(compose):
+        digests.setdefault(record.version, set()).add(record.digest)
+    assert all(len(d) == 1 for d in digests.values()), digests
+    figures.update(groups=len(groups), decisions=len(decisions), manifests=len(manifests),
+                   steps=_max_step(compose), collectors=3)
