@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# A real single-node Apache Kafka (KRaft, combined broker + controller) without Docker.
+# A real Apache Kafka (KRaft, combined broker + controller per node) without Docker: one node, or a cluster.
 #
 #   deploy/kafka.sh fetch            resolve the broker jars from Maven Central into the cache
-#   deploy/kafka.sh start DATA_DIR   format a fresh KRaft log in DATA_DIR and start a broker on free ports
-#   deploy/kafka.sh stop DATA_DIR    stop the broker started in DATA_DIR (TERM, bounded wait, then KILL)
+#   deploy/kafka.sh start DATA_DIR [--brokers N]
+#                                    format a fresh KRaft log and start a broker on free ports; with N > 1,
+#                                    N nodes in DATA_DIR/broker-1..N forming one quorum, topics created with
+#                                    the brokers' defaults: replication min(N, 3), min.insync.replicas 2 from 3
+#   deploy/kafka.sh stop DATA_DIR    stop the broker(s) started in DATA_DIR (TERM, bounded wait, then KILL)
 #   deploy/kafka.sh restart DATA_DIR [--kill]
 #                                    stop it (--kill: SIGKILL, a crash) and start it again with its data
 #                                    on the same ports (the fault tests use this); RESTART_DOWN_S=N
-#                                    in the environment leaves it down N seconds in between
+#                                    in the environment leaves it down N seconds in between; in a cluster,
+#                                    DATA_DIR is one node's (DATA_DIR/broker-2)
+#   deploy/kafka.sh kill DATA_DIR    SIGKILL the broker of DATA_DIR (one node's in a cluster) and leave it down
 #   deploy/kafka.sh version          print the Kafka version deploy/kafka/pom.xml pins
 #
 # The jars live outside the checkout, in ${REIN_CACHE:-$HOME/.cache/rein}/kafka-<version>/libs,
 # with a .complete marker so an interrupted download is redone. Maven keeps its own ~/.m2 cache.
 #
 # After `start`, DATA_DIR holds: server.properties, log4j2.properties, pid, bootstrap (host:port),
-# controller (host:port), version, logs/server.log, logs/kafkaServer.out and the KRaft log dirs.
-# `start` prints two lines: `bootstrap=HOST:PORT` and `version=X.Y.Z` (the version the broker logged).
+# controller (host:port), version, logs/server.log, logs/kafkaServer.out and the KRaft log dirs; a
+# cluster's DATA_DIR holds brokers (N), bootstrap (every node, comma-separated) and version, and each
+# broker-I directory what one node's DATA_DIR holds.
+# `start` prints two lines: `bootstrap=HOST:PORT[,HOST:PORT...]` and `version=X.Y.Z` (as the broker logged).
 #
 # Knobs (environment, all optional): REIN_CACHE, KAFKA_HEAP_OPTS (default -Xmx512m -Xms256m),
 # KAFKA_JVM_OPTS (extra JVM flags), KAFKA_START_TIMEOUT (seconds, default 90),
@@ -117,13 +124,16 @@ is_our_broker() {
     tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "kafka.Kafka $dir/server.properties"
 }
 
+# write_config DIR PORT CPORT NODE_ID VOTERS NODES
 write_config() {
-    local dir="$1" port="$2" cport="$3"
+    local dir="$1" port="$2" cport="$3" node="$4" voters="$5" nodes="$6" rf isr
+    rf=$((nodes < 3 ? nodes : 3))
+    isr=$((rf < 3 ? 1 : 2))
     cat >"$dir/server.properties" <<EOF
-# Written by deploy/kafka.sh: single-node KRaft, broker and controller in one JVM.
+# Written by deploy/kafka.sh: KRaft, broker and controller in one JVM, node $node of $nodes.
 process.roles=broker,controller
-node.id=1
-controller.quorum.voters=1@$HOST:$cport
+node.id=$node
+controller.quorum.voters=$voters
 listeners=PLAINTEXT://$HOST:$port,CONTROLLER://$HOST:$cport
 advertised.listeners=PLAINTEXT://$HOST:$port
 controller.listener.names=CONTROLLER
@@ -131,17 +141,17 @@ inter.broker.listener.name=PLAINTEXT
 listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
 log.dirs=$dir/kraft-logs
 num.partitions=4
-default.replication.factor=1
-min.insync.replicas=1
+default.replication.factor=$rf
+min.insync.replicas=$isr
 auto.create.topics.enable=false
 delete.topic.enable=true
-offsets.topic.replication.factor=1
+offsets.topic.replication.factor=$rf
 offsets.topic.num.partitions=8
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
+transaction.state.log.replication.factor=$rf
+transaction.state.log.min.isr=$isr
 transaction.state.log.num.partitions=4
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
+share.coordinator.state.topic.replication.factor=$rf
+share.coordinator.state.topic.min.isr=$isr
 group.initial.rebalance.delay.ms=0
 num.network.threads=2
 num.io.threads=4
@@ -176,30 +186,50 @@ fail_start() {
     die "$why"
 }
 
-# One attempt: 0 = up, 2 = port lost to another process (retry), else die.
+# The directory of node I of a start in DIR with N nodes (one node: DIR itself).
+node_dir() { if (($3 == 1)); then echo "$1"; else echo "$1/broker-$2"; fi; }
+
+# One attempt with N nodes: 0 = up, 2 = port lost to another process (retry), else die.
 start_once() {
-    local dir="$1" ports port cport cluster_id
-    ports="$(free_ports 2)"
-    port="${ports% *}"
-    cport="${ports#* }"
-    rm -rf "$dir/kraft-logs" "$dir/logs"
-    mkdir -p "$dir/logs"
-    write_config "$dir" "$port" "$cport"
+    local dir="$1" nodes="$2" ports cluster_id voters="" i rc node
+    read -r -a ports <<<"$(free_ports $((2 * nodes)))"
+    for ((i = 1; i <= nodes; i++)); do voters+="${voters:+,}$i@$HOST:${ports[2 * i - 1]}"; done
     cluster_id="$(random_cluster_id)"
-    local jvm_common=(-Djava.awt.headless=true "-Dlog4j2.configurationFile=$dir/log4j2.properties"
-        "-Dkafka.logs.dir=$dir/logs" -cp "$LIBS/*")
-    if ! java -Xmx256m "${jvm_common[@]}" kafka.tools.StorageTool format \
-        -t "$cluster_id" -c "$dir/server.properties" >"$dir/logs/format.out" 2>&1; then
-        cat "$dir/logs/format.out" >&2
-        die "kafka-storage format failed (cluster id $cluster_id, config $dir/server.properties)"
-    fi
-    launch "$dir" "$port" "$cport"
+    for ((i = 1; i <= nodes; i++)); do
+        node="$(node_dir "$dir" "$i" "$nodes")"
+        rm -rf "$node/kraft-logs" "$node/logs"
+        mkdir -p "$node/logs"
+        write_config "$node" "${ports[2 * i - 2]}" "${ports[2 * i - 1]}" "$i" "$voters" "$nodes"
+        local jvm_common=(-Djava.awt.headless=true "-Dlog4j2.configurationFile=$node/log4j2.properties"
+            "-Dkafka.logs.dir=$node/logs" -cp "$LIBS/*")
+        if ! java -Xmx256m "${jvm_common[@]}" kafka.tools.StorageTool format \
+            -t "$cluster_id" -c "$node/server.properties" >"$node/logs/format.out" 2>&1; then
+            cat "$node/logs/format.out" >&2
+            die "kafka-storage format failed (cluster id $cluster_id, config $node/server.properties)"
+        fi
+    done
+    # Every node first: a node is up only once a quorum of controllers has formed.
+    for ((i = 1; i <= nodes; i++)); do spawn "$(node_dir "$dir" "$i" "$nodes")"; done
+    for ((i = 1; i <= nodes; i++)); do
+        rc=0
+        await_up "$(node_dir "$dir" "$i" "$nodes")" "${ports[2 * i - 2]}" "${ports[2 * i - 1]}" || rc=$?
+        if ((rc != 0)); then
+            for ((i = 1; i <= nodes; i++)); do cmd_kill "$(node_dir "$dir" "$i" "$nodes")" 2>/dev/null; done
+            return "$rc"
+        fi
+    done
 }
 
 # Start the broker of DIR (formatted, configured) and wait until it serves PORT.
 # 0 = up, 2 = port lost to another process, else die.
 launch() {
-    local dir="$1" port="$2" cport="$3" pid deadline
+    spawn "$1"
+    await_up "$@"
+}
+
+# Start the broker of DIR in the background (its pid in DIR/pid).
+spawn() {
+    local dir="$1"
     local jvm_common=(-Djava.awt.headless=true "-Dlog4j2.configurationFile=$dir/log4j2.properties"
         "-Dkafka.logs.dir=$dir/logs" -cp "$LIBS/*")
     # shellcheck disable=SC2086  # the heap/JVM option strings are word lists on purpose
@@ -207,8 +237,13 @@ launch() {
         -XX:InitiatingHeapOccupancyPercent=35 -XX:+ExplicitGCInvokesConcurrent -XX:MaxInlineLevel=15 \
         ${KAFKA_JVM_OPTS:-} "${jvm_common[@]}" kafka.Kafka "$dir/server.properties" \
         </dev/null >"$dir/logs/kafkaServer.out" 2>&1 &
-    pid=$!
-    echo "$pid" >"$dir/pid"
+    echo $! >"$dir/pid"
+}
+
+# Wait until the broker of DIR serves PORT. 0 = up, 2 = port lost to another process, else die.
+await_up() {
+    local dir="$1" port="$2" cport="$3" pid deadline
+    pid="$(cat "$dir/pid")"
     deadline=$((SECONDS + ${KAFKA_START_TIMEOUT:-90}))
     while ((SECONDS < deadline)); do
         if ! pid_alive "$pid"; then
@@ -231,37 +266,69 @@ launch() {
 }
 
 cmd_start() {
-    local dir="${1:-}"
-    [[ -n "$dir" ]] || die "usage: kafka.sh start DATA_DIR"
+    local dir="${1:-}" nodes=1
+    [[ -n "$dir" ]] || die "usage: kafka.sh start DATA_DIR [--brokers N]"
+    if [[ "${2:-}" == --brokers ]]; then
+        nodes="${3:-}"
+        [[ "$nodes" =~ ^[1-9][0-9]?$ ]] || die "--brokers takes a node count (1-99), got '${3:-}'"
+    elif [[ -n "${2:-}" ]]; then
+        die "usage: kafka.sh start DATA_DIR [--brokers N]"
+    fi
     need_java
     mkdir -p "$dir"
     dir="$(cd "$dir" && pwd)"
-    if [[ -f "$dir/pid" ]] && pid_alive "$(cat "$dir/pid")" && is_our_broker "$(cat "$dir/pid")" "$dir"; then
-        die "a broker is already running for $dir (pid $(cat "$dir/pid")); run: kafka.sh stop $dir"
+    local first
+    first="$(node_dir "$dir" 1 "$nodes")"
+    if [[ -f "$first/pid" ]] && pid_alive "$(cat "$first/pid")" && is_our_broker "$(cat "$first/pid")" "$first"; then
+        die "a broker is already running for $dir (pid $(cat "$first/pid")); run: kafka.sh stop $dir"
     fi
     cmd_fetch
-    local attempt rc
+    local attempt rc i
     for attempt in 1 2 3; do
         rc=0
-        start_once "$dir" || rc=$?
+        start_once "$dir" "$nodes" || rc=$?
         [[ $rc -eq 0 ]] && break
         log "port taken by another process while starting (attempt $attempt), retrying on new ports"
     done
-    [[ $rc -eq 0 ]] || fail_start "$dir" "could not bind free ports after 3 attempts"
+    [[ $rc -eq 0 ]] || fail_start "$first" "could not bind free ports after 3 attempts"
     local ran
-    ran="$(sed -n 's/.*Kafka version: \([^ ]*\).*/\1/p' "$dir/logs/server.log" | head -n 1)"
+    ran="$(sed -n 's/.*Kafka version: \([^ ]*\).*/\1/p' "$first/logs/server.log" | head -n 1)"
     ran="${ran:-$KAFKA_VERSION}"
+    if ((nodes > 1)); then
+        for ((i = 1; i <= nodes; i++)); do echo "$ran" >"$dir/broker-$i/version"; done
+        for ((i = 1; i <= nodes; i++)); do cat "$dir/broker-$i/bootstrap"; done | paste -sd, >"$dir/bootstrap"
+        echo "$nodes" >"$dir/brokers"
+    fi
     echo "$ran" >"$dir/version"
     echo "bootstrap=$(cat "$dir/bootstrap")"
     echo "version=$ran"
-    log "Kafka $ran (KRaft) up on $(cat "$dir/bootstrap"), pid $(cat "$dir/pid"), data in $dir"
+    log "Kafka $ran (KRaft, $nodes node(s)) up on $(cat "$dir/bootstrap"), data in $dir"
+}
+
+cmd_kill() {
+    local dir="${1:-}" pid
+    [[ -n "$dir" && -d "$dir" ]] || die "usage: kafka.sh kill DATA_DIR (one broker's directory)"
+    dir="$(cd "$dir" && pwd)"
+    pid="$(cat "$dir/pid" 2>/dev/null || true)"
+    if [[ -n "$pid" ]] && pid_alive "$pid" && is_our_broker "$pid" "$dir"; then
+        kill -KILL "$pid"
+        while pid_alive "$pid"; do sleep 0.05; done
+        log "broker pid $pid killed"
+    fi
+    rm -f "$dir/pid"
 }
 
 cmd_stop() {
-    local dir="${1:-}" pid deadline
+    local dir="${1:-}" pid deadline i
     [[ -n "$dir" ]] || die "usage: kafka.sh stop DATA_DIR"
     [[ -d "$dir" ]] || { log "no such data dir $dir: nothing to stop"; return 0; }
     dir="$(cd "$dir" && pwd)"
+    if [[ -f "$dir/brokers" ]]; then
+        # All at once: a node stopping alone waits on a controller quorum the others already left.
+        for ((i = 1; i <= $(cat "$dir/brokers"); i++)); do cmd_stop "$dir/broker-$i" & done
+        wait
+        return 0
+    fi
     [[ -f "$dir/pid" ]] || { log "no pid file in $dir: nothing to stop"; return 0; }
     pid="$(cat "$dir/pid")"
     if ! pid_alive "$pid" || ! is_our_broker "$pid" "$dir"; then
@@ -288,13 +355,7 @@ cmd_restart() {
     need_java
     dir="$(cd "$dir" && pwd)"
     if [[ "$how" == --kill ]]; then
-        pid="$(cat "$dir/pid" 2>/dev/null || true)"
-        if [[ -n "$pid" ]] && pid_alive "$pid" && is_our_broker "$pid" "$dir"; then
-            kill -KILL "$pid"
-            while pid_alive "$pid"; do sleep 0.05; done
-            log "broker pid $pid killed"
-        fi
-        rm -f "$dir/pid"
+        cmd_kill "$dir"
     else
         cmd_stop "$dir"
     fi
@@ -312,12 +373,13 @@ cmd_restart() {
 
 case "${1:-}" in
 fetch) cmd_fetch ;;
-start) cmd_start "${2:-}" ;;
+start) cmd_start "${2:-}" "${3:-}" "${4:-}" ;;
 stop) cmd_stop "${2:-}" ;;
 restart) cmd_restart "${2:-}" "${3:-}" ;;
+kill) cmd_kill "${2:-}" ;;
 version) echo "$KAFKA_VERSION" ;;
 *)
-    echo "usage: $0 {fetch|start DATA_DIR|stop DATA_DIR|restart DATA_DIR [--kill]|version}" >&2
+    echo "usage: $0 {fetch|start DATA_DIR [--brokers N]|stop DATA_DIR|restart DATA_DIR [--kill]|kill DATA_DIR|version}" >&2
     exit 2
     ;;
 esac

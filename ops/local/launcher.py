@@ -76,7 +76,8 @@ class Infra:
     versions: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, data_dir: Path) -> Infra:
+    def start(cls, data_dir: Path, kafka_brokers: int = 1) -> Infra:
+        """Redis and Kafka: one node, or ``kafka_brokers`` nodes in one KRaft quorum (replication 3)."""
         infra = cls(data_dir)
         (data_dir / "kafka").mkdir(parents=True, exist_ok=True)
         (data_dir / "redis").mkdir(parents=True, exist_ok=True)
@@ -85,20 +86,28 @@ class Infra:
         try:
             redis = deploy_script("redis.sh", "start", str(data_dir / "redis"))
             infra.redis_url, infra.versions["redis"] = redis["url"], redis.get("version", "?")
-            kafka = deploy_script("kafka.sh", "start", str(data_dir / "kafka"))
+            kafka = deploy_script("kafka.sh", "start", str(data_dir / "kafka"), "--brokers", str(kafka_brokers))
             infra.kafka_bootstrap, infra.versions["kafka"] = kafka["bootstrap"], kafka.get("version", "?")
         except BaseException:
             infra.stop()
             raise
         return infra
 
-    def restart(self, name: str, kill: bool = True, down_s: float = 0.0) -> None:
+    def restart(self, name: str, kill: bool = True, down_s: float = 0.0, broker: int | None = None) -> None:
         """Stop ``kafka`` or ``redis`` (``kill``: SIGKILL, a crash), leave it down ``down_s`` seconds, and
-        start it again with its data on the same address: clients see an outage, not a new server."""
-        if name not in ("kafka", "redis"):
-            raise ValueError(f"no infrastructure part named {name!r}")
-        deploy_script(f"{name}.sh", "restart", str(self.data_dir / name), *(["--kill"] if kill else []),
+        start it again with its data on the same address: clients see an outage, not a new server.
+        ``broker``: that node of a Kafka cluster only."""
+        deploy_script(f"{name}.sh", "restart", str(self._dir(name, broker)), *(["--kill"] if kill else []),
                 env={"RESTART_DOWN_S": str(down_s)})
+
+    def kill_broker(self, broker: int) -> None:
+        """SIGKILL one node of the Kafka cluster and leave it down (:meth:`restart` brings it back)."""
+        deploy_script("kafka.sh", "kill", str(self._dir("kafka", broker)))
+
+    def _dir(self, name: str, broker: int | None) -> Path:
+        if name not in ("kafka", "redis") or (broker is not None and name != "kafka"):
+            raise ValueError(f"no infrastructure part named {name!r}" + (f" with broker {broker}" if broker else ""))
+        return self.data_dir / name if broker is None else self.data_dir / name / f"broker-{broker}"
 
     def stop(self) -> None:
         for name in ("kafka", "redis"):

@@ -54,6 +54,8 @@ class StackConfig:
     base_port: int = 0
     """First of a block of ports for the services; 0 picks free ports."""
     partitions: int = 4
+    kafka_brokers: int = 1
+    """Kafka nodes: 1, or a KRaft cluster whose topics are replicated 3 ways with min.insync.replicas 2."""
     model: str = "tiny"
     """``REIN_MODEL`` of the trainer, engine and proxy: ``tiny``, a Hugging Face directory or a ``.gguf`` file."""
     task: str = "guess_number"
@@ -99,7 +101,7 @@ def start(config: StackConfig) -> LocalStack:
     """Start everything; on any failure, stop what was started and re-raise."""
     run_dir = config.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    infra = Infra.start(run_dir / "infra")
+    infra = Infra.start(run_dir / "infra", config.kafka_brokers)
     stack = Stack(run_dir)
     token = secrets.token_hex(16)
     port = _port_allocator(config.base_port)

@@ -21,7 +21,11 @@ def create_topics(
     configs: Mapping[str, Mapping[str, str]] | None = None,
     timeout_s: float = 30.0,
 ) -> list[str]:
-    """Create the missing topics (replication 1) and wait until every partition has a leader.
+    """Create the missing topics and wait until every partition has a leader.
+
+    Replication is the brokers' ``default.replication.factor`` (and ``min.insync.replicas``): 1 on one
+    node, 3 and 2 on the three-node cluster ``deploy/kafka.sh start DIR --brokers 3`` starts; with the
+    producers' ``acks=all`` a write then survives the loss of one broker.
 
     ``configs`` maps a topic name to its topic configuration. Returns the names this call
     created. Waiting matters: a producer or an assigned consumer that races a fresh topic's
@@ -35,7 +39,7 @@ def create_topics(
         config = dict((configs or {}).get(name, {}))
         try:
             admin.create_topics(
-                [NewTopic(name, count, 1, topic_configs=config)],
+                [NewTopic(name, count, -1, topic_configs=config)],  # -1: the brokers' default
                 timeout_ms=int(timeout_s * 1000),
             )
             created.append(name)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -29,8 +29,9 @@ from ops.local.stack import LocalStack, StackConfig, start
 from ops.report import rows_so_far
 from shared.bus import read_topic
 from shared.names import RedisKeys, Topics
-from shared.schemas import BatchManifest, DecisionRecord, GroupDispatched, SessionRejected, WeightPublished
+from shared.schemas import DecisionRecord, GroupDispatched, SessionRejected, WeightPublished
 from shared.settings import KafkaSettings
+from tests.support.readback import assert_every_manifest_trained_once, assert_groups_accounted_for, stop_and_read
 from tests.support.rebalance import ForeignMember
 from tests.support.wait import wait_on_stack
 
@@ -176,33 +177,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             name: httpx.get(f"{local.urls[name]}/metrics", timeout=5).text
             for name in ("rollout", "proxy", "collector-0", "collector-1", "broadcaster")
         }
-        # A consistent read-back: no new groups, then decisions -> pending -> manifests, with the
-        # outbox empty before each read (a kept group is pending, or its manifest is published).
-        _service(local, "rollout").stop(timeout_s=90)
-        trainer = _service(local, "trainer")
-        trainer.stop(timeout_s=90)
-        assert trainer.proc is not None and trainer.proc.returncode == 0, "the trainer did not stop cleanly"
-        client = redis.Redis.from_url(local.infra.redis_url, decode_responses=True)
-        outbox_empty = lambda: client.llen(keys.outbox) == 0  # noqa: E731
-        wait_on_stack("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer"))
-        decisions = read_topic(kafka, Topics().decisions, 60)
-        pending = set(client.lrange(keys.pending_order, 0, -1))
-        wait_on_stack("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer"))
-        batches = read_topic(kafka, Topics().batches, 60)
-        registry = client.zrange(keys.registry_order, 0, -1, withscores=True)
-        client.close()
-        data: dict[str, Any] = {
-            "faults": faults,
-            "rows": rows_so_far(local.trainer_metrics),
-            "open_at": open_at,
-            "events": read_topic(kafka, Topics().events, 60),
-            "batches": batches,
-            "decisions": decisions,
-            "weights": read_topic(kafka, Topics().weights, 60),
-            "pending": pending,
-            "registry": registry,
-            "metrics": metrics,
-        }
+        data: dict[str, Any] = {**stop_and_read(local), "faults": faults, "open_at": open_at, "metrics": metrics}
     finally:
         local.stop()
     return data
@@ -220,37 +195,11 @@ def test_every_fault_was_followed_by_training_progress(run: dict[str, Any]) -> N
     assert [f["fault"] for f in run["faults"]] == list(FAULTS)
     rows = run["rows"]
     assert len(rows) >= len(FAULTS) + 1 + EXTRA_STEPS
-    assert [int(r["manifest_index"]) for r in rows] == list(range(len(rows))), "a manifest skipped or trained twice"
+    assert_every_manifest_trained_once(rows)
 
 
 def test_no_group_is_trained_twice_and_every_kept_group_is_accounted_for(run: dict[str, Any]) -> None:
-    manifests: dict[int, BatchManifest] = {}
-    for m in run["batches"]:
-        if isinstance(m, BatchManifest):
-            # A republished outbox entry is the same manifest again, never a different one under the index.
-            assert manifests.setdefault(m.index, m).groups == m.groups, f"two different manifests with index {m.index}"
-    in_manifests = Counter(ref.group_id for m in manifests.values() for ref in m.groups)
-    twice = [g for g, n in in_manifests.items() if n > 1]
-    assert not twice, f"groups in two manifests: {twice}"
-
-    decisions: dict[str, set[str]] = defaultdict(set)
-    for d in run["decisions"]:
-        if isinstance(d, DecisionRecord):
-            decisions[d.group_id].add(d.decision)
-    allowed = [
-        {"kept"}, {"kept", "dropped_retroactive"}, {"dropped_stale"}, {"dropped_no_signal"}, {"failed_retry"},
-        {"failed_dropped"},
-    ]
-    odd = {g: sorted(ds) for g, ds in decisions.items() if ds not in allowed}
-    assert not odd, f"groups with contradicting decisions: {odd}"
-
-    for gid in in_manifests:
-        assert "kept" in decisions[gid], f"{gid} was trained without a kept decision"
-    lost = [
-        gid for gid, ds in decisions.items()
-        if ds == {"kept"} and gid not in in_manifests and gid not in run["pending"]
-    ]
-    assert not lost, f"kept groups neither trained, nor dropped, nor pending: {lost}"
+    assert_groups_accounted_for(run["batches"], run["decisions"], run["pending"])
 
 
 def test_groups_open_when_the_proxy_died_were_all_decided(run: dict[str, Any]) -> None:

@@ -1,0 +1,122 @@
+"""A three-broker Kafka cluster under a run: one broker killed mid-run, nothing lost, nothing trained twice.
+
+The local stack (the processes ``make demo`` starts) on ``deploy/kafka.sh start DIR --brokers 3``:
+three KRaft nodes (broker + controller each), every topic replicated 3 ways with
+``min.insync.replicas=2`` from the brokers' defaults, producers with ``acks=all``. After the first
+step, the broker leading the ``weights`` partition (the control log every service follows) is
+SIGKILLed; training must go on with two brokers, then go on again once it is back. The run is read
+back from the topics and Redis as in ``test_faults.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import redis
+from kafka import KafkaAdminClient
+
+from ops.local.stack import LocalStack, StackConfig, start
+from ops.report import rows_so_far
+from shared.bus import topic_configs
+from shared.names import RedisKeys, Topics
+from shared.schemas import WeightPublished
+from shared.settings import KafkaSettings
+from tests.support.readback import assert_every_manifest_trained_once, assert_groups_accounted_for, stop_and_read
+from tests.support.wait import wait_on_stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
+
+PROGRESS_TIMEOUT_S = 300
+
+
+def _trained_index(local: LocalStack) -> int:
+    return max((int(r["manifest_index"]) for r in rows_so_far(local.trainer_metrics)), default=-1)
+
+
+def _made(local: LocalStack) -> int:
+    """Manifests made so far: the next one is made after this moment."""
+    client = redis.Redis.from_url(local.infra.redis_url, decode_responses=True)
+    try:
+        return int(client.hget(RedisKeys().window, "batches") or 0)
+    finally:
+        client.close()
+
+
+def _partitions(bootstrap: str) -> dict[tuple[str, int], dict[str, Any]]:
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), request_timeout_ms=10_000)
+    try:
+        return {(t["topic"], p["partition"]): p for t in admin.describe_topics(Topics().all()) for p in t["partitions"]}
+    finally:
+        admin.close()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    config = StackConfig(
+        run_dir=tmp_path_factory.mktemp("cluster"),
+        steps=0,
+        kafka_brokers=3,
+        collectors=2,
+        group_size=4,
+        batch_groups=4,
+        max_concurrent_groups=8,
+        engine_step_delay_s=0.01,
+        extra_env={f"collector-{i}": {"REIN_NO_SIGNAL_GROUPS": "keep"} for i in range(2)},
+    )
+    local = start(config)
+    bootstrap = local.infra.kafka_bootstrap
+    try:
+        partitions = _partitions(bootstrap)
+        configs = topic_configs(KafkaSettings(bootstrap_servers=bootstrap), Topics().all())
+        wait_on_stack("trainer step 1", lambda: _trained_index(local) >= 0, PROGRESS_TIMEOUT_S, local)
+        victim = int(_partitions(bootstrap)[(Topics().weights, 0)]["leader"])
+        phases = []
+        for phase in ("killed", "back"):
+            made, t0 = _made(local), time.monotonic()
+            if phase == "killed":
+                local.infra.kill_broker(victim)
+            else:
+                local.infra.restart("kafka", kill=False, broker=victim)
+            def trained(m: int = made) -> bool:
+                return _trained_index(local) >= m
+
+            wait_on_stack(f"a batch made after the broker was {phase} trained", trained, PROGRESS_TIMEOUT_S, local)
+            leader = int(_partitions(bootstrap)[(Topics().weights, 0)]["leader"])
+            phases.append({"phase": phase, "trained_after_s": round(time.monotonic() - t0, 1),
+                           "weights_leader": leader})
+        after = _partitions(bootstrap)
+        data = {**stop_and_read(local), "partitions": partitions, "configs": configs, "victim": victim,
+                "phases": phases, "after": after}
+        print(f"\nkafka cluster: broker {victim} (the weights leader) killed, then back: {phases}; "
+              f"{len(data['rows'])} steps in all")
+    finally:
+        local.stop()
+    return data
+
+
+def test_every_topic_is_replicated_three_ways_with_two_in_sync_required(run: dict[str, Any]) -> None:
+    assert run["partitions"], "no partitions described"
+    for (topic, partition), p in run["partitions"].items():
+        assert len(p["replicas"]) == 3 and len(p["isr"]) == 3, (topic, partition, p)
+    for topic, config in run["configs"].items():
+        assert config["min.insync.replicas"] == "2", (topic, config["min.insync.replicas"])
+
+
+def test_training_went_on_with_a_broker_down_and_after_it_came_back(run: dict[str, Any]) -> None:
+    assert [p["phase"] for p in run["phases"]] == ["killed", "back"]
+    assert run["phases"][0]["weights_leader"] not in (run["victim"], -1), "the weights partition did not move"
+    leader = run["after"][(Topics().weights, 0)]["leader"]
+    assert leader >= 0, "the weights partition has no leader after the broker came back"
+
+
+def test_nothing_lost_and_nothing_trained_twice(run: dict[str, Any]) -> None:
+    assert len(run["rows"]) >= 3
+    assert_every_manifest_trained_once(run["rows"])
+    assert_groups_accounted_for(run["batches"], run["decisions"], run["pending"])
+    digests: dict[str, set[str]] = {}
+    for record in run["weights"]:
+        if isinstance(record, WeightPublished):
+            digests.setdefault(record.version, set()).add(record.digest)
+    assert len(digests) >= 3 and all(len(d) == 1 for d in digests.values()), digests

@@ -1,0 +1,89 @@
+"""Reading a stopped run back from Kafka and Redis, and the checks every fault scenario ends with.
+
+Independent of the services' own bookkeeping: the topics and the window say what happened, and
+these checks say it is consistent — every manifest trained once, no group in two manifests, no
+group with contradicting decisions, every kept group trained or still pending.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+import redis
+
+from ops.local.stack import LocalStack
+from ops.report import rows_so_far
+from shared.bus import read_topic
+from shared.names import RedisKeys, Topics
+from shared.schemas import BatchManifest, DecisionRecord
+from shared.settings import KafkaSettings
+from tests.support.wait import wait_on_stack
+
+_ALLOWED = [
+    {"kept"}, {"kept", "dropped_retroactive"}, {"dropped_stale"}, {"dropped_no_signal"}, {"failed_retry"},
+    {"failed_dropped"},
+]
+"""The decision sets one group may have (a kept group may be dropped later when the window moves on)."""
+
+
+def stop_and_read(local: LocalStack) -> dict[str, Any]:
+    """Stop the runner and the trainer (cleanly), then read a consistent picture: no new groups, then
+    decisions -> pending -> manifests, with the outbox empty before each read (a kept group is pending,
+    or its manifest is published)."""
+    services = {s.name: s for s in local.stack.services}
+    services["rollout"].stop(timeout_s=90)
+    trainer = services["trainer"]
+    trainer.stop(timeout_s=90)
+    assert trainer.proc is not None and trainer.proc.returncode == 0, "the trainer did not stop cleanly"
+    kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
+    keys = RedisKeys()
+    client = redis.Redis.from_url(local.infra.redis_url, decode_responses=True)
+    try:
+        def outbox_empty() -> bool:
+            return client.llen(keys.outbox) == 0
+
+        wait_on_stack("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer"))
+        decisions = read_topic(kafka, Topics().decisions, 60)
+        pending = set(client.lrange(keys.pending_order, 0, -1))
+        wait_on_stack("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer"))
+        batches = read_topic(kafka, Topics().batches, 60)
+        registry = client.zrange(keys.registry_order, 0, -1, withscores=True)
+    finally:
+        client.close()
+    return {
+        "rows": rows_so_far(local.trainer_metrics),
+        "events": read_topic(kafka, Topics().events, 60),
+        "batches": batches,
+        "decisions": decisions,
+        "weights": read_topic(kafka, Topics().weights, 60),
+        "pending": pending,
+        "registry": registry,
+    }
+
+
+def assert_every_manifest_trained_once(rows: list[dict[str, Any]]) -> None:
+    assert [int(r["manifest_index"]) for r in rows] == list(range(len(rows))), "a manifest skipped or trained twice"
+
+
+def assert_groups_accounted_for(batches: list[Any], decisions: list[Any], pending: set[str]) -> None:
+    """No group in two manifests, no contradicting decisions, every kept group trained or pending."""
+    manifests: dict[int, BatchManifest] = {}
+    for m in batches:
+        if isinstance(m, BatchManifest):
+            # A republished outbox entry is the same manifest again, never a different one under the index.
+            assert manifests.setdefault(m.index, m).groups == m.groups, f"two different manifests with index {m.index}"
+    in_manifests = Counter(ref.group_id for m in manifests.values() for ref in m.groups)
+    twice = [g for g, n in in_manifests.items() if n > 1]
+    assert not twice, f"groups in two manifests: {twice}"
+
+    by_group: dict[str, set[str]] = defaultdict(set)
+    for d in decisions:
+        if isinstance(d, DecisionRecord):
+            by_group[d.group_id].add(d.decision)
+    odd = {g: sorted(ds) for g, ds in by_group.items() if ds not in _ALLOWED}
+    assert not odd, f"groups with contradicting decisions: {odd}"
+    for gid in in_manifests:
+        assert "kept" in by_group[gid], f"{gid} was trained without a kept decision"
+    lost = [gid for gid, ds in by_group.items() if ds == {"kept"} and gid not in in_manifests and gid not in pending]
+    assert not lost, f"kept groups neither trained, nor dropped, nor pending: {lost}"
