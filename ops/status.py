@@ -69,6 +69,8 @@ class RunDir:
     redis_url: str
     urls: dict[str, str]
     admin_token: str
+    redis_sentinels: tuple[str, ...] = ()
+    """Set when the run's Redis fails over: the primary is whoever they name."""
 
     @property
     def proxies(self) -> list[str]:
@@ -91,6 +93,7 @@ def read_run_dir(path: Path) -> RunDir:
         redis_url=str(infra.get("redis_url", "")),
         urls={str(k): str(v) for k, v in (obj.get("urls") or {}).items()},
         admin_token=str(obj.get("admin_token") or ""),
+        redis_sentinels=tuple(str(s) for s in infra.get("redis_sentinels") or ()),
     )
 
 

@@ -155,14 +155,9 @@ def read_window(client: Any, keys: RedisKeys) -> dict[str, Any]:
 
 
 def redis_part(settings: RedisSettings, timeout_s: float) -> dict[str, Any]:
-    import redis
+    from shared.state import client_for
 
-    client = redis.Redis.from_url(
-        settings.url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        decode_responses=True,
-    )
+    client = client_for(settings, socket_timeout_s=timeout_s)
     try:
         report = read_window(client, RedisKeys(settings.key_prefix))
     finally:

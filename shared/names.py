@@ -34,72 +34,82 @@ class Topics(BaseModel):
 
 
 class RedisKeys:
-    """Redis key layout. ``prefix`` namespaces one deployment (tests use a fresh one each)."""
+    """Redis key layout. ``prefix`` namespaces one deployment (tests use a fresh one each).
+
+    Every key starts with the prefix as a hash tag (``{rein}:window``): on Redis Cluster all of a
+    deployment's keys live in one slot, so the window's WATCH/MULTI step and the registry's scripts,
+    which touch several keys at once, stay legal. A prefix that already holds a tag is used as is."""
 
     def __init__(self, prefix: str = "rein") -> None:
         self.prefix = prefix
+        self._tag = prefix if "{" in prefix else f"{{{prefix}}}"
 
     @property
     def registry(self) -> str:
         """Hash label -> published sequence number."""
-        return f"{self.prefix}:versions:registry"
+        return f"{self._tag}:versions:registry"
 
     @property
     def registry_order(self) -> str:
         """Sorted set label scored by sequence: ZRANK is the label's index, O(log n)."""
-        return f"{self.prefix}:versions:order"
+        return f"{self._tag}:versions:order"
 
     @property
     def unregistered(self) -> str:
         """Sorted set of labels seen in data but never published, scored by observation rank."""
-        return f"{self.prefix}:versions:unregistered"
+        return f"{self._tag}:versions:unregistered"
 
     @property
     def unregistered_counter(self) -> str:
         """Counter giving the next observation rank of an unregistered label."""
-        return f"{self.prefix}:versions:unregistered_next"
+        return f"{self._tag}:versions:unregistered_next"
 
     @property
     def window(self) -> str:
         """Hash with the window state: current label, current index, cumulative drop counters."""
-        return f"{self.prefix}:window"
+        return f"{self._tag}:window"
 
     @property
     def pending(self) -> str:
         """Hash group id -> encoded pending group (kept groups waiting for the next batch)."""
-        return f"{self.prefix}:window:pending"
+        return f"{self._tag}:window:pending"
 
     @property
     def pending_order(self) -> str:
         """List of pending group ids in arrival order."""
-        return f"{self.prefix}:window:pending_order"
+        return f"{self._tag}:window:pending_order"
 
     @property
     def decided(self) -> str:
         """Hash group id -> decision name: makes each completed group's decision idempotent."""
-        return f"{self.prefix}:window:decided"
+        return f"{self._tag}:window:decided"
 
     @property
     def decided_at(self) -> str:
         """Sorted set group id scored by the unix time of its decision: what ``decided`` may forget, oldest first."""
-        return f"{self.prefix}:window:decided_at"
+        return f"{self._tag}:window:decided_at"
 
     def prompt_cursor(self, task: str, seed: int) -> str:
         """Counter of prompts claimed from the ``(task, seed)`` stream: a restarted runner (or another
         runner with the same seed) continues after the last claimed prompt, never repeats one."""
-        return f"{self.prefix}:rollout:cursor:{task}:seed{seed}"
+        return f"{self._tag}:rollout:cursor:{task}:seed{seed}"
 
     @property
     def window_config(self) -> str:
         """Hash keep_versions / batch_groups / max_retries every collector replica must agree on."""
-        return f"{self.prefix}:window:config"
+        return f"{self._tag}:window:config"
+
+    @property
+    def replicated(self) -> str:
+        """Counter written just before each Redis WAIT (``shared.state.Replication``)."""
+        return f"{self._tag}:replicated"
 
     @property
     def outbox(self) -> str:
         """List of records a window step decided to publish (decisions, manifests, retries), in step order."""
-        return f"{self.prefix}:outbox"
+        return f"{self._tag}:outbox"
 
     @property
     def outbox_lock(self) -> str:
         """Lease held by the one collector replica publishing the outbox (keeps manifests in index order)."""
-        return f"{self.prefix}:outbox:lock"
+        return f"{self._tag}:outbox:lock"

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.names import Topics
@@ -51,11 +51,38 @@ class RedisSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str = "redis://127.0.0.1:6379/0"
-    """redis:// URL of the server."""
+    """redis:// URL of the server (with ``sentinels``: only its database and password count)."""
     key_prefix: str = "rein"
-    """Namespace of every key this deployment writes."""
+    """Namespace of every key this deployment writes (as a hash tag: one Redis Cluster slot)."""
     socket_timeout_s: float = Field(default=5.0, gt=0)
     """Bound on every Redis call, so a dead server gives an error instead of a hang."""
+    sentinels: list[str] = Field(default_factory=list)
+    """``host:port`` of Redis Sentinels (``REIN_REDIS__SENTINELS``, a JSON list). Set, the clients ask them
+    for the primary of ``sentinel_master`` and ask again after a failover."""
+    sentinel_master: str = "rein"
+    """The name the Sentinels monitor the primary under."""
+    replicas_acked: int = Field(default=0, ge=0)
+    """After each write whose effects reach Kafka (a window step, a registry entry), wait until this many
+    replicas hold it (Redis WAIT) and treat fewer as an outage: with a primary and a replica, 1, so a
+    failover to the replica keeps every decision already acted on. 0: one server, no waiting."""
+    replica_ack_timeout_s: float = Field(default=2.0, gt=0)
+    """Bound on that wait; below ``socket_timeout_s`` (the wait is one call)."""
+
+    @field_validator("sentinels")
+    @classmethod
+    def _host_ports(cls, sentinels: list[str]) -> list[str]:
+        for entry in sentinels:
+            host, sep, port = entry.rpartition(":")
+            if not (sep and host and port.isdigit()):
+                raise ValueError(f"sentinels: {entry!r} is not host:port")
+        return sentinels
+
+    @model_validator(mode="after")
+    def _wait_within_a_call(self) -> RedisSettings:
+        if self.replicas_acked and self.replica_ack_timeout_s >= self.socket_timeout_s:
+            raise ValueError(f"replica_ack_timeout_s ({self.replica_ack_timeout_s}) must be below socket_timeout_s "
+                             f"({self.socket_timeout_s}): the wait for replicas is one Redis call")
+        return self
 
 
 class ServiceSettings(BaseSettings):

@@ -12,9 +12,12 @@ conflicting one is refused), so the registry can always be rebuilt from the topi
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
+from redis.connection import parse_url
+from redis.sentinel import Sentinel
 
 from shared import log
 from shared.names import RedisKeys
@@ -27,29 +30,73 @@ class StateUnavailable(RuntimeError):
     """Redis could not be reached within the configured bound."""
 
 
+def client_for(settings: RedisSettings, socket_timeout_s: float | None = None) -> redis.Redis:
+    """An unchecked client: on ``url``, or, with ``sentinels``, on whichever server they name the primary
+    (each new connection asks them again, so a client outlives a failover: its calls fail while the old
+    primary is gone, then reach the new one)."""
+    timeout = settings.socket_timeout_s if socket_timeout_s is None else socket_timeout_s
+    options: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout,
+                               "decode_responses": True, "health_check_interval": 30}
+    if not settings.sentinels:
+        return redis.Redis.from_url(settings.url, **options)
+    url: dict[str, Any] = parse_url(settings.url)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(
+        [(host, int(port)) for host, _, port in (s.rpartition(":") for s in settings.sentinels)],
+        sentinel_kwargs={"socket_timeout": timeout, "socket_connect_timeout": timeout},
+    )
+    client: redis.Redis = sentinel.master_for(settings.sentinel_master, db=url.get("db", 0),
+                                              password=url.get("password"), username=url.get("username"), **options)
+    return client
+
+
 def connect(settings: RedisSettings, attempts: int = 5) -> redis.Redis:
     """A client with socket timeouts, checked with PING (bounded retries, then a clear error)."""
-    client = redis.Redis.from_url(
-        settings.url,
-        socket_timeout=settings.socket_timeout_s,
-        socket_connect_timeout=settings.socket_timeout_s,
-        decode_responses=True,
-        health_check_interval=30,
-    )
+    client = client_for(settings)
     delay = 0.25
     for attempt in range(1, attempts + 1):
         try:
             client.ping()
             return client
         except (redis.ConnectionError, redis.TimeoutError) as exc:
+            where = f"the primary of {settings.sentinel_master!r} (sentinels {settings.sentinels})" \
+                if settings.sentinels else f"Redis at {settings.url}"
             if attempt == attempts:
-                raise StateUnavailable(
-                    f"Redis at {settings.url} did not answer after {attempts} attempts: {exc}"
-                ) from exc
-            _log.warning("redis_unavailable", url=settings.url, attempt=attempt, retry_in_s=delay)
+                raise StateUnavailable(f"{where} did not answer after {attempts} attempts: {exc}") from exc
+            _log.warning("redis_unavailable", url=settings.url, sentinels=settings.sentinels, attempt=attempt,
+                         retry_in_s=delay)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
     raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Replication:
+    """How many replicas must hold a write before its effects may reach Kafka (``RedisSettings.replicas_acked``)."""
+
+    replicas: int = 0
+    timeout_s: float = 2.0
+
+    @classmethod
+    def of(cls, settings: RedisSettings) -> Replication:
+        return cls(settings.replicas_acked, settings.replica_ack_timeout_s)
+
+    def wait(self, client: redis.Redis, keys: RedisKeys) -> None:
+        """Block until ``replicas`` replicas hold every write made so far; fewer within the bound is an outage:
+        the caller retries, and its retry is idempotent.
+
+        Redis' WAIT covers the writes of the connection it runs on, and a pool may hand out another one
+        than the write used. So WAIT follows a write of its own on the same connection (one pipeline):
+        replicas apply the one replication stream in order, so holding that write means holding every
+        write before it, from any connection."""
+        if self.replicas <= 0:
+            return
+        with client.pipeline(transaction=False) as pipe:
+            pipe.incr(keys.replicated)
+            pipe.wait(self.replicas, int(self.timeout_s * 1000))
+            _, acked = pipe.execute()
+        if int(acked) < self.replicas:
+            raise StateUnavailable(f"{acked} of {self.replicas} Redis replicas acknowledged a write within "
+                                   f"{self.timeout_s}s: not acting on it until one does")
 
 
 # KEYS: registry hash, registry order zset, unregistered zset; ARGV: label, seq
@@ -93,9 +140,10 @@ return out
 class RedisRegistry:
     """The version registry in Redis (same order as ``shared.versions.VersionRegistry``)."""
 
-    def __init__(self, client: redis.Redis, keys: RedisKeys) -> None:
+    def __init__(self, client: redis.Redis, keys: RedisKeys, replication: Replication | None = None) -> None:
         self.client = client
         self.keys = keys
+        self.replication = replication or Replication()
         self._publish = client.register_script(_PUBLISH)
         self._observe = client.register_script(_OBSERVE)
 
@@ -106,6 +154,7 @@ class RedisRegistry:
             created = self._publish(keys=[k.registry, k.registry_order, k.unregistered], args=[label, seq])
         except redis.ResponseError as exc:
             raise ValueError(str(exc)) from None
+        self.replication.wait(self.client, k)
         return bool(created)
 
     def observe(self, labels: list[str]) -> list[int]:

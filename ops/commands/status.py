@@ -72,6 +72,8 @@ def targets_from_args(args: argparse.Namespace, settings: StatusSettings) -> Tar
     redis_url = args.redis or (run_dir.redis_url if run_dir else None)
     if redis_url:
         redis = redis.model_copy(update={"url": redis_url})
+    if run_dir and run_dir.redis_sentinels and not args.redis:
+        redis = redis.model_copy(update={"sentinels": list(run_dir.redis_sentinels)})
     if args.key_prefix:
         redis = redis.model_copy(update={"key_prefix": args.key_prefix})
     if args.timeout <= 0:

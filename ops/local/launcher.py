@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from shared import log
-from shared.settings import child_env, with_env
+from shared.settings import RedisSettings, child_env, with_env
 
 _log = log.get(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -73,19 +73,24 @@ class Infra:
     data_dir: Path
     kafka_bootstrap: str = ""
     redis_url: str = ""
+    redis_sentinels: list[str] = field(default_factory=list)
+    """With ``redis_failover``: the Sentinels that know the primary (``redis_url`` is the primary it started with)."""
     versions: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, data_dir: Path, kafka_brokers: int = 1) -> Infra:
-        """Redis and Kafka: one node, or ``kafka_brokers`` nodes in one KRaft quorum (replication 3)."""
+    def start(cls, data_dir: Path, kafka_brokers: int = 1, redis_failover: bool = False) -> Infra:
+        """Redis and Kafka: one node, or ``kafka_brokers`` nodes in one KRaft quorum (replication 3); one
+        Redis, or (``redis_failover``) a primary, two replicas and three Sentinels."""
         infra = cls(data_dir)
         (data_dir / "kafka").mkdir(parents=True, exist_ok=True)
         (data_dir / "redis").mkdir(parents=True, exist_ok=True)
         deploy_script("kafka.sh", "fetch", timeout_s=900)
         deploy_script("redis.sh", "install", timeout_s=900)
         try:
-            redis = deploy_script("redis.sh", "start", str(data_dir / "redis"))
+            failover = ["--failover"] if redis_failover else []
+            redis = deploy_script("redis.sh", "start", str(data_dir / "redis"), *failover)
             infra.redis_url, infra.versions["redis"] = redis["url"], redis.get("version", "?")
+            infra.redis_sentinels = [s for s in redis.get("sentinels", "").split(",") if s]
             kafka = deploy_script("kafka.sh", "start", str(data_dir / "kafka"), "--brokers", str(kafka_brokers))
             infra.kafka_bootstrap, infra.versions["kafka"] = kafka["bootstrap"], kafka.get("version", "?")
         except BaseException:
@@ -99,6 +104,16 @@ class Infra:
         ``broker``: that node of a Kafka cluster only."""
         deploy_script(f"{name}.sh", "restart", str(self._dir(name, broker)), *(["--kill"] if kill else []),
                 env={"RESTART_DOWN_S": str(down_s)})
+
+    def redis_settings(self) -> RedisSettings:
+        """How a client reaches the current primary (through the Sentinels after a failover)."""
+        return RedisSettings(url=self.redis_url, sentinels=self.redis_sentinels)
+
+    def kill_redis_primary(self) -> None:
+        """SIGKILL the Redis primary of a failover setup and leave it down: the Sentinels promote a replica."""
+        if not self.redis_sentinels:
+            raise ValueError("Redis runs without failover: there is no primary to lose")
+        deploy_script("redis.sh", "kill", str(self.data_dir / "redis" / "primary"))
 
     def kill_broker(self, broker: int) -> None:
         """SIGKILL one node of the Kafka cluster and leave it down (:meth:`restart` brings it back)."""

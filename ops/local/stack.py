@@ -56,6 +56,9 @@ class StackConfig:
     partitions: int = 4
     kafka_brokers: int = 1
     """Kafka nodes: 1, or a KRaft cluster whose topics are replicated 3 ways with min.insync.replicas 2."""
+    redis_failover: bool = False
+    """Redis as a primary, two replicas and three Sentinels; every service finds the primary through the
+    Sentinels and acts on a window step or a registry entry only once a replica holds it."""
     model: str = "tiny"
     """``REIN_MODEL`` of the trainer, engine and proxy: ``tiny``, a Hugging Face directory or a ``.gguf`` file."""
     task: str = "guess_number"
@@ -101,7 +104,7 @@ def start(config: StackConfig) -> LocalStack:
     """Start everything; on any failure, stop what was started and re-raise."""
     run_dir = config.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    infra = Infra.start(run_dir / "infra", config.kafka_brokers)
+    infra = Infra.start(run_dir / "infra", config.kafka_brokers, config.redis_failover)
     stack = Stack(run_dir)
     token = secrets.token_hex(16)
     port = _port_allocator(config.base_port)
@@ -123,6 +126,8 @@ def start(config: StackConfig) -> LocalStack:
             "REIN_REDIS__URL": infra.redis_url,
             "REIN_LOG_JSON": "true",
         }
+        if infra.redis_sentinels:
+            common |= {"REIN_REDIS__SENTINELS": json.dumps(infra.redis_sentinels), "REIN_REDIS__REPLICAS_ACKED": "1"}
         weights = run_dir / "weights"
         weights.mkdir(exist_ok=True)
         logs = run_dir / "logs"

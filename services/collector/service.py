@@ -41,7 +41,7 @@ from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.schemas import CompletedGroup, DecodeError, GroupRef, Record
 from shared.staleness import Decision, NoSignalGroups, StepResult, WindowConfig, WindowGroup
-from shared.state import connect
+from shared.state import Replication, connect
 from shared.status_server import StatusServer
 from shared.topology import TopicSpec
 from shared.window_view import window_group
@@ -100,6 +100,7 @@ class Collector:
             self.config,
             replica=self.replica,
             lock_ms=s.outbox_lock_ms,
+            replication=Replication.of(s.redis),
         )
         self.store.claim_config(overwrite=s.reconfigure)
         self.producer = Producer(s.kafka, client_suffix=f"collector-{self.replica}")

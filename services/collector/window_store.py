@@ -52,7 +52,7 @@ from shared.staleness import (
     next_attempt,
     window_step,
 )
-from shared.state import RedisRegistry
+from shared.state import RedisRegistry, Replication
 from shared.window_layout import decode_window, drops_field, encode_config, encode_window
 
 
@@ -135,13 +135,15 @@ class WindowStore:
         replica: str,
         max_attempts: int = 200,
         lock_ms: int = 10_000,
+        replication: Replication | None = None,
     ) -> None:
         self.client = client
         self.keys = keys
         self.topics = topics
         self.config = config
         self.replica = replica
-        self.registry = RedisRegistry(client, keys)
+        self.replication = replication or Replication()
+        self.registry = RedisRegistry(client, keys, self.replication)
         self.max_attempts = max_attempts
         self.conflicts = 0
         self.outbox = Outbox(client, keys, replica=replica, lock_ms=lock_ms)
@@ -211,8 +213,11 @@ class WindowStore:
         return state, refs, hashed.steps
 
     def step(self, group: WindowGroup, ref: GroupRef, prompt: dict[str, Any] | None = None) -> StepOutcome:
-        """Decide one completed group atomically for all replicas; idempotent per group id."""
+        """Decide one completed group atomically for all replicas; idempotent per group id. Returns once the
+        decision is on ``replication``'s replicas too (also when it was already taken: a retry after a
+        failed wait waits again)."""
         if self.decided([group.group_id]):
+            self.replication.wait(self.client, self.keys)
             return StepOutcome(group.group_id, None, None, ())
         # Unknown labels become "unregistered" here, outside the transaction: registering
         # writes registry keys, which must not happen under our own WATCH.
@@ -223,6 +228,8 @@ class WindowStore:
                 try:
                     pipe.watch(k.window, k.registry_order, k.unregistered)  # type: ignore[no-untyped-call]
                     if pipe.hexists(k.decided, group.group_id):
+                        pipe.reset()
+                        self.replication.wait(self.client, self.keys)
                         return StepOutcome(group.group_id, None, None, ())
                     if not pipe.exists(k.window_config):
                         raise WindowLost(
@@ -242,6 +249,7 @@ class WindowStore:
                     pipe.multi()
                     self._write(pipe, group, refs, state, result, records, steps)
                     pipe.execute()
+                    self.replication.wait(self.client, self.keys)
                     return StepOutcome(group.group_id, result, steps, tuple(records))
                 except redis.WatchError:
                     self.conflicts += 1

@@ -57,7 +57,7 @@ from shared.bus import Consumer, Polled, Producer, read_topic
 from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.schemas import DecodeError, WeightApplied, WeightPublished, new_id
-from shared.state import RedisRegistry, connect
+from shared.state import RedisRegistry, Replication, connect
 from shared.status_server import StatusServer
 
 _log = log.get(__name__)
@@ -386,7 +386,7 @@ def run(settings: BroadcasterSettings, stop: threading.Event | None = None) -> N
         return not stalled, {"status": "stalled" if stalled else "ok"}
 
     redis_client = connect(settings.redis)
-    registry = RedisRegistry(redis_client, RedisKeys(settings.redis.key_prefix))
+    registry = RedisRegistry(redis_client, RedisKeys(settings.redis.key_prefix), Replication.of(settings.redis))
     client = ControlClient(settings.admin_token, settings.http_timeout_s)
     producer = Producer(settings.kafka, client_suffix="broadcaster")
     consumer = Consumer(

@@ -10,14 +10,13 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
-import redis
-
 from ops.local.stack import LocalStack
 from ops.report import rows_so_far
 from shared.bus import read_topic
 from shared.names import RedisKeys, Topics
 from shared.schemas import BatchManifest, DecisionRecord
 from shared.settings import KafkaSettings
+from shared.state import client_for
 from tests.support.wait import wait_on_stack
 
 _ALLOWED = [
@@ -38,7 +37,7 @@ def stop_and_read(local: LocalStack) -> dict[str, Any]:
     assert trainer.proc is not None and trainer.proc.returncode == 0, "the trainer did not stop cleanly"
     kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
     keys = RedisKeys()
-    client = redis.Redis.from_url(local.infra.redis_url, decode_responses=True)
+    client = client_for(local.infra.redis_settings())  # the current primary, after a failover too
     try:
         def outbox_empty() -> bool:
             return client.llen(keys.outbox) == 0

@@ -1,0 +1,114 @@
+"""Redis that survives its primary: a Sentinel failover mid-run, no window decision lost or taken twice.
+
+The local stack (the processes ``make demo`` starts) on ``deploy/redis.sh start DIR --failover``: a
+primary, two replicas and three Sentinels. Every service finds the primary through the Sentinels
+(``REIN_REDIS__SENTINELS``) and acts on a window step or a registry entry only once a replica holds it
+(``REIN_REDIS__REPLICAS_ACKED=1``, Redis WAIT). After the first step the primary is SIGKILLed; the
+Sentinels promote a replica, the services reconnect to it, and training goes on. Read back from the
+topics and the new primary: every completed group decided, each by one window step; every manifest
+trained once; no group in two manifests; the registry equal to the ``weights`` topic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+from ops.local.stack import LocalStack, StackConfig, start
+from ops.report import rows_so_far
+from shared.bus import read_topic
+from shared.names import RedisKeys, Topics
+from shared.schemas import CompletedGroup, DecisionRecord, WeightPublished
+from shared.settings import KafkaSettings
+from shared.state import client_for
+from tests.support.readback import assert_every_manifest_trained_once, assert_groups_accounted_for, stop_and_read
+from tests.support.wait import wait_on_stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
+
+PROGRESS_TIMEOUT_S = 300
+
+
+def _trained_index(local: LocalStack) -> int:
+    return max((int(r["manifest_index"]) for r in rows_so_far(local.trainer_metrics)), default=-1)
+
+
+def _made(local: LocalStack) -> int:
+    """Manifests made so far: the next one is made after this moment."""
+    client = client_for(local.infra.redis_settings())
+    try:
+        return int(client.hget(RedisKeys().window, "batches") or 0)
+    finally:
+        client.close()
+
+
+def _primary(local: LocalStack) -> tuple[str, int]:
+    client = client_for(local.infra.redis_settings())
+    try:
+        address: tuple[str, int] = client.connection_pool.get_master_address()  # type: ignore[attr-defined]
+        return address
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    config = StackConfig(
+        run_dir=tmp_path_factory.mktemp("failover"),
+        steps=0,
+        redis_failover=True,
+        collectors=2,
+        group_size=4,
+        batch_groups=4,
+        max_concurrent_groups=8,
+        engine_step_delay_s=0.01,
+        extra_env={f"collector-{i}": {"REIN_NO_SIGNAL_GROUPS": "keep"} for i in range(2)},
+    )
+    local = start(config)
+    try:
+        wait_on_stack("trainer step 1", lambda: _trained_index(local) >= 0, PROGRESS_TIMEOUT_S, local)
+        before = _primary(local)
+        made, t0 = _made(local), time.monotonic()
+        local.infra.kill_redis_primary()
+
+        def trained(m: int = made) -> bool:
+            return _trained_index(local) >= m
+
+        wait_on_stack("a batch made after the primary died trained", trained, PROGRESS_TIMEOUT_S, local)
+        recovered_s = round(time.monotonic() - t0, 1)
+        after = _primary(local)
+        data = stop_and_read(local)
+        kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
+        completed = {r.group_id for r in read_topic(kafka, Topics().groups, 60) if isinstance(r, CompletedGroup)}
+        print(f"\nredis failover: primary {before} killed, {after} promoted; a batch made after it trained "
+              f"{recovered_s} s later; {len(data['rows'])} steps, {len(completed)} groups")
+        data |= {"before": before, "after": after, "completed": completed, "recovered_s": recovered_s}
+    finally:
+        local.stop()
+    return data
+
+
+def test_a_replica_was_promoted_and_training_went_on(run: dict[str, Any]) -> None:
+    assert run["after"] != run["before"], "the Sentinels did not promote a replica"
+    assert len(run["rows"]) >= 2
+
+
+def test_no_window_decision_lost_or_taken_twice(run: dict[str, Any]) -> None:
+    steps: dict[str, set[int | None]] = defaultdict(set)
+    for d in run["decisions"]:
+        if isinstance(d, DecisionRecord) and d.decision != "dropped_retroactive":
+            steps[d.group_id].add(d.step)
+    undecided = sorted(run["completed"] - set(steps))
+    assert not undecided, f"{len(undecided)} completed groups without a decision: {undecided[:5]}"
+    twice = {g: sorted(s, key=str) for g, s in steps.items() if len(s) > 1}
+    assert not twice, f"groups decided by two window steps: {twice}"
+
+
+def test_nothing_trained_twice_and_the_registry_matches_the_topic(run: dict[str, Any]) -> None:
+    assert_every_manifest_trained_once(run["rows"])
+    assert_groups_accounted_for(run["batches"], run["decisions"], run["pending"])
+    published = {r.version: r.seq for r in run["weights"] if isinstance(r, WeightPublished)}
+    assert {label: int(seq) for label, seq in run["registry"]} == published
