@@ -8,7 +8,7 @@ import pytest
 
 from shared.names import RedisKeys
 from shared.settings import RedisSettings
-from shared.state import RedisRegistry, connect
+from shared.state import RedisRegistry, Replication, StateUnavailable, connect
 
 pytestmark = pytest.mark.integration
 
@@ -30,5 +30,22 @@ def test_registry_orders_by_sequence_is_idempotent_and_refuses_conflicts(redis_d
         assert registry.unregistered() == []
         assert registry.observe(["v1", "v0", "new"]) == [1, 0, 2]
         assert registry.count() == 2
+    finally:
+        client.close()
+
+
+def test_a_write_no_replica_acknowledges_is_an_outage_not_a_success(redis_db_url: str) -> None:
+    """The session's Redis has no replica: waiting for one must fail within its bound, as a dependency
+    error the services' loops retry, instead of letting a window step be acted on unreplicated."""
+    client = connect(RedisSettings(url=redis_db_url))
+    keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
+    try:
+        Replication().wait(client, keys)  # 0 replicas asked: nothing to wait for, nothing written
+        assert client.get(keys.replicated) is None
+        registry = RedisRegistry(client, keys, Replication(replicas=1, timeout_s=0.2))
+        with pytest.raises(StateUnavailable, match="0 of 1 Redis replicas"):
+            registry.publish("v0", 0)
+        assert registry.ordered() == [("v0", 0)]  # written on the primary; a retry is idempotent
+        assert client.get(keys.replicated) == "1"
     finally:
         client.close()

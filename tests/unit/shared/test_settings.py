@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from shared.settings import ServiceSettings, SettingsError, load
+from shared.names import RedisKeys
+from shared.settings import RedisSettings, ServiceSettings, SettingsError, load
 
 
 def test_nested_variables_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -34,3 +36,30 @@ def test_unknown_top_level_variable_is_an_error(monkeypatch: pytest.MonkeyPatch)
 def test_deploy_script_variables_are_not_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("REIN_CACHE", "/tmp/x")
     assert load(ServiceSettings).log_level == "info"
+
+
+def test_every_redis_key_of_a_deployment_shares_one_hash_tag() -> None:
+    """One Redis Cluster slot per deployment: the window's transaction and the registry's scripts span keys."""
+    keys = RedisKeys("run7")
+    names = [getattr(keys, n) for n in dir(RedisKeys) if isinstance(getattr(RedisKeys, n), property)]
+    names.append(keys.prompt_cursor("arithmetic", 3))
+    assert len(names) >= 12 and all(name.startswith("{run7}:") for name in names), names
+    assert RedisKeys("{a}b").window == "{a}b:window"  # a prefix with its own tag is kept as is
+
+
+@pytest.mark.parametrize(("values", "error"), [
+    ({"sentinels": ["127.0.0.1"]}, "is not host:port"),
+    ({"sentinels": [":26379"]}, "is not host:port"),
+    ({"replicas_acked": 1, "replica_ack_timeout_s": 5.0, "socket_timeout_s": 5.0}, "must be below socket_timeout_s"),
+])
+def test_redis_failover_settings_that_cannot_work_are_refused(values: dict[str, object], error: str) -> None:
+    with pytest.raises(ValidationError, match=error):
+        RedisSettings.model_validate(values)
+
+
+def test_redis_failover_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REIN_REDIS__SENTINELS", '["127.0.0.1:26379", "10.0.0.2:26379"]')
+    monkeypatch.setenv("REIN_REDIS__REPLICAS_ACKED", "1")
+    redis = load(ServiceSettings).redis
+    assert redis.sentinels == ["127.0.0.1:26379", "10.0.0.2:26379"] and redis.replicas_acked == 1
+    assert redis.sentinel_master == "rein" and redis.replica_ack_timeout_s < redis.socket_timeout_s
