@@ -74,7 +74,9 @@ class RunDir:
 
     @property
     def proxies(self) -> list[str]:
-        return [u for name, u in sorted(self.urls.items()) if name == "proxy" or name.startswith("proxy-")]
+        """Each proxy itself: the replicas when there are several (``proxy`` is then their load balancer)."""
+        replicas = [u for name, u in sorted(self.urls.items()) if name.startswith("proxy-")]
+        return replicas or [u for name, u in self.urls.items() if name == "proxy"]
 
     @property
     def engines(self) -> list[str]:

@@ -155,11 +155,14 @@ def read_window(client: Any, keys: RedisKeys) -> dict[str, Any]:
 
 
 def redis_part(settings: RedisSettings, timeout_s: float) -> dict[str, Any]:
+    from shared.members import Members
     from shared.state import client_for
 
     client = client_for(settings, socket_timeout_s=timeout_s)
     try:
-        report = read_window(client, RedisKeys(settings.key_prefix))
+        keys = RedisKeys(settings.key_prefix)
+        report = read_window(client, keys)
+        report["registered_proxies"] = Members(client, keys).live(forget=False)
     finally:
         client.close()
     report["url"] = settings.url

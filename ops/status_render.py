@@ -62,6 +62,11 @@ def render(report: dict[str, Any]) -> str:
             add(f"  [{row['index']:>4}] {row['label']:<24} seq {row['seq']}{mark}")
         for row in reg["unregistered"]:
             add(f"  [{row['index']:>4}] {row['label']:<24} UNREGISTERED")
+        registered = report.get("registered_proxies") or []
+        add("")
+        add(f"registered proxies ({len(registered)}; the broadcaster pauses these and REIN_PROXY_URLS)")
+        for url in registered:
+            add(f"  {url}")
     add("")
     groups = report["consumer_groups"]
     if "error" in groups:

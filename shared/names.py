@@ -99,6 +99,17 @@ class RedisKeys:
         """Hash keep_versions / batch_groups / max_retries every collector replica must agree on."""
         return f"{self._tag}:window:config"
 
+    def members(self, kind: str) -> str:
+        """Sorted set of the live replicas of ``kind`` (``proxy``): URL scored by when its registration
+        expires (unix seconds); each replica renews its own (``shared.members``)."""
+        return f"{self._tag}:members:{kind}"
+
+    @property
+    def pause(self) -> str:
+        """The broadcaster's pause in progress (JSON: pause id, reason), expiring with its lease: a proxy
+        that starts meanwhile starts paused under it."""
+        return f"{self._tag}:pause"
+
     @property
     def replicated(self) -> str:
         """Counter written just before each Redis WAIT (``shared.state.Replication``)."""

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ops.local.launcher import Infra, LaunchError, Service, Stack
+from ops.local.launcher import Infra, LaunchError, Service, Stack, deploy_script
 from ops.local.ports import free_port
 from shared import bus
 from shared.names import Topics
@@ -56,6 +56,9 @@ class StackConfig:
     partitions: int = 4
     kafka_brokers: int = 1
     """Kafka nodes: 1, or a KRaft cluster whose topics are replicated 3 ways with min.insync.replicas 2."""
+    proxies: int = 1
+    """Proxy replicas. More than one: each registers itself (``REIN_ADVERTISE_URL``) so the broadcaster finds
+    it, and HAProxy (``deploy/haproxy.sh``) sits in front with session affinity; agents use its URL."""
     redis_failover: bool = False
     """Redis as a primary, two replicas and three Sentinels; every service finds the primary through the
     Sentinels and acts on a window step or a registry entry only once a replica holds it."""
@@ -93,7 +96,11 @@ class LocalStack:
         try:
             self.stack.stop(self.config.stop_timeout_s)
         finally:
-            self.infra.stop()
+            try:
+                if self.config.proxies > 1:
+                    deploy_script("haproxy.sh", "stop", str(self.config.run_dir.resolve() / "haproxy"), timeout_s=30)
+            finally:
+                self.infra.stop()
 
     @property
     def trainer_metrics(self) -> Path:
@@ -110,7 +117,8 @@ def start(config: StackConfig) -> LocalStack:
     port = _port_allocator(config.base_port)
     urls = {
         "engine": f"http://127.0.0.1:{port()}",
-        "proxy": f"http://127.0.0.1:{port()}",
+        **({"proxy": f"http://127.0.0.1:{port()}"} if config.proxies == 1 else
+           {f"proxy-{i}": f"http://127.0.0.1:{port()}" for i in range(config.proxies)}),
         "trainer": f"http://127.0.0.1:{port()}",
         "broadcaster": f"http://127.0.0.1:{port()}",
         "rollout": f"http://127.0.0.1:{port()}",
@@ -191,7 +199,6 @@ def start(config: StackConfig) -> LocalStack:
             timeout_s=config.startup_timeout_s,
         )
         proxy_env = {
-            "REIN_PORT": port_of("proxy"),
             "REIN_ENGINE_URLS": json.dumps([urls["engine"]]),
             "REIN_ADMIN_TOKEN": token,
             "REIN_PARTIAL_ROLLOUT": str(config.partial_rollout).lower(),
@@ -199,10 +206,22 @@ def start(config: StackConfig) -> LocalStack:
         }
         if config.max_preempts is not None:
             proxy_env["REIN_MAX_PREEMPTS"] = str(config.max_preempts)
-        stack.add(
-            Service("proxy", "services.proxy", env("proxy", proxy_env), f"{urls['proxy']}/health", logs / "proxy.log"),
-            timeout_s=config.startup_timeout_s,
-        )
+        if config.proxies == 1:
+            stack.add(
+                Service("proxy", "services.proxy", env("proxy", {**proxy_env, "REIN_PORT": port_of("proxy")}),
+                        f"{urls['proxy']}/health", logs / "proxy.log"),
+                timeout_s=config.startup_timeout_s,
+            )
+        else:
+            replicas = [f"proxy-{i}" for i in range(config.proxies)]
+            for name in replicas:
+                values = {**proxy_env, "REIN_PORT": port_of(name), "REIN_ADVERTISE_URL": urls[name]}
+                stack.add(Service(name, "services.proxy", env("proxy", values), f"{urls[name]}/health",
+                                  logs / f"{name}.log"), timeout_s=config.startup_timeout_s)
+            deploy_script("haproxy.sh", "install", timeout_s=900)
+            balancer = deploy_script("haproxy.sh", "start", str(run_dir / "haproxy"),
+                                     *(urls[n].removeprefix("http://") for n in replicas))
+            urls["proxy"] = balancer["url"]
         stack.add(
             Service(
                 "broadcaster",
@@ -210,7 +229,8 @@ def start(config: StackConfig) -> LocalStack:
                 env(
                     "broadcaster",
                     {
-                        "REIN_PROXY_URLS": json.dumps([urls["proxy"]]),
+                        # Replicas register themselves: the broadcaster finds them in Redis.
+                        "REIN_PROXY_URLS": json.dumps([urls["proxy"]] if config.proxies == 1 else []),
                         "REIN_ENGINE_URLS": json.dumps([urls["engine"]]),
                         "REIN_ADMIN_TOKEN": token,
                         "REIN_METRICS_PORT": port_of("broadcaster"),

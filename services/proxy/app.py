@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.proxy import messages_api, responses_api
 from services.proxy.engine_client import EngineHandle, NetworkBackend, Sampling
 from services.proxy.generation import PauseController
+from services.proxy.membership import Membership
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.openai_api import (
     ChatRequest,
@@ -101,9 +102,12 @@ def create_app(settings: ProxySettings) -> FastAPI:
                       partial_rollout=settings.partial_rollout, max_preempts=settings.max_preempts)
             sweeper = asyncio.create_task(_expire_idle_sessions(service))
             lease_watch = asyncio.create_task(_expire_pause_leases(service))
+            membership = await Membership.start(settings, service) if settings.advertise_url else None
             try:
                 yield {"service": service, "metrics": proxy_metrics}
             finally:
+                if membership is not None:
+                    await membership.stop()
                 sweeper.cancel()
                 lease_watch.cancel()
                 service.controller.resume()  # release held calls so shutdown does not hang on them

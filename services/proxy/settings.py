@@ -26,6 +26,16 @@ class ProxySettings(ModelServiceSettings):
     admin_token: str = Field(min_length=8)
     """Bearer token of the control plane (pause / resume / state). Required, no default:
     set REIN_ADMIN_TOKEN to the same value in the proxy and the weight broadcaster."""
+    advertise_url: str = ""
+    """How the weight broadcaster reaches this proxy (``http://proxy-2:8000``). Set, the proxy registers
+    itself in Redis and renews that every ``heartbeat_s`` (so replicas behind a load balancer need no
+    ``REIN_PROXY_URLS`` at the broadcaster), and starts paused when an update is in progress. Empty:
+    not registered, no Redis used."""
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    """How often a registered proxy renews its registration."""
+    registration_ttl_s: float = Field(default=10.0, gt=0)
+    """How long a registration outlives its last renewal: a dead proxy drops out of the pause rounds
+    this long after it died (a pause call to it fails before that, which only retries the round)."""
     model_name: str = "rein-tiny"
     """Model id reported by ``GET /v1/models`` and in responses (requests may name any model)."""
     partial_rollout: bool = True

@@ -54,6 +54,7 @@ from services.weight_broadcaster.decide import (
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import log, metrics
 from shared.bus import Consumer, Polled, Producer, read_topic
+from shared.members import Members, PauseRecord
 from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.schemas import DecodeError, WeightApplied, WeightPublished, new_id
@@ -120,6 +121,8 @@ class Broadcaster:
         producer: Producer,
         bmetrics: BroadcasterMetrics,
         stop: threading.Event,
+        members: Members | None = None,
+        pauses: PauseRecord | None = None,
     ) -> None:
         self.s = settings
         self.client = client
@@ -132,8 +135,16 @@ class Broadcaster:
         """The newest version applied: what :meth:`reconcile` puts back on an engine that lost it."""
         self._no_stage: set[str] = set()
         """Engines without rein's ``/stage_weights`` (SGLang): not asked again."""
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(settings.proxy_urls), len(settings.engine_urls)),
+        self.members = members
+        """Proxies that registered themselves (``REIN_ADVERTISE_URL``): paused with the configured ones."""
+        self.pauses = pauses
+        """The pause in progress, in Redis for proxies that start during it."""
+        self._pool = ThreadPoolExecutor(max_workers=max(8, len(settings.proxy_urls), len(settings.engine_urls)),
                                         thread_name_prefix="broadcast")
+
+    def proxies(self) -> list[str]:
+        """Every proxy to pause: the configured ones and the live registered ones."""
+        return sorted({*self.s.proxy_urls, *(self.members.live() if self.members else ())})
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -185,28 +196,36 @@ class Broadcaster:
 
         self._stage_all(event)
         unquiesced: list[str] = []
+        reason = f"weights {event.version}"
         for attempt in range(1, self.s.max_pause_attempts + 1):
             started = time.monotonic()
             updated: list[EngineAnswer] | None = None
             applied_ok = False
             pause_id = new_id("pause")
             marks: dict[str, float] = {}
+            # Recorded first: a proxy that starts from here on starts paused under it.
+            if self.pauses:
+                self.pauses.hold(pause_id, reason, self.s.pause_lease_s)
+            proxies = self.proxies()
             try:
                 self.metrics.pause_rounds.inc()
-                answers = list(self._pool.map(
-                    partial(self._pause_one, reason=f"weights {event.version}", pause_id=pause_id), self.s.proxy_urls
-                ))
+                pause = partial(self._pause_one, reason=reason, pause_id=pause_id)
+                answers = list(self._pool.map(pause, proxies))
+                # One that registered during the round is paused too (it joined the recorded pause already).
+                late = [p for p in self.proxies() if p not in proxies]
+                answers += list(self._pool.map(pause, late))
+                proxies += late
                 marks["pause"] = time.monotonic()
                 decision = after_pause(answers, attempt, self.s.max_pause_attempts)
                 renew = decision.action is PauseAction.UPDATE and renew_before_update(
                     marks["pause"] - started, self.s.pause_lease_s)
-                lost = self._renew_all(pause_id) if renew else []
+                lost = self._renew_all(pause_id, proxies) if renew else []
                 marks["renew"] = time.monotonic()
                 for proxy in decision.unquiesced:
                     self.metrics.unquiesced.labels(proxy=proxy).inc()
                 unquiesced = decision.unquiesced + lost
                 if decision.action is PauseAction.UPDATE and not lost:
-                    with _LeaseKeeper(partial(self._renew_all, pause_id), self.s.pause_lease_s / 3):
+                    with _LeaseKeeper(partial(self._renew_all, pause_id, proxies), self.s.pause_lease_s / 3):
                         updated = self._update_all(event)
                     marks["update"] = time.monotonic()
                     applied_ok = all(a.ok for a in updated)
@@ -215,7 +234,9 @@ class Broadcaster:
                                  action=decision.action.value, proxies=unquiesced, lease_lost=lost,
                                  errors=[a.error for a in answers if a.error])
             finally:
-                self._resume_all(event.version if applied_ok else None, pause_id)
+                if self.pauses:
+                    self.pauses.end(pause_id)  # first: a proxy that starts from here on must not wait for a resume
+                self._resume_all(event.version if applied_ok else None, pause_id, sorted({*proxies, *self.proxies()}))
                 marks["resume"] = time.monotonic()
                 _log.info("update_round", version=event.version, attempt=attempt, pause_id=pause_id,
                           **_phases(started, marks))
@@ -279,20 +300,22 @@ class Broadcaster:
     def _pause_one(self, proxy: str, reason: str, pause_id: str) -> PauseAnswer:
         return self.client.pause(proxy, reason, self.s.pause_timeout_s, pause_id, self.s.pause_lease_s)
 
-    def _renew_all(self, pause_id: str) -> list[str]:
-        """Renew ``pause_id`` on every proxy; the proxies that refused or missed it."""
-        errors = list(self._pool.map(lambda p: self.client.renew(p, pause_id, self.s.pause_lease_s),
-                                     self.s.proxy_urls))
-        lost = [proxy for proxy, error in zip(self.s.proxy_urls, errors, strict=True) if error]
-        for proxy, error in zip(self.s.proxy_urls, errors, strict=True):
+    def _renew_all(self, pause_id: str, proxies: list[str]) -> list[str]:
+        """Renew ``pause_id`` on every proxy of the round (and its record); the proxies that refused or missed it."""
+        if self.pauses:
+            self.pauses.renew(self.s.pause_lease_s)
+        errors = list(self._pool.map(lambda p: self.client.renew(p, pause_id, self.s.pause_lease_s), proxies))
+        lost = [proxy for proxy, error in zip(proxies, errors, strict=True) if error]
+        for proxy, error in zip(proxies, errors, strict=True):
             if error:
                 self.metrics.leases_lost.labels(proxy=proxy).inc()
                 _log.warning("pause_lease_lost", proxy=proxy, pause_id=pause_id, error=error)
         return lost
 
-    def _resume_all(self, version: str | None, pause_id: str | None = None) -> None:
-        errors = list(self._pool.map(lambda p: self.client.resume(p, version, pause_id), self.s.proxy_urls))
-        for proxy, error in zip(self.s.proxy_urls, errors, strict=True):
+    def _resume_all(self, version: str | None, pause_id: str | None = None, proxies: list[str] | None = None) -> None:
+        targets = self.proxies() if proxies is None else proxies
+        errors = list(self._pool.map(lambda p: self.client.resume(p, version, pause_id), targets))
+        for proxy, error in zip(targets, errors, strict=True):
             if error:
                 self.metrics.resume_failures.labels(proxy=proxy).inc()
                 _log.error("resume_failed", proxy=proxy, version=version, pause_id=pause_id, error=error)
@@ -395,8 +418,11 @@ def run(settings: BroadcasterSettings, stop: threading.Event | None = None) -> N
             topic, exc.reason if isinstance(exc, DecodeError) else "unknown"),
     )
     server = StatusServer(settings.metrics_host, settings.metrics_port, bmetrics.registry, health).start()
-    broadcaster = Broadcaster(settings, client, registry, producer, bmetrics, stop)
-    _log.info("broadcaster_ready", proxies=settings.proxy_urls, engines=settings.engine_urls, port=server.port)
+    keys = registry.keys
+    broadcaster = Broadcaster(settings, client, registry, producer, bmetrics, stop,
+                              Members(redis_client, keys), PauseRecord(redis_client, keys))
+    _log.info("broadcaster_ready", proxies=settings.proxy_urls, registered=broadcaster.proxies(),
+              engines=settings.engine_urls, port=server.port)
     try:
         timeout_s = settings.kafka.request_timeout_ms / 1000
         broadcaster.recover(read_topic(settings.kafka, settings.topics.weights, timeout_s))

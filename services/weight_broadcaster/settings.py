@@ -24,7 +24,8 @@ class BroadcasterSettings(ServiceSettings):
     """Settings of ``python -m services.weight_broadcaster``."""
 
     proxy_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
-    """Every proxy to pause before and resume after a weight update (may be empty: engines only)."""
+    """Proxies to pause before and resume after a weight update, besides the ones that registered
+    themselves in Redis (``REIN_ADVERTISE_URL``); may be empty: replicas behind a load balancer register."""
     engine_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"], min_length=1)
     """Every engine to load each new version."""
     admin_token: str = Field(min_length=8)

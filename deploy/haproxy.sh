@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# HAProxy (Debian's package) as the session-affine load balancer in front of several rein proxies.
+#
+#   deploy/haproxy.sh install                      apt-get install haproxy if it is missing
+#   deploy/haproxy.sh start DATA_DIR HOST:PORT...  HAProxy on a free 127.0.0.1 port in front of those
+#                                                  proxies (deploy/haproxy/rein.cfg.in); prints
+#                                                  `url=http://127.0.0.1:PORT`
+#   deploy/haproxy.sh stop DATA_DIR                stop it (TERM, bounded wait, then KILL)
+#
+# Knobs (environment, optional): HAPROXY_START_TIMEOUT (seconds, default 10).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+HOST=127.0.0.1
+
+die() {
+    echo "haproxy.sh: error: $*" >&2
+    exit 1
+}
+log() { echo "haproxy.sh: $*" >&2; }
+
+cmd_install() {
+    if command -v haproxy >/dev/null 2>&1; then
+        log "$(haproxy -v | head -n 1 | cut -d' ' -f1-3) already installed"
+        return 0
+    fi
+    [[ $EUID -eq 0 ]] || die "haproxy is not installed and installing it needs root"
+    log "installing haproxy with apt-get ..."
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get -o DPkg::Lock::Timeout=600 update -q >&2 || die "apt-get update failed"
+    apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends haproxy >&2 ||
+        die "apt-get install haproxy failed"
+}
+
+pid_alive() { [[ -n "$1" ]] && kill -0 "$1" 2>/dev/null; }
+
+cmd_start() {
+    local dir="${1:-}" port servers="" i=0 target deadline
+    [[ -n "$dir" && $# -ge 2 ]] || die "usage: haproxy.sh start DATA_DIR HOST:PORT..."
+    shift
+    command -v haproxy >/dev/null 2>&1 || die "haproxy not found: run deploy/haproxy.sh install"
+    mkdir -p "$dir"
+    dir="$(cd "$dir" && pwd)"
+    for target in "$@"; do
+        [[ "$target" =~ ^[^:/]+:[0-9]+$ ]] || die "not HOST:PORT: $target"
+        servers+="    server p$i $target"$'\n'
+        i=$((i + 1))
+    done
+    port="$(python3 "$HERE/../ops/local/ports.py" 1)"
+    sed -e "s|@PORT@|$port|" -e "s|@DIR@|$dir|" "$HERE/haproxy/rein.cfg.in" |
+        awk -v servers="$servers" '{ if ($0 == "@SERVERS@") printf "%s", servers; else print }' >"$dir/haproxy.cfg"
+    haproxy -c -q -f "$dir/haproxy.cfg" || die "invalid configuration $dir/haproxy.cfg"
+    rm -f "$dir/haproxy.pid"
+    haproxy -f "$dir/haproxy.cfg" >"$dir/haproxy.log" 2>&1 || { cat "$dir/haproxy.log" >&2; die "haproxy did not start"; }
+    deadline=$((SECONDS + ${HAPROXY_START_TIMEOUT:-10}))
+    until [[ -s "$dir/haproxy.pid" ]] && (exec 3<>"/dev/tcp/$HOST/$port") 2>/dev/null; do
+        ((SECONDS < deadline)) || die "haproxy did not listen on $HOST:$port within ${HAPROXY_START_TIMEOUT:-10}s"
+        sleep 0.1
+    done
+    echo "http://$HOST:$port" >"$dir/url"
+    echo "url=http://$HOST:$port"
+    log "HAProxy on http://$HOST:$port in front of $*, pid $(cat "$dir/haproxy.pid")"
+}
+
+cmd_stop() {
+    local dir="${1:-}" pid deadline
+    [[ -n "$dir" ]] || die "usage: haproxy.sh stop DATA_DIR"
+    pid="$(cat "$dir/haproxy.pid" 2>/dev/null || true)"
+    if ! pid_alive "$pid" || ! grep -q haproxy "/proc/$pid/comm" 2>/dev/null; then
+        log "no haproxy running for $dir"
+        return 0
+    fi
+    kill -TERM "$pid"
+    deadline=$((SECONDS + 10))
+    while pid_alive "$pid" && ((SECONDS < deadline)); do sleep 0.1; done
+    pid_alive "$pid" && kill -KILL "$pid" 2>/dev/null
+    rm -f "$dir/haproxy.pid"
+    log "haproxy pid $pid stopped"
+}
+
+case "${1:-}" in
+install) cmd_install ;;
+start) shift; cmd_start "$@" ;;
+stop) cmd_stop "${2:-}" ;;
+*) die "usage: haproxy.sh install | start DATA_DIR HOST:PORT... | stop DATA_DIR" ;;
+esac

@@ -1,0 +1,126 @@
+"""Two proxy replicas behind HAProxy: sessions stay on one proxy, every update pauses both, and the run
+goes on when one dies (its registration lapses; a newcomer joining a pause is in
+``tests/integration/proxy/test_membership.py``).
+
+The local stack with ``proxies=2``: each proxy registers itself in Redis (``REIN_ADVERTISE_URL``), the
+broadcaster has no ``REIN_PROXY_URLS`` and finds them there, and ``deploy/haproxy.sh`` balances agents'
+calls by session (a key in the path, else ``X-Session-Id``, else the API key). The rollout runner (the
+official ``openai`` client, multi-call sessions, then a finish) reaches the proxies through HAProxy only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import httpx
+import pytest
+
+from ops.local.stack import LocalStack, StackConfig, start
+from ops.report import rows_so_far
+from shared.bus import read_topic
+from shared.members import Members
+from shared.names import RedisKeys, Topics
+from shared.schemas import Chunk, SessionFinished
+from shared.settings import KafkaSettings
+from shared.state import client_for
+from tests.support.readback import assert_every_manifest_trained_once, assert_groups_accounted_for, stop_and_read
+from tests.support.wait import wait_on_stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
+
+PROGRESS_TIMEOUT_S = 300
+
+
+def _steps(local: LocalStack) -> int:
+    return len(rows_so_far(local.trainer_metrics))
+
+
+def _state(local: LocalStack, name: str) -> dict[str, Any]:
+    answer = httpx.get(f"{local.urls[name]}/v1/rollout/state", timeout=5,
+                       headers={"Authorization": f"Bearer {local.admin_token}"})
+    answer.raise_for_status()
+    state: dict[str, Any] = answer.json()
+    return state
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    config = StackConfig(
+        run_dir=tmp_path_factory.mktemp("replicas"),
+        steps=0,
+        proxies=2,
+        collectors=2,
+        group_size=4,
+        batch_groups=4,
+        max_concurrent_groups=8,
+        engine_step_delay_s=0.01,
+        extra_env={**{f"collector-{i}": {"REIN_NO_SIGNAL_GROUPS": "keep"} for i in range(2)},
+                   "proxy": {"REIN_HEARTBEAT_S": "0.5", "REIN_REGISTRATION_TTL_S": "3"}},
+    )
+    local = start(config)
+    redis = client_for(local.infra.redis_settings())
+    keys = RedisKeys()
+    data: dict[str, Any] = {}
+    try:
+        data["registered"] = Members(redis, keys).live(forget=False)
+        wait_on_stack("two trainer steps", lambda: _steps(local) >= 2, PROGRESS_TIMEOUT_S, local)
+        data["pauses"] = {n: _state(local, n)["pauses"] for n in ("proxy-0", "proxy-1")}
+        data["requests"] = {n: _requests(local, n) for n in ("proxy-0", "proxy-1")}
+
+        # One proxy dies: its registration lapses, the other carries the run.
+        victim = next(s for s in local.stack.services if s.name == "proxy-1")
+        assert victim.proc is not None
+        before, t0 = _steps(local), time.monotonic()
+        victim.proc.kill()
+        victim.proc.wait(timeout=30)
+        wait_on_stack("the dead proxy's registration lapsed",
+                      lambda: Members(redis, keys).live(forget=False) == [local.urls["proxy-0"]], 30, local,
+                      allow_dead=("proxy-1",))
+        data["lapsed_s"] = round(time.monotonic() - t0, 1)
+        wait_on_stack("two steps with one proxy left", lambda: _steps(local) >= before + 2, PROGRESS_TIMEOUT_S, local,
+                      allow_dead=("proxy-1",))
+        data["one_proxy_s"] = round(time.monotonic() - t0, 1)
+        data |= stop_and_read(local)
+        kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
+        data["chunks"] = [r for r in read_topic(kafka, Topics().chunks, 60) if isinstance(r, Chunk)]
+        data["urls"] = dict(local.urls)
+        print(f"\nproxy replicas: pauses {data['pauses']}, calls per proxy {data['requests']}, registration lapsed "
+              f"{data['lapsed_s']} s after the kill, two steps with one proxy in {data['one_proxy_s']} s, "
+              f"{len(data['rows'])} steps")
+    finally:
+        redis.close()
+        local.stop()
+    return data
+
+
+def _requests(local: LocalStack, name: str) -> float:
+    text = httpx.get(f"{local.urls[name]}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("rein_proxy_requests_total"))
+
+
+def test_replicas_register_and_every_update_pauses_both(run: dict[str, Any]) -> None:
+    assert run["registered"] == sorted([run["urls"]["proxy-0"], run["urls"]["proxy-1"]])
+    assert all(n >= 1 for n in run["pauses"].values()), run["pauses"]
+
+
+def test_every_call_of_a_session_reaches_one_proxy(run: dict[str, Any]) -> None:
+    """A call that reached the other proxy would start the session again there (its chunks' seq would
+    restart at 0), and a finish there would end a session that proxy never saw (no chunks)."""
+    seqs: dict[str, list[int]] = defaultdict(list)
+    for chunk in run["chunks"]:
+        seqs[chunk.session_id].append(chunk.seq)
+    finished = {r.session_id: r.num_chunks for r in run["events"] if isinstance(r, SessionFinished)}
+    assert len(finished) >= 20
+    assert max(finished.values()) >= 2, "no session made two calls: affinity between calls is untested"
+    wrong = {s: (n, sorted(seqs[s])) for s, n in finished.items() if sorted(seqs[s]) != list(range(n))}
+    assert not wrong, f"sessions whose calls and finish did not all reach one proxy: {list(wrong.items())[:5]}"
+    assert all(n > 0 for n in run["requests"].values()), f"one proxy got every session: {run['requests']}"
+
+
+def test_the_run_goes_on_without_a_dead_proxy(run: dict[str, Any]) -> None:
+    assert run["one_proxy_s"] < PROGRESS_TIMEOUT_S
+    assert_every_manifest_trained_once(run["rows"])
+    assert_groups_accounted_for(run["batches"], run["decisions"], run["pending"])
