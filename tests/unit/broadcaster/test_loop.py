@@ -125,8 +125,9 @@ def ev(seq: int) -> WeightPublished:
 
 
 def make(quiesce: list[bool], **overrides: Any) -> tuple[Broadcaster, FakeClient, FakeRegistry, FakeProducer]:
-    settings = load(BroadcasterSettings, admin_token="t" * 16, proxy_urls=["http://p1", "http://p2"],
-                    engine_urls=["http://e1", "http://e2"], backoff_base_s=0.0, backoff_max_s=0.0, **overrides)
+    values = {"admin_token": "t" * 16, "proxy_urls": ["http://p1", "http://p2"], "engine_urls": ["http://e1", "http://e2"],
+              "backoff_base_s": 0.0, "backoff_max_s": 0.0, **overrides}
+    settings = load(BroadcasterSettings, **values)
     client = FakeClient(quiesce=quiesce, digest={f"/w/v{i}.pt": f"d{i}" for i in range(10)})
     registry, producer = FakeRegistry(), FakeProducer()
     b = Broadcaster(settings, client, registry, producer, BroadcasterMetrics(CollectorRegistry()),  # type: ignore[arg-type]
@@ -333,4 +334,46 @@ def test_engines_that_can_stage_read_the_checkpoint_before_the_pause() -> None:
     b.handle([ev(2)])
     assert sorted(client.stage_asks) == ["http://e1", "http://e2"]
     assert [o.outcome for o in b.handle([ev(3)])] == ["applied"]
+    b.close()
+
+
+class StubMembers:
+    """Registered proxies as a broadcaster sees them on successive reads (the last answer repeats)."""
+
+    def __init__(self, *reads: list[str]) -> None:
+        self.reads = list(reads)
+
+    def live(self) -> list[str]:
+        return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
+
+
+@dataclass
+class StubPauses:
+    log: list[tuple[str, ...]] = field(default_factory=list)
+
+    def hold(self, pause_id: str, reason: str, lease_s: float) -> None:
+        self.log.append(("hold", pause_id))
+
+    def renew(self, lease_s: float) -> None:
+        self.log.append(("renew",))
+
+    def end(self, pause_id: str) -> None:
+        self.log.append(("end", pause_id))
+
+
+def test_registered_proxies_are_paused_with_the_configured_ones_late_joiners_included() -> None:
+    """p3 registers while the round is pausing: it is paused before the engines change, and resumed with
+    the others; p4, registered after the update, is resumed too (it joined the recorded pause)."""
+    b, client, _, _ = make([True], proxy_urls=["http://p1"])
+    pauses = StubPauses()
+    b.members = StubMembers(["http://p2"], ["http://p2", "http://p3"], ["http://p2", "http://p3", "http://p4"])  # type: ignore[assignment]
+    b.pauses = pauses  # type: ignore[assignment]
+    [outcome] = b.handle([ev(1)])
+    assert outcome.outcome == "applied"
+    first_update = next(i for i, c in enumerate(client.calls) if c[0] == "update")
+    assert {c[1] for c in client.calls[:first_update] if c[0] == "pause"} == {"http://p1", "http://p2", "http://p3"}
+    assert {c[1] for c in client.calls if c[0] == "resume"} == {"http://p1", "http://p2", "http://p3", "http://p4"}
+    [pause_id] = set(client.pause_ids)
+    assert pauses.log[0] == ("hold", pause_id), "the pause is recorded before any proxy is paused"
+    assert pauses.log[-1] == ("end", pause_id)
     b.close()
