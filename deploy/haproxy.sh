@@ -47,7 +47,7 @@ cmd_start() {
         i=$((i + 1))
     done
     port="$(python3 "$HERE/../ops/local/ports.py" 1)"
-    sed -e "s|@PORT@|$port|" -e "s|@DIR@|$dir|" "$HERE/haproxy/rein.cfg.in" |
+    sed -e "s|@BIND@|$HOST:$port|" -e "s|@DIR@|$dir|" "$HERE/haproxy/rein.cfg.in" |
         awk -v servers="$servers" '{ if ($0 == "@SERVERS@") printf "%s", servers; else print }' >"$dir/haproxy.cfg"
     haproxy -c -q -f "$dir/haproxy.cfg" || die "invalid configuration $dir/haproxy.cfg"
     rm -f "$dir/haproxy.pid"

@@ -9,6 +9,7 @@
 #   rein-local/kafka:<version>    + Java 17 and the Maven jars of deploy/kafka.sh, configured as apache/kafka
 #   rein-local/redis:7            + Debian's redis-server, started as redis:7
 #   rein-local/prometheus:debian  + Debian's Prometheus, started as prom/prometheus
+#   rein-local/haproxy:2.6        + Debian's HAProxy, started as haproxy:2.6 (the proxies' balancer)
 #   rein:local                    ./Dockerfile on rein-local/python:3.11, every wheel from a local index
 #
 # The compose file keeps the official images as defaults; `docker compose --env-file deploy/images/local.env`
@@ -51,6 +52,7 @@ build_debian() {
     [[ $EUID -eq 0 ]] || die "debootstrap needs root"
     command -v debootstrap >/dev/null 2>&1 || {
         log "installing debootstrap with apt-get ..."
+        apt-get -o DPkg::Lock::Timeout=600 update -q >&2 || die "apt-get update failed"
         DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q debootstrap >&2 ||
             die "apt-get install debootstrap failed"
     }
@@ -69,6 +71,8 @@ build_debian() {
         "$MIRROR" "$SUITE" "$MIRROR" "$SUITE" "$SUITE" >"$root/etc/apt/sources.list"
     rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
     tar -C "$root" -c . | docker import --change 'CMD ["bash"]' - "$tag" >/dev/null
+    rm -rf "$root"
+    trap - EXIT
     log "$tag imported"
 }
 
@@ -110,6 +114,8 @@ build_kafka() {
 build_redis() { build rein-local/redis:7 "$HERE/images/redis.Dockerfile" "$HERE/images"; }
 
 build_prometheus() { build rein-local/prometheus:debian "$HERE/images/prometheus.Dockerfile" "$HERE/images"; }
+
+build_haproxy() { build rein-local/haproxy:2.6 "$HERE/images/haproxy.Dockerfile" "$HERE/images"; }
 
 # The wheelhouse: pyproject.toml's dependencies and the build backend, resolved by the image's own
 # Python (its markers: Debian's 3.11.2 needs wheels the host's Python may not), laid out as a PEP 503
@@ -173,6 +179,7 @@ cmd_build() {
     build_kafka
     build_redis
     build_prometheus
+    build_haproxy
     build_rein
     log "all images ready in $((SECONDS - t0))s"
 }

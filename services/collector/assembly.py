@@ -48,6 +48,10 @@ TopicPartition = tuple[str, int]
 
 INCOMPLETE = "incomplete"
 """Error of the rejection given to a session whose group timed out before it ended whole."""
+CONFLICTING_CHUNKS = "conflicting_chunks"
+"""Error of a session two different chunks claimed the same place in: two proxies served it (a call
+retried elsewhere, a balancer that moved it). Neither stream is the sequence one engine continued, so
+nothing of it is trained."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,8 @@ class Position:
 class _Session:
     chunks: dict[int, Chunk] = field(default_factory=dict)
     end: SessionFinished | SessionRejected | None = None
+    conflict: bool = False
+    """A different chunk came with a seq already held (a replay of the same record is not a conflict)."""
 
     def complete(self) -> bool:
         return self.end is not None and all(seq in self.chunks for seq in range(self.expected()))
@@ -124,6 +130,8 @@ def build_trajectory(session_id: str, session: _Session) -> Trajectory:
     """
     end = session.end
     assert end is not None
+    if session.conflict:
+        return Trajectory(session_id=session_id, status="rejected", reward=0.0, error=CONFLICTING_CHUNKS, segments=[])
     segments: dict[int, dict[str, list[Any]]] = {}
     sampling: dict[int, list[SamplingParams | None]] = {}
     finish: dict[int, str] = {}
@@ -208,7 +216,10 @@ class Assembler:
         group.positions.append(pos)
         group.last_seen = now
         if isinstance(record, Chunk):
-            group.session(record.session_id).chunks.setdefault(record.seq, record)
+            session = group.session(record.session_id)
+            held = session.chunks.setdefault(record.seq, record)
+            if held is not record and held.model_copy(update={"ts": record.ts}) != record:
+                session.conflict = True
         elif isinstance(record, GroupDispatched):
             if group.dispatched is None:
                 group.dispatched = record

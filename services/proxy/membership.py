@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 from services.proxy.service import ProxyService
 from services.proxy.settings import ProxySettings
@@ -24,9 +25,15 @@ from shared.state import connect
 _log = log.get(__name__)
 
 
+def advertised(template: str) -> str:
+    """``REIN_ADVERTISE_URL`` with ``{ip}`` replaced by the address this host's name resolves to."""
+    return template.replace("{ip}", socket.gethostbyname(socket.gethostname())) if "{ip}" in template else template
+
+
 class Membership:
     def __init__(self, settings: ProxySettings, members: Members, pauses: PauseRecord) -> None:
         self.settings = settings
+        self.url = advertised(settings.advertise_url)
         self.members = members
         self.pauses = pauses
         self._task: asyncio.Task[None] | None = None
@@ -41,8 +48,8 @@ class Membership:
         if held is not None:
             await service.pause(held.reason, None, held.pause_id, held.lease_left_s)
             _log.info("proxy_joined_pause", pause_id=held.pause_id, lease_left_s=round(held.lease_left_s, 2))
-        await asyncio.to_thread(self.members.beat, settings.advertise_url, settings.registration_ttl_s)
-        _log.info("proxy_registered", url=settings.advertise_url, ttl_s=settings.registration_ttl_s)
+        await asyncio.to_thread(self.members.beat, self.url, settings.registration_ttl_s)
+        _log.info("proxy_registered", url=self.url, ttl_s=settings.registration_ttl_s)
         self._task = asyncio.create_task(self._renew())
         return self
 
@@ -51,9 +58,9 @@ class Membership:
         while True:
             await asyncio.sleep(s.heartbeat_s)
             try:
-                await asyncio.to_thread(self.members.beat, s.advertise_url, s.registration_ttl_s)
+                await asyncio.to_thread(self.members.beat, self.url, s.registration_ttl_s)
             except DEPENDENCY_ERRORS as exc:
-                _log.warning("proxy_registration_not_renewed", url=s.advertise_url, error=str(exc))
+                _log.warning("proxy_registration_not_renewed", url=self.url, error=str(exc))
 
     async def stop(self) -> None:
         """Stop renewing and leave, so the broadcaster stops pausing this proxy at once."""
@@ -62,7 +69,7 @@ class Membership:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         try:
-            await asyncio.to_thread(self.members.leave, self.settings.advertise_url)
+            await asyncio.to_thread(self.members.leave, self.url)
         except DEPENDENCY_ERRORS as exc:
-            _log.warning("proxy_leave_failed", url=self.settings.advertise_url, error=str(exc))
+            _log.warning("proxy_leave_failed", url=self.url, error=str(exc))
         self.members.client.close()

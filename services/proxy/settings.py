@@ -27,8 +27,9 @@ class ProxySettings(ModelServiceSettings):
     """Bearer token of the control plane (pause / resume / state). Required, no default:
     set REIN_ADMIN_TOKEN to the same value in the proxy and the weight broadcaster."""
     advertise_url: str = ""
-    """How the weight broadcaster reaches this proxy (``http://proxy-2:8000``). Set, the proxy registers
-    itself in Redis and renews that every ``heartbeat_s`` (so replicas behind a load balancer need no
+    """How the weight broadcaster reaches this proxy (``http://proxy-2:8000``; ``{ip}`` stands for the
+    address this host's name resolves to, as for replicas in compose). Set, the proxy registers itself in
+    Redis and renews that every ``heartbeat_s`` (so replicas behind a load balancer need no
     ``REIN_PROXY_URLS`` at the broadcaster), and starts paused when an update is in progress. Empty:
     not registered, no Redis used."""
     heartbeat_s: float = Field(default=2.0, gt=0)

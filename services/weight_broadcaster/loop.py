@@ -203,11 +203,12 @@ class Broadcaster:
             applied_ok = False
             pause_id = new_id("pause")
             marks: dict[str, float] = {}
-            # Recorded first: a proxy that starts from here on starts paused under it.
-            if self.pauses:
-                self.pauses.hold(pause_id, reason, self.s.pause_lease_s)
-            proxies = self.proxies()
+            proxies: list[str] = []
             try:
+                # Recorded first: a proxy that starts from here on starts paused under it.
+                if self.pauses:
+                    self.pauses.hold(pause_id, reason, self.s.pause_lease_s)
+                proxies = self.proxies()
                 self.metrics.pause_rounds.inc()
                 pause = partial(self._pause_one, reason=reason, pause_id=pause_id)
                 answers = list(self._pool.map(pause, proxies))
@@ -234,9 +235,7 @@ class Broadcaster:
                                  action=decision.action.value, proxies=unquiesced, lease_lost=lost,
                                  errors=[a.error for a in answers if a.error])
             finally:
-                if self.pauses:
-                    self.pauses.end(pause_id)  # first: a proxy that starts from here on must not wait for a resume
-                self._resume_all(event.version if applied_ok else None, pause_id, sorted({*proxies, *self.proxies()}))
+                self._end_round(pause_id, event.version if applied_ok else None, proxies)
                 marks["resume"] = time.monotonic()
                 _log.info("update_round", version=event.version, attempt=attempt, pause_id=pause_id,
                           **_phases(started, marks))
@@ -296,6 +295,19 @@ class Broadcaster:
             return EngineAnswer(engine=engine, ok=False, weight_version=info.weight_version, digest=info.digest,
                                 error=f"after the update: {error}")
         return info
+
+    def _end_round(self, pause_id: str, version: str | None, proxies: list[str]) -> None:
+        """Forget the recorded pause (first: a proxy that starts from here on must not wait for a resume),
+        then resume the round's proxies and any registered since. Redis failing here must not keep the
+        round's proxies paused: they are resumed regardless (the record expires with its lease)."""
+        targets = set(proxies)
+        try:
+            if self.pauses:
+                self.pauses.end(pause_id)
+            targets.update(self.proxies())
+        except DEPENDENCY_ERRORS as exc:
+            _log.warning("pause_record_not_ended", pause_id=pause_id, error=str(exc))
+        self._resume_all(version, pause_id, sorted(targets))
 
     def _pause_one(self, proxy: str, reason: str, pause_id: str) -> PauseAnswer:
         return self.client.pause(proxy, reason, self.s.pause_timeout_s, pause_id, self.s.pause_lease_s)

@@ -9,11 +9,14 @@ taken down with its volumes. One scenario, in order, each step with a bounded wa
 0. ``--profile gpu config``: the GPU profile's configuration is valid (there is no GPU to run it on).
 1. ``up -d``: Kafka, Redis, topics, trainer, broadcaster, engine, proxy, collector, runner; the
    trainer steps; ``rein status`` and ``rein tail`` on the host reach the containers.
-2. ``up -d --scale collector=3``: three members in the collectors' consumer group; training goes on.
+2. ``up -d --scale collector=3 --scale proxy=2``: three members in the collectors' consumer group, two
+   proxies registered (the broadcaster pauses both; HAProxy keeps each session on one); training goes on.
 3. ``kill trainer`` then ``up -d``: the trainer resumes from its newest durable step and steps on.
 4. The observability profile's Prometheus has every rein service's target up.
 5. The runner stops; read back from the host: every completed group decided, no group in two
-   manifests, no version label naming two different weights.
+   manifests, every finished session's chunks numbered 0..n-1 (its calls reached one proxy) or, when two
+   proxies served it, its trajectory rejected (``conflicting_chunks``), no version label naming two
+   different weights.
 
 Figures (build time, time to the first step, image sizes) are printed (``-s``) and written to
 ``compose.json`` in the test's temp dir, for docs/operations.md.
@@ -41,7 +44,7 @@ from kafka.admin import KafkaAdminClient
 
 from ops.local.ports import free_ports
 from shared.bus import read_topic
-from shared.schemas import BatchManifest, CompletedGroup, DecisionRecord, WeightPublished
+from shared.schemas import BatchManifest, Chunk, CompletedGroup, DecisionRecord, SessionFinished, WeightPublished
 from shared.settings import KafkaSettings
 
 pytestmark = [pytest.mark.slow, pytest.mark.compose, pytest.mark.timeout(3600)]
@@ -50,6 +53,7 @@ REPO = Path(__file__).resolve().parents[2]
 LOCAL_ENV = REPO / "deploy" / "images" / "local.env"
 ADMIN_TOKEN = "compose-test-token"
 REIN_TARGETS = {"engine", "proxy", "trainer", "weight_broadcaster", "collector", "rollout"}
+SCALE = ("--scale", "collector=3", "--scale", "proxy=2")
 """Prometheus jobs that must be up (``sglang`` is only there with ``--profile gpu``)."""
 
 T = TypeVar("T")
@@ -175,6 +179,14 @@ def _rein(*args: str) -> str:
     return _run([rein, *args], 120)
 
 
+def _status(compose: Compose) -> dict[str, Any]:
+    report: dict[str, Any] = json.loads(_rein(
+        "status", "--json", "--kafka", compose.kafka.bootstrap_servers,
+        "--redis", f"redis://127.0.0.1:{compose.ports['redis']}/0",
+        "--proxy", f"http://127.0.0.1:{compose.ports['proxy']}", "--admin-token", ADMIN_TOKEN))
+    return report
+
+
 def _collector_members(compose: Compose) -> int:
     admin = KafkaAdminClient(bootstrap_servers=compose.kafka.bootstrap_servers, request_timeout_ms=10_000)
     try:
@@ -193,27 +205,28 @@ def test_the_whole_system_runs_scales_and_resumes_in_containers(compose: Compose
     figures["up_s"] = round(time.monotonic() - t0, 1)
     states = {c["Service"]: c["State"] for c in compose.ps()}
     assert states.get("topics") == "exited" and all(
-        states.get(s) == "running" for s in ("kafka", "redis", *REIN_TARGETS)), states
+        states.get(s) == "running" for s in ("kafka", "redis", "balancer", *REIN_TARGETS)), states
     first = _steps_past(compose, 0, 600, "the trainer's first step")
     figures["first_step_s"] = round(time.monotonic() - t0, 1)
 
-    status = json.loads(_rein("status", "--json", "--kafka", compose.kafka.bootstrap_servers,
-                              "--redis", f"redis://127.0.0.1:{compose.ports['redis']}/0",
-                              "--proxy", f"http://127.0.0.1:{compose.ports['proxy']}", "--admin-token", ADMIN_TOKEN))
+    status = _status(compose)
     assert status["ok"] and status["registry"] and status["proxies"], json.dumps(status, indent=1)[:4000]
+    assert len(status["registered_proxies"]) == 1, status["registered_proxies"]
     tailed = _rein("tail", "weights", "--bootstrap", compose.kafka.bootstrap_servers, "--from-beginning", "--max", "1")
     assert "weight_published" in tailed, tailed
 
-    # 2. Three collectors share the partitions; training goes on.
-    compose("up", "-d", "--scale", "collector=3")
+    # 2. Three collectors share the partitions, two proxies share the sessions; training goes on.
+    compose("up", "-d", *SCALE)
     _wait("three members in the collectors' group", lambda: _collector_members(compose) == 3, 180,
           lambda: compose.logs("collector"))
+    _wait("two proxies registered", lambda: len(_status(compose)["registered_proxies"]) == 2, 180,
+          lambda: compose.logs("proxy", "balancer"))
     scaled = _steps_past(compose, max(first, _max_step(compose)), 600, "a step after scaling the collectors")
 
     # 3. The trainer is killed and comes back from its newest durable step.
     compose("kill", "trainer", timeout_s=120)
     before = _max_step(compose)
-    compose("up", "-d", "--scale", "collector=3")
+    compose("up", "-d", *SCALE)
     resumed = _wait("the trainer's resume line", lambda: re.search(
         r'"event": "trainer_resumed".*?"step": (\d+)|"step": (\d+).*?"event": "trainer_resumed"',
         compose.logs("trainer", tail=400)), 300, lambda: compose.logs("trainer"))
@@ -236,20 +249,38 @@ def test_the_whole_system_runs_scales_and_resumes_in_containers(compose: Compose
     # 5. Read back: nothing lost, nothing trained twice, no label for two different weights.
     compose("stop", "rollout", timeout_s=120)
 
-    def all_decided() -> tuple[set[str], list[DecisionRecord]] | None:
-        groups = {r.group_id for r in read_topic(compose.kafka, "rollout.groups", 30) if isinstance(r, CompletedGroup)}
+    def all_decided() -> tuple[list[CompletedGroup], list[DecisionRecord]] | None:
+        groups = [r for r in read_topic(compose.kafka, "rollout.groups", 30) if isinstance(r, CompletedGroup)]
         decisions = [r for r in read_topic(compose.kafka, "staleness.decisions", 30) if isinstance(r, DecisionRecord)]
-        return (groups, decisions) if groups and groups <= {d.group_id for d in decisions} else None
+        decided = {d.group_id for d in decisions}
+        return (groups, decisions) if groups and all(g.group_id in decided for g in groups) else None
 
-    groups, decisions = _wait("a decision for every completed group", all_decided, 180,
-                              lambda: compose.logs("collector"))
+    completed, decisions = _wait("a decision for every completed group", all_decided, 180,
+                                 lambda: compose.logs("collector"))
+    groups = {g.group_id for g in completed}
     manifests = [r for r in read_topic(compose.kafka, "train.batches", 30) if isinstance(r, BatchManifest)]
     in_manifests = Counter(ref.group_id for m in manifests for ref in m.groups)
     assert not [g for g, n in in_manifests.items() if n > 1], "a group in two manifests"
     assert set(in_manifests) <= groups
+    # HAProxy keeps a session on one proxy. The exception: calls that straddle a new replica's start (HAProxy
+    # counts a replica up as soon as DNS names it) can be served by both; the collector then rejects that
+    # session (two different chunks with one seq) instead of training a stitched trajectory.
+    seqs: dict[str, list[int]] = {}
+    for chunk in read_topic(compose.kafka, "rollout.chunks", 30):
+        if isinstance(chunk, Chunk):
+            seqs.setdefault(chunk.session_id, []).append(chunk.seq)
+    finished = {r.session_id: r.num_chunks for r in read_topic(compose.kafka, "rollout.events", 30)
+                if isinstance(r, SessionFinished)}
+    served_twice = {s for s, v in seqs.items() if len(v) != len(set(v))}
+    split = [s for s, n in finished.items() if s not in served_twice and sorted(seqs.get(s, [])) != list(range(n))]
+    assert finished and not split, f"sessions with chunks missing: {split[:5]}"
+    trajectories = {t.session_id: t for g in completed for t in g.trajectories}
+    stitched = [s for s in served_twice if s in trajectories and trajectories[s].error != "conflicting_chunks"]
+    assert not stitched, f"sessions served by two proxies trained as one: {stitched[:5]}"
+    figures["sessions_served_twice"] = len(served_twice)
     digests: dict[str, set[str]] = {}
     for record in _published(compose):
         digests.setdefault(record.version, set()).add(record.digest)
     assert all(len(d) == 1 for d in digests.values()), digests
     figures.update(groups=len(groups), decisions=len(decisions), manifests=len(manifests),
-                   steps=_max_step(compose), collectors=3)
+                   steps=_max_step(compose), collectors=3, proxies=2)

@@ -31,7 +31,13 @@ from shared.bus import read_topic
 from shared.names import RedisKeys, Topics
 from shared.schemas import DecisionRecord, GroupDispatched, SessionRejected, WeightPublished
 from shared.settings import KafkaSettings
-from tests.support.readback import assert_every_manifest_trained_once, assert_groups_accounted_for, stop_and_read
+from tests.support.readback import (
+    assert_every_manifest_trained_once,
+    assert_groups_accounted_for,
+    batches_made,
+    stop_and_read,
+    trained_index,
+)
 from tests.support.rebalance import ForeignMember
 from tests.support.wait import wait_on_stack
 
@@ -65,20 +71,6 @@ def _service(local: LocalStack, name: str) -> Service:
 
 def _steps(local: LocalStack) -> int:
     return len(rows_so_far(local.trainer_metrics))
-
-
-def _trained_index(local: LocalStack) -> int:
-    """Highest manifest index trained so far (-1: none)."""
-    return max((int(r["manifest_index"]) for r in rows_so_far(local.trainer_metrics)), default=-1)
-
-
-def _batches_made(local: LocalStack, keys: RedisKeys) -> int:
-    """Manifests the collectors have made so far (the shared window's counter)."""
-    client = redis.Redis.from_url(local.infra.redis_url, decode_responses=True)
-    try:
-        return int(client.hget(keys.window, "batches") or 0)
-    finally:
-        client.close()
 
 
 def _kill_and_restart(local: LocalStack, name: str, while_down: Callable[[], None] = lambda: None) -> None:
@@ -135,7 +127,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         wait_on_stack("trainer step 1", lambda: _steps(local) >= 1, PROGRESS_TIMEOUT_S, local)
         for fault in FAULTS:
             before = _steps(local)
-            made = _batches_made(local, keys)  # manifests 0..made-1 exist; index `made` comes after the fault
+            made = batches_made(local)  # manifests 0..made-1 exist; index `made` comes after the fault
             started = time.monotonic()
             if fault == "proxy":
                 open_at[fault] = _dispatched(kafka)
@@ -165,7 +157,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 _kill_and_restart(local, fault)
             injected_s = time.monotonic() - started
             wait_on_stack(f"a batch made after the {fault} fault trained",
-                  lambda m=made: _trained_index(local) >= m, PROGRESS_TIMEOUT_S, local)
+                  lambda m=made: trained_index(local) >= m, PROGRESS_TIMEOUT_S, local)
             faults.append({"fault": fault, "steps_before": before, "fault_s": round(injected_s, 1),
                            "new_batch_trained_after_s": round(time.monotonic() - started, 1)})
         last = _steps(local) + EXTRA_STEPS

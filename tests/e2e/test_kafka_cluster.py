@@ -14,34 +14,26 @@ import time
 from typing import Any
 
 import pytest
-import redis
 from kafka import KafkaAdminClient
 
-from ops.local.stack import LocalStack, StackConfig, start
-from ops.report import rows_so_far
+from ops.local.stack import start
 from shared.bus import topic_configs
-from shared.names import RedisKeys, Topics
+from shared.names import Topics
 from shared.schemas import WeightPublished
 from shared.settings import KafkaSettings
-from tests.support.readback import assert_every_manifest_trained_once, assert_groups_accounted_for, stop_and_read
+from tests.support.readback import (
+    assert_every_manifest_trained_once,
+    assert_groups_accounted_for,
+    batches_made,
+    small_stack,
+    stop_and_read,
+    trained_index,
+)
 from tests.support.wait import wait_on_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
 PROGRESS_TIMEOUT_S = 300
-
-
-def _trained_index(local: LocalStack) -> int:
-    return max((int(r["manifest_index"]) for r in rows_so_far(local.trainer_metrics)), default=-1)
-
-
-def _made(local: LocalStack) -> int:
-    """Manifests made so far: the next one is made after this moment."""
-    client = redis.Redis.from_url(local.infra.redis_url, decode_responses=True)
-    try:
-        return int(client.hget(RedisKeys().window, "batches") or 0)
-    finally:
-        client.close()
 
 
 def _partitions(bootstrap: str) -> dict[tuple[str, int], dict[str, Any]]:
@@ -54,33 +46,22 @@ def _partitions(bootstrap: str) -> dict[tuple[str, int], dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    config = StackConfig(
-        run_dir=tmp_path_factory.mktemp("cluster"),
-        steps=0,
-        kafka_brokers=3,
-        collectors=2,
-        group_size=4,
-        batch_groups=4,
-        max_concurrent_groups=8,
-        engine_step_delay_s=0.01,
-        extra_env={f"collector-{i}": {"REIN_NO_SIGNAL_GROUPS": "keep"} for i in range(2)},
-    )
-    local = start(config)
+    local = start(small_stack(tmp_path_factory.mktemp("cluster"), kafka_brokers=3))
     bootstrap = local.infra.kafka_bootstrap
     try:
         partitions = _partitions(bootstrap)
         configs = topic_configs(KafkaSettings(bootstrap_servers=bootstrap), Topics().all())
-        wait_on_stack("trainer step 1", lambda: _trained_index(local) >= 0, PROGRESS_TIMEOUT_S, local)
+        wait_on_stack("trainer step 1", lambda: trained_index(local) >= 0, PROGRESS_TIMEOUT_S, local)
         victim = int(_partitions(bootstrap)[(Topics().weights, 0)]["leader"])
         phases = []
         for phase in ("killed", "back"):
-            made, t0 = _made(local), time.monotonic()
+            made, t0 = batches_made(local), time.monotonic()
             if phase == "killed":
                 local.infra.kill_broker(victim)
             else:
                 local.infra.restart("kafka", kill=False, broker=victim)
             def trained(m: int = made) -> bool:
-                return _trained_index(local) >= m
+                return trained_index(local) >= m
 
             wait_on_stack(f"a batch made after the broker was {phase} trained", trained, PROGRESS_TIMEOUT_S, local)
             leader = int(_partitions(bootstrap)[(Topics().weights, 0)]["leader"])

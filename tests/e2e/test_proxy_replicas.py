@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ops.local.stack import LocalStack, StackConfig, start
+from ops.local.stack import LocalStack, start
 from ops.report import rows_so_far
 from shared.bus import read_topic
 from shared.members import Members
@@ -25,7 +25,12 @@ from shared.names import RedisKeys, Topics
 from shared.schemas import Chunk, SessionFinished
 from shared.settings import KafkaSettings
 from shared.state import client_for
-from tests.support.readback import assert_every_manifest_trained_once, assert_groups_accounted_for, stop_and_read
+from tests.support.readback import (
+    assert_every_manifest_trained_once,
+    assert_groups_accounted_for,
+    small_stack,
+    stop_and_read,
+)
 from tests.support.wait import wait_on_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -47,18 +52,8 @@ def _state(local: LocalStack, name: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    config = StackConfig(
-        run_dir=tmp_path_factory.mktemp("replicas"),
-        steps=0,
-        proxies=2,
-        collectors=2,
-        group_size=4,
-        batch_groups=4,
-        max_concurrent_groups=8,
-        engine_step_delay_s=0.01,
-        extra_env={**{f"collector-{i}": {"REIN_NO_SIGNAL_GROUPS": "keep"} for i in range(2)},
-                   "proxy": {"REIN_HEARTBEAT_S": "0.5", "REIN_REGISTRATION_TTL_S": "3"}},
-    )
+    config = small_stack(tmp_path_factory.mktemp("replicas"), proxies=2)
+    config.extra_env["proxy"] = {"REIN_HEARTBEAT_S": "0.5", "REIN_REGISTRATION_TTL_S": "3"}
     local = start(config)
     redis = client_for(local.infra.redis_settings())
     keys = RedisKeys()

@@ -17,32 +17,25 @@ from typing import Any
 
 import pytest
 
-from ops.local.stack import LocalStack, StackConfig, start
-from ops.report import rows_so_far
+from ops.local.stack import LocalStack, start
 from shared.bus import read_topic
-from shared.names import RedisKeys, Topics
+from shared.names import Topics
 from shared.schemas import CompletedGroup, DecisionRecord, WeightPublished
 from shared.settings import KafkaSettings
 from shared.state import client_for
-from tests.support.readback import assert_every_manifest_trained_once, assert_groups_accounted_for, stop_and_read
+from tests.support.readback import (
+    assert_every_manifest_trained_once,
+    assert_groups_accounted_for,
+    batches_made,
+    small_stack,
+    stop_and_read,
+    trained_index,
+)
 from tests.support.wait import wait_on_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
 PROGRESS_TIMEOUT_S = 300
-
-
-def _trained_index(local: LocalStack) -> int:
-    return max((int(r["manifest_index"]) for r in rows_so_far(local.trainer_metrics)), default=-1)
-
-
-def _made(local: LocalStack) -> int:
-    """Manifests made so far: the next one is made after this moment."""
-    client = client_for(local.infra.redis_settings())
-    try:
-        return int(client.hget(RedisKeys().window, "batches") or 0)
-    finally:
-        client.close()
 
 
 def _primary(local: LocalStack) -> tuple[str, int]:
@@ -56,26 +49,15 @@ def _primary(local: LocalStack) -> tuple[str, int]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    config = StackConfig(
-        run_dir=tmp_path_factory.mktemp("failover"),
-        steps=0,
-        redis_failover=True,
-        collectors=2,
-        group_size=4,
-        batch_groups=4,
-        max_concurrent_groups=8,
-        engine_step_delay_s=0.01,
-        extra_env={f"collector-{i}": {"REIN_NO_SIGNAL_GROUPS": "keep"} for i in range(2)},
-    )
-    local = start(config)
+    local = start(small_stack(tmp_path_factory.mktemp("failover"), redis_failover=True))
     try:
-        wait_on_stack("trainer step 1", lambda: _trained_index(local) >= 0, PROGRESS_TIMEOUT_S, local)
+        wait_on_stack("trainer step 1", lambda: trained_index(local) >= 0, PROGRESS_TIMEOUT_S, local)
         before = _primary(local)
-        made, t0 = _made(local), time.monotonic()
+        made, t0 = batches_made(local), time.monotonic()
         local.infra.kill_redis_primary()
 
         def trained(m: int = made) -> bool:
-            return _trained_index(local) >= m
+            return trained_index(local) >= m
 
         wait_on_stack("a batch made after the primary died trained", trained, PROGRESS_TIMEOUT_S, local)
         recovered_s = round(time.monotonic() - t0, 1)

@@ -8,9 +8,10 @@ group with contradicting decisions, every kept group trained or still pending.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Any
 
-from ops.local.stack import LocalStack
+from ops.local.stack import LocalStack, StackConfig
 from ops.report import rows_so_far
 from shared.bus import read_topic
 from shared.names import RedisKeys, Topics
@@ -24,6 +25,31 @@ _ALLOWED = [
     {"failed_dropped"},
 ]
 """The decision sets one group may have (a kept group may be dropped later when the window moves on)."""
+
+
+def small_stack(run_dir: Path, **overrides: Any) -> StackConfig:
+    """The local stack the fault scenarios run: the tiny policy, unbounded steps, two collectors, small
+    groups and batches so that a step comes every few seconds; groups without signal are kept."""
+    values: dict[str, Any] = {
+        "steps": 0, "collectors": 2, "group_size": 4, "batch_groups": 4, "max_concurrent_groups": 8,
+        "engine_step_delay_s": 0.01,
+        "extra_env": {f"collector-{i}": {"REIN_NO_SIGNAL_GROUPS": "keep"} for i in range(2)},
+    }
+    return StackConfig(run_dir=run_dir, **(values | overrides))
+
+
+def trained_index(local: LocalStack) -> int:
+    """Highest manifest index the trainer has trained (-1: none)."""
+    return max((int(r["manifest_index"]) for r in rows_so_far(local.trainer_metrics)), default=-1)
+
+
+def batches_made(local: LocalStack) -> int:
+    """Manifests the collectors have made so far (the shared window's counter): the next one is made later."""
+    client = client_for(local.infra.redis_settings())
+    try:
+        return int(client.hget(RedisKeys().window, "batches") or 0)
+    finally:
+        client.close()
 
 
 def stop_and_read(local: LocalStack) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from services.collector.assembly import (
+    CONFLICTING_CHUNKS,
     PARTIAL_ROLLOUT_STALENESS,
     Assembler,
     Position,
@@ -133,7 +134,7 @@ def test_duplicates_are_ignored_and_the_group_is_emitted_once() -> None:
     feed = Feed()
     feed(dispatched(["s1"]))
     feed(chunk("s1", 0))
-    feed(chunk("s1", 0, out=[99]))  # same seq again (a replay): first one wins
+    feed(chunk("s1", 0))  # the same record again (a replay): ignored
     feed(dispatched(["s1", "other"]))  # duplicate dispatch: first one wins
     group = feed(finished("s1", 1))
     assert group is not None
@@ -388,3 +389,21 @@ def test_recent_spans_and_seen_once() -> None:
     assert stats is not None and (stats.min, stats.max, stats.mean) == (1, 3, 2.0)
     seen = SeenOnce(size=2)
     assert [seen.add(k) for k in ("a", "a", "b", "c", "a")] == [True, False, True, True, True]
+
+
+def test_a_session_two_proxies_served_is_rejected_not_stitched() -> None:
+    """Its first call answered by one proxy, the rest (retried or moved) by another that started the session
+    afresh: two different chunks claim seq 0. Whichever arrives first, no trajectory mixes the two streams."""
+    for first, second in ((chunk("s1", 0, out=[7]), chunk("s1", 0)), (chunk("s1", 0), chunk("s1", 0, out=[7]))):
+        feed = Feed()
+        feed(dispatched(["s1", "s2"]))
+        feed(first)
+        feed(second)
+        feed(chunk("s1", 1))
+        feed(chunk("s2", 0))
+        feed(finished("s2", 1))
+        group = feed(finished("s1", 2))
+        assert group is not None and group.failed
+        s1, s2 = group.trajectories
+        assert (s1.status, s1.error, s1.segments) == ("rejected", CONFLICTING_CHUNKS, [])
+        assert s2.status == "completed" and s2.segments

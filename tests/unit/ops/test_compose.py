@@ -32,7 +32,7 @@ GRAFANA = REPO / "deploy" / "grafana"
 
 REIN_SERVICES = ("engine", "proxy", "collector", "trainer", "weight_broadcaster", "rollout")
 """Compose service name = package under services/ = ``python -m services.<name>``."""
-REPLICATED = ("collector", "rollout")
+REPLICATED = ("proxy", "collector", "rollout")
 LISTEN_FIELDS = {"engine": ("host", "port"), "proxy": ("host", "port")}
 """Services whose main HTTP server carries /health and /metrics; the others use metrics_host/metrics_port."""
 
@@ -239,10 +239,11 @@ def test_health_check_matches_the_listening_port(compose: dict[str, Any], loaded
 def test_urls_between_services_point_at_listening_ports(compose: dict[str, Any], loaded: dict[str, Any]) -> None:
     ports = {name: listen(name, s)[1] for name, s in loaded.items()}
     ports["sglang"] = _sglang_port(compose)
+    ports["balancer"] = ports["proxy"]  # it forwards to the proxies' port (checked below)
     checked = 0
     for name in REIN_SERVICES:
         for key, value in rein_env(compose, name).items():
-            if not key.endswith(("_URL", "_URLS")) or key == "REIN_REDIS__URL":
+            if not key.endswith(("_URL", "_URLS")) or key in ("REIN_REDIS__URL", "REIN_ADVERTISE_URL"):
                 continue
             urls = json.loads(value) if key.endswith("_URLS") else [value]
             for raw in urls:
@@ -250,7 +251,7 @@ def test_urls_between_services_point_at_listening_ports(compose: dict[str, Any],
                 assert url.hostname in ports, f"{name} {key}: {raw} names no rein service"
                 assert url.port == ports[url.hostname], f"{name} {key}: {raw}, but {url.hostname} listens on {ports}"
                 checked += 1
-    assert checked >= 4  # proxy -> engine, broadcaster -> proxy + engine, rollout -> proxy
+    assert checked >= 3  # proxy -> engine, broadcaster -> engine, rollout -> balancer (proxies register)
 
 
 def test_proxy_and_broadcaster_agree(loaded: dict[str, Any]) -> None:
@@ -282,11 +283,29 @@ def test_local_images_replace_the_official_ones_through_compose_variables(compos
     assert "ARG PYTHON_IMAGE=python:3.11-slim" in (REPO / "Dockerfile").read_text()
 
 
-@pytest.mark.parametrize("name", ["kafka", "redis", "proxy", "prometheus", "grafana"])
-def test_host_ports_are_published_on_loopback_and_movable(compose: dict[str, Any], name: str) -> None:
+@pytest.mark.parametrize(("name", "var"), [("kafka", "KAFKA"), ("redis", "REDIS"), ("balancer", "PROXY"),
+                                         ("prometheus", "PROMETHEUS"), ("grafana", "GRAFANA")])
+def test_host_ports_are_published_on_loopback_and_movable(compose: dict[str, Any], name: str, var: str) -> None:
     """What the host reaches is on 127.0.0.1 only; the compose test moves each port to a free one."""
     [port] = _service(compose, name)["ports"]
-    assert re.fullmatch(r"127\.0\.0\.1:\$\{" + name.upper() + r"_HOST_PORT:-\d+\}:\d+", port), port
+    assert re.fullmatch(r"127\.0\.0\.1:\$\{" + var + r"_HOST_PORT:-\d+\}:\d+", port), port
+
+
+def test_the_balancer_sends_each_session_to_the_proxy_replicas_the_broadcaster_finds(
+    compose: dict[str, Any], loaded: dict[str, Any]
+) -> None:
+    """Agents reach the replicas through HAProxy only; each replica registers the address the broadcaster
+    pauses (no fixed list to keep in step with --scale); the balancer's servers are the proxy service's
+    DNS name on the proxies' port, with the one affinity configuration deploy/haproxy.sh uses."""
+    balancer = _service(compose, "balancer")
+    port = loaded["proxy"].port
+    script = " ".join(balancer["command"])
+    assert f"proxy:{port}" in script and "resolvers" in script and "@SERVERS@" in script
+    assert "./deploy/haproxy/rein.cfg.in:/etc/rein/haproxy.cfg.in:ro" in balancer["volumes"]
+    assert "@BIND@" in (REPO / "deploy" / "haproxy" / "rein.cfg.in").read_text()
+    assert loaded["proxy"].advertise_url == f"http://{{ip}}:{port}"
+    assert loaded["weight_broadcaster"].proxy_urls == []
+    assert loaded["rollout"].proxy_url == f"http://balancer:{port}"
 
 
 def test_kafka_advertises_the_published_address_to_the_host(compose: dict[str, Any]) -> None:
