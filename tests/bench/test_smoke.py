@@ -61,6 +61,14 @@ def _trainer_ranks(out: Path) -> None:
     assert all(r["step_s"] > 0 for r in data["rows"]) and data["rows"][0]["x_one_rank"] == 1.0
 
 
+def _scale_out(out: Path) -> None:
+    data = _json(out, "collectors", "proxies", "trainer")
+    assert [r["replicas"] for r in data["collectors"]] == [1, 2]
+    assert all(r["groups_per_s"] > 0 for r in data["collectors"])
+    assert [r["proxies"] for r in data["proxies"]] == [1, 2] and all(r["calls"] > 0 for r in data["proxies"])
+    assert [r["variant"] for r in data["trainer"]["rows"]] == ["1 rank", "2 ranks"]
+
+
 def _tool_call_share(out: Path) -> None:
     data = _json(out, "model", "prompts", "samples", "rows")
     assert [r["temperature"] for r in data["rows"]] == [1.0, 0.0]
@@ -174,6 +182,12 @@ SMOKE: dict[str, Smoke] = {
         lambda out, _: ["--tiny-llama", "--samples", "3", "--min-len", "16", "--max-len", "24", "--rounds", "1",
                         "--out", str(out)],
         _trainer_ranks,
+    ),
+    "scale_out": Smoke(
+        lambda out, _: ["--groups", "10", "--collectors", "1", "2", "--seconds", "3", "--concurrency", "2",
+                        "--trainer-samples", "3", "--trainer-rounds", "1", "--out", str(out),
+                        "--trainer-args", "--min-len", "16", "--max-len", "24"],
+        _scale_out, timeout_s=420,
     ),
     "tool_call_share": Smoke(
         lambda out, fx: ["--model", fx["tiny_llama_dir"], "--prompts", "2", "--samples", "2", "--temperatures", "1",
