@@ -151,9 +151,18 @@ class WindowStore:
     # ------------------------------------------------------------------ config
 
     def claim_config(self, overwrite: bool = False) -> None:
-        """Record this window's settings, or fail when the shared window runs with different ones."""
+        """Record this window's settings, or fail when the shared window runs with different ones, or when
+        Redis holds a window under the key layout before the hash tag (``rein:window:config``): claiming a
+        fresh one beside it would restart manifest numbering at 0, which a resumed trainer skips."""
         want = encode_config(self.config)
         key = self.keys.window_config
+        untagged = f"{self.keys.prefix}:window:config"
+        if untagged != key and not self.client.exists(key) and self.client.exists(untagged):
+            raise WindowLost(
+                f"Redis holds a window under the old key layout ({untagged}) and none under this one ({key}): "
+                "the run was started by an older rein. Finish it with that version, or delete its keys "
+                f"(`{self.keys.prefix}:*`) to start over, or use another REIN_REDIS__KEY_PREFIX."
+            )
         if overwrite:
             self.client.hset(key, mapping=dict(want))  # type: ignore[arg-type]
             return

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from services.collector.service import Collector
-from services.collector.window_store import WindowStore
+from services.collector.window_store import WindowLost, WindowStore
 from shared.bus import ensure_topology, topic_configs
 from shared.names import RedisKeys, Topics
 from shared.settings import KafkaSettings
@@ -86,3 +86,22 @@ def test_the_topology_is_created_as_specified(kafka_bootstrap: str, unique_topic
         assert consumer.partitions_for_topic(topics.chunks) == {0, 1, 2}
     finally:
         consumer.close()
+
+
+def test_a_window_under_the_old_untagged_keys_is_refused_not_restarted(redis_db_url: str) -> None:
+    """Keys carry the prefix as a hash tag now; a window an older rein left under ``<prefix>:window:config``
+    must stop the collector with a clear error instead of a fresh window whose manifests restart at 0."""
+    client = redis.Redis.from_url(redis_db_url, decode_responses=True)
+    keys = RedisKeys(f"old{time.monotonic_ns()}")
+    store = WindowStore(client, keys, Topics(), WindowConfig(2, 8, 2), replica="test")
+    try:
+        client.hset(f"{keys.prefix}:window:config", mapping={"keep_versions": "2"})
+        with pytest.raises(WindowLost, match="old key layout"):
+            store.claim_config()
+        assert not client.exists(keys.window_config), "nothing was claimed beside the old window"
+        client.delete(f"{keys.prefix}:window:config")
+        store.claim_config()  # without the old keys: a fresh window, as before
+        assert client.exists(keys.window_config)
+    finally:
+        client.delete(keys.window_config)
+        client.close()
