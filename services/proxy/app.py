@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple, TypeVar
 
@@ -119,35 +119,23 @@ def create_app(settings: ProxySettings) -> FastAPI:
     app = FastAPI(title="rein proxy", lifespan=lifespan)
     _install_error_handlers(app)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _chat(request, _call_ids(_Headers(request.scope["headers"]), settings.admin_token), _chat_wire)
+    def by_headers(wire: Callable[[bytes], _Call]) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            return await _chat(request, _call_ids(_Headers(request.scope["headers"]), settings.admin_token), wire)
+        return endpoint
 
-    @app.post("/sessions/{key}/v1/chat/completions")
-    async def chat_completions_by_path(key: str, request: Request) -> Response:
-        headers = _Headers(request.scope["headers"])
-        return await _chat(request, _call_ids(headers, settings.admin_token, path_key=key), _chat_wire)
+    def by_path(wire: Callable[[bytes], _Call]) -> Callable[[str, Request], Awaitable[Response]]:
+        async def endpoint(key: str, request: Request) -> Response:
+            headers = _Headers(request.scope["headers"])
+            return await _chat(request, _call_ids(headers, settings.admin_token, path_key=key), wire)
+        return endpoint
 
-    # The Responses and Messages wires: thin adapters onto the same call (docs/agents.md, "Other wires")
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        return await _chat(request, _call_ids(_Headers(request.scope["headers"]), settings.admin_token),
-                           _responses_wire)
-
-    @app.post("/sessions/{key}/v1/responses")
-    async def responses_by_path(key: str, request: Request) -> Response:
-        headers = _Headers(request.scope["headers"])
-        return await _chat(request, _call_ids(headers, settings.admin_token, path_key=key), _responses_wire)
-
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        return await _chat(request, _call_ids(_Headers(request.scope["headers"]), settings.admin_token),
-                           _messages_wire)
-
-    @app.post("/sessions/{key}/v1/messages")
-    async def messages_by_path(key: str, request: Request) -> Response:
-        headers = _Headers(request.scope["headers"])
-        return await _chat(request, _call_ids(headers, settings.admin_token, path_key=key), _messages_wire)
+    # Chat Completions, and the Responses and Messages wires as thin adapters onto the same call
+    # (docs/agents.md, "Other wires"); each by headers or API key, and by a session key in the path.
+    chat_completions = by_headers(_chat_wire)
+    for path, wire in (("chat/completions", _chat_wire), ("responses", _responses_wire), ("messages", _messages_wire)):
+        app.add_api_route(f"/v1/{path}", chat_completions if wire is _chat_wire else by_headers(wire), methods=["POST"])
+        app.add_api_route(f"/sessions/{{key}}/v1/{path}", by_path(wire), methods=["POST"])
 
     async def _chat(request: Request, ids: CallIds, wire: Callable[[bytes], _Call]) -> Response:
         service: ProxyService = request.state.service
