@@ -31,26 +31,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.trainer_step import SMOLLM2, VOCAB, make_batch, tiny_llama
+from bench.trainer_step import VOCAB, batch_args, load_model, make_batch
 from ops.local.ports import free_port
 from services.trainer.parallel import ALONE, Ranks, TorchRanks
 from services.trainer.step import Hyper, PolicyTrainer
-from shared.model import load_family
-
-
-def load_model(args: argparse.Namespace) -> nn.Module:
-    if args.tiny_llama:
-        return tiny_llama()
-    return load_family(str(args.model)).new_model(0, torch.device("cpu"), dtype=torch.float32)
 
 
 def steps(args: argparse.Namespace, ranks: Ranks) -> list[float]:
     """Seconds of each timed step (after one warm-up) on these ranks."""
-    model = load_model(args)
+    _, model = load_model(args, torch.device("cpu"))
     batch = make_batch(model, args.samples, (args.min_len, args.max_len), args.trained, VOCAB, torch.device("cpu"))
     trainer = PolicyTrainer(model, Hyper(lr=1e-6), torch.device("cpu"), ranks=ranks)
     out = []
@@ -94,15 +86,7 @@ def two_ranks(args: argparse.Namespace) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=SMOLLM2, help="an HF model directory (default: SmolLM2-135M)")
-    parser.add_argument("--tiny-llama", action="store_true", help="a random tiny Llama with a 49k vocabulary instead")
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--min-len", type=int, default=300)
-    parser.add_argument("--max-len", type=int, default=500)
-    parser.add_argument("--trained", type=float, default=0.3)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads in all: one rank's, split over two")
+    parser = batch_args(__doc__, "torch threads in all: one rank's, split over two")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -115,8 +115,9 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def batch_args(doc: str | None, threads_help: str) -> argparse.ArgumentParser:
+    """The arguments of the trainer benches: which model, and the batch a step is timed on."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=SMOLLM2, help="an HF model directory (default: SmolLM2-135M)")
     parser.add_argument("--tiny-llama", action="store_true", help="a random tiny Llama with a 49k vocabulary instead")
     parser.add_argument("--samples", type=int, default=8)
@@ -124,18 +125,27 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=500)
     parser.add_argument("--trained", type=float, default=0.3, help="share of each sample's positions in the loss")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads, the same for every variant")
+    parser.add_argument("--threads", type=int, default=2, help=threads_help)
+    return parser
+
+
+def load_model(args: argparse.Namespace, device: torch.device) -> tuple[str, nn.Module]:
+    """The model ``batch_args`` named, in fp32 on ``device``, and its name."""
+    if args.tiny_llama:
+        return "tiny-llama (vocab 49152)", tiny_llama().to(device)
+    family = load_family(str(args.model))
+    return family.name, family.new_model(0, device, dtype=torch.float32)
+
+
+def main() -> None:
+    parser = batch_args(__doc__, "torch threads, the same for every variant")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    if args.tiny_llama:
-        name, model = "tiny-llama (vocab 49152)", tiny_llama().to(device)
-    else:
-        family = load_family(str(args.model))
-        name, model = family.name, family.new_model(0, device, dtype=torch.float32)
+    name, model = load_model(args, device)
     vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator]
     batch = make_batch(model, args.samples, (args.min_len, args.max_len), args.trained, vocab, device)
     hyper = Hyper(lr=1e-6)
