@@ -11,6 +11,9 @@
 # DOCKERD_STOP_TIMEOUT (default 30).
 set -euo pipefail
 
+# shellcheck source=deploy/apt.sh
+source "$(dirname "${BASH_SOURCE[0]}")/apt.sh"
+
 CACHE="${REIN_CACHE:-$HOME/.cache/rein}"
 COMPOSE_VERSION=2.40.3
 PLUGIN="$HOME/.docker/cli-plugins/docker-compose"
@@ -25,14 +28,7 @@ log() { echo "docker.sh: $*" >&2; }
 need_root() { [[ $EUID -eq 0 ]] || die "$1 needs root (dockerd runs as root here)"; }
 
 cmd_install() {
-    if ! command -v dockerd >/dev/null 2>&1; then
-        need_root "installing docker.io"
-        log "installing docker.io with apt-get ..."
-        export DEBIAN_FRONTEND=noninteractive
-        apt-get -o DPkg::Lock::Timeout=600 update -q >&2 || die "apt-get update failed"
-        apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends docker.io >&2 ||
-            die "apt-get install docker.io failed"
-    fi
+    apt_install dockerd docker.io
     if [[ "$(docker compose version --short 2>/dev/null || true)" == "$COMPOSE_VERSION" ]]; then
         log "docker $(docker --version | cut -d' ' -f3 | tr -d ,), compose $COMPOSE_VERSION already installed"
         return 0

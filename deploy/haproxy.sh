@@ -11,6 +11,8 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=deploy/apt.sh
+source "$HERE/apt.sh"
 HOST=127.0.0.1
 
 die() {
@@ -24,12 +26,7 @@ cmd_install() {
         log "$(haproxy -v | head -n 1 | cut -d' ' -f1-3) already installed"
         return 0
     fi
-    [[ $EUID -eq 0 ]] || die "haproxy is not installed and installing it needs root"
-    log "installing haproxy with apt-get ..."
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get -o DPkg::Lock::Timeout=600 update -q >&2 || die "apt-get update failed"
-    apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends haproxy >&2 ||
-        die "apt-get install haproxy failed"
+    apt_install haproxy haproxy
 }
 
 pid_alive() { [[ -n "$1" ]] && kill -0 "$1" 2>/dev/null; }

@@ -24,6 +24,8 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/.." && pwd)"
+# shellcheck source=deploy/apt.sh
+source "$HERE/apt.sh"
 CACHE="${REIN_CACHE:-$HOME/.cache/rein}"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 SUITE=bookworm
@@ -50,12 +52,7 @@ build_debian() {
         return 0
     fi
     [[ $EUID -eq 0 ]] || die "debootstrap needs root"
-    command -v debootstrap >/dev/null 2>&1 || {
-        log "installing debootstrap with apt-get ..."
-        apt-get -o DPkg::Lock::Timeout=600 update -q >&2 || die "apt-get update failed"
-        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q debootstrap >&2 ||
-            die "apt-get install debootstrap failed"
-    }
+    apt_install debootstrap debootstrap
     local root
     root="$(mktemp -d "$CACHE/debootstrap.XXXXXX")"
     # shellcheck disable=SC2064  # expand now: the path is fixed

@@ -26,6 +26,8 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=deploy/apt.sh
+source "$HERE/apt.sh"
 HOST=127.0.0.1
 
 die() {
@@ -39,19 +41,7 @@ cmd_install() {
         log "$(redis-server --version | cut -d' ' -f1-3) already installed"
         return 0
     fi
-    command -v apt-get >/dev/null 2>&1 ||
-        die "redis-server is not installed and apt-get is unavailable: install Redis 6+ by hand (redis-server and redis-cli on PATH)"
-    local sudo=()
-    if [[ $EUID -ne 0 ]]; then
-        command -v sudo >/dev/null 2>&1 || die "redis-server is missing and installing it needs root (no sudo found)"
-        sudo=(sudo)
-    fi
-    log "installing redis-server with apt-get ..."
-    export DEBIAN_FRONTEND=noninteractive
-    "${sudo[@]}" apt-get -o DPkg::Lock::Timeout=600 update -q >&2 || die "apt-get update failed"
-    "${sudo[@]}" apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends redis-server redis-tools >&2 ||
-        die "apt-get install redis-server failed"
-    command -v redis-server >/dev/null 2>&1 || die "apt-get ran but redis-server is still not on PATH"
+    apt_install redis-cli redis-server redis-tools
 }
 
 need_redis() {
