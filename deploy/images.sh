@@ -2,7 +2,6 @@
 # The images docker-compose.yml needs, built without a registry of images (none is reachable here):
 #
 #   deploy/images.sh build    build every local image below (layers cached: a second build takes seconds)
-#   deploy/images.sh env      print the compose variables that select them (deploy/images/local.env)
 #
 #   rein-local/debian:bookworm    a Debian root filesystem from debootstrap, `docker import`ed
 #   rein-local/python:3.11        + Debian's Python: what python:3.11-slim gives the Dockerfile
@@ -38,10 +37,6 @@ die() {
 log() { echo "images.sh: $*" >&2; }
 
 kafka_version() { bash "$HERE/kafka.sh" version; }
-
-cmd_env() {
-    cat "$HERE/images/local.env"
-}
 
 image_exists() { docker image inspect "$1" >/dev/null 2>&1; }
 
@@ -183,6 +178,5 @@ cmd_build() {
 
 case "${1:-}" in
 build) cmd_build ;;
-env) cmd_env ;;
-*) die "usage: images.sh build|env" ;;
+*) die "usage: images.sh build" ;;
 esac

@@ -44,11 +44,15 @@ class Membership:
         client = await asyncio.to_thread(connect, settings.redis)
         keys = RedisKeys(settings.redis.key_prefix)
         self = cls(settings, Members(client, keys), PauseRecord(client, keys))
-        held = await asyncio.to_thread(self.pauses.current)
-        if held is not None:
-            await service.pause(held.reason, None, held.pause_id, held.lease_left_s)
-            _log.info("proxy_joined_pause", pause_id=held.pause_id, lease_left_s=round(held.lease_left_s, 2))
-        await asyncio.to_thread(self.members.beat, self.url, settings.registration_ttl_s)
+        try:
+            held = await asyncio.to_thread(self.pauses.current)
+            if held is not None:
+                await service.pause(held.reason, None, held.pause_id, held.lease_left_s)
+                _log.info("proxy_joined_pause", pause_id=held.pause_id, lease_left_s=round(held.lease_left_s, 2))
+            await asyncio.to_thread(self.members.beat, self.url, settings.registration_ttl_s)
+        except BaseException:
+            client.close()
+            raise
         _log.info("proxy_registered", url=self.url, ttl_s=settings.registration_ttl_s)
         self._task = asyncio.create_task(self._renew())
         return self

@@ -46,6 +46,7 @@ from ops.local.ports import free_ports
 from shared.bus import read_topic
 from shared.schemas import BatchManifest, Chunk, CompletedGroup, DecisionRecord, SessionFinished, WeightPublished
 from shared.settings import KafkaSettings
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.compose, pytest.mark.timeout(3600)]
 
@@ -60,14 +61,8 @@ T = TypeVar("T")
 
 
 def _wait(what: str, cond: Callable[[], T | None], timeout_s: float, on_fail: Callable[[], str]) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{on_fail()}")
-        time.sleep(2)
+    """:func:`wait_until` at the pace of containers, with the services' logs when it times out."""
+    return wait_until(cond, timeout_s, what, interval_s=2, details=on_fail)  # type: ignore[return-value]
 
 
 def _run(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None,

