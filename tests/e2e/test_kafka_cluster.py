@@ -29,7 +29,7 @@ from tests.support.readback import (
     stop_and_read,
     trained_index,
 )
-from tests.support.wait import wait_on_stack
+from tests.support.wait import wait_on_stack, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -64,7 +64,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 return trained_index(local) >= m
 
             wait_on_stack(f"a batch made after the broker was {phase} trained", trained, PROGRESS_TIMEOUT_S, local)
-            leader = int(_partitions(bootstrap)[(Topics().weights, 0)]["leader"])
+            # The leader moves once the controller fences the dead broker (broker.session.timeout.ms, 9 s),
+            # which may come after the batch above: wait for it rather than read it once.
+            def led(p: str = phase) -> int | None:
+                now = int(_partitions(bootstrap)[(Topics().weights, 0)]["leader"])
+                return now if p == "back" or now not in (victim, -1) else None
+
+            leader = wait_until(led, 60, f"the weights leader after the broker was {phase}", interval_s=0.5)
             phases.append({"phase": phase, "trained_after_s": round(time.monotonic() - t0, 1),
                            "weights_leader": leader})
         after = _partitions(bootstrap)
