@@ -162,7 +162,8 @@ def redis_part(settings: RedisSettings, timeout_s: float) -> dict[str, Any]:
     try:
         keys = RedisKeys(settings.key_prefix)
         report = read_window(client, keys)
-        report["registered_proxies"] = Members(client, keys).live(forget=False)
+        report["registered_proxies"] = Members(client, keys, "proxy").live(forget=False)
+        report["registered_engines"] = Members(client, keys, "engine").live(forget=False)
     finally:
         client.close()
     report["url"] = settings.url

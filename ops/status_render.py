@@ -67,6 +67,11 @@ def render(report: dict[str, Any]) -> str:
         add(f"registered proxies ({len(registered)}; the broadcaster pauses these and REIN_PROXY_URLS)")
         for url in registered:
             add(f"  {url}")
+        engines = report.get("registered_engines") or []
+        add(f"registered engines ({len(engines)}; proxies with REIN_DISCOVER_ENGINES route to these, the broadcaster "
+            "updates them and REIN_ENGINE_URLS)")
+        for url in engines:
+            add(f"  {url}")
     add("")
     groups = report["consumer_groups"]
     if "error" in groups:

@@ -194,6 +194,13 @@ class EngineUnavailable(DependencyUnavailable):
     code = "engine_unavailable"
 
 
+class EngineLost(EngineUnavailable):
+    """The engine a session sticks to failed its health checks or left: the session, which holds tokens of
+    that engine, is rejected on record (its prefix and version live there; it is not moved)."""
+
+    code = "engine_lost"
+
+
 class KafkaUnavailable(DependencyUnavailable):
     """A record could not be written to Kafka; the call fails rather than lose training data."""
 

@@ -104,6 +104,19 @@ class ServiceSettings(BaseSettings):
     """JSON lines (services) or a readable console format (CLI, local debugging)."""
 
 
+class ReplicaSettings(BaseModel):
+    """How a replica (a proxy, an engine) registers itself in Redis for the others to find it."""
+
+    advertise_url: str = ""
+    """How the others reach this replica (``http://proxy-2:8000``; ``{ip}`` stands for the address this host's
+    name resolves to, as for replicas in compose). Set, the replica registers itself in Redis and renews
+    that every ``heartbeat_s``; empty: not registered."""
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    """How often a registered replica renews its registration."""
+    registration_ttl_s: float = Field(default=10.0, gt=0)
+    """How long a registration outlives its last renewal: a killed replica drops out this long after it died."""
+
+
 class ModelServiceSettings(ServiceSettings):
     """Base of the services that hold a model (engine, proxy, trainer): they must agree on it."""
 

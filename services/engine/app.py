@@ -8,6 +8,7 @@ reached through ``request.state``. Errors are mapped to HTTP in one place
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -32,8 +33,12 @@ from services.engine.schemas import (
 from services.engine.settings import EngineSettings
 from shared import log, metrics
 from shared.http_server import BodyLimit
+from shared.members import Members
 from shared.model import ModelFamily, load_family
+from shared.names import RedisKeys
 from shared.policy import resolve_device
+from shared.registration import Registration
+from shared.state import connect
 from shared.tokenizer import TOKENIZER
 
 
@@ -118,6 +123,18 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(WeightUpdateError, weight_update)
 
 
+async def _register(settings: EngineSettings) -> Registration:
+    """Register this engine in Redis (it serves already: the lifespan registers last)."""
+    client = await asyncio.to_thread(connect, settings.redis)
+    registration = Registration(Members(client, RedisKeys(settings.redis.key_prefix), "engine"), settings, "engine")
+    try:
+        await registration.start()
+    except BaseException:
+        client.close()
+        raise
+    return registration
+
+
 def create_app(settings: EngineSettings) -> FastAPI:
     logger = log.get("engine")
 
@@ -143,9 +160,13 @@ def create_app(settings: EngineSettings) -> FastAPI:
         logger.info("engine ready", weight_version=weights.version, digest=weights.digest,
                     model_path=weights.model_path, device=str(device),
                     params=sum(p.numel() for p in weights.model.parameters()))
+        registration = await _register(settings) if settings.advertise_url else None
         try:
             yield {"runner": runner, "metrics": engine_metrics, "settings": settings, "family": family}
         finally:
+            if registration is not None:
+                await registration.stop()
+                registration.members.client.close()
             await runner.stop()
 
     app = FastAPI(title="rein engine", lifespan=lifespan)

@@ -7,11 +7,15 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shared.settings import ModelServiceSettings
+from shared.settings import ModelServiceSettings, ReplicaSettings
 
 
-class EngineSettings(ModelServiceSettings):
-    """Settings of ``python -m services.engine``."""
+class EngineSettings(ModelServiceSettings, ReplicaSettings):
+    """Settings of ``python -m services.engine``.
+
+    With ``REIN_ADVERTISE_URL`` (``http://{ip}:30000``) the engine registers itself in Redis once its
+    model is loaded: proxies with ``REIN_DISCOVER_ENGINES`` route sessions to it and the broadcaster
+    updates it, with no list of engines to keep."""
 
     host: str = "127.0.0.1"
     """Interface the HTTP server binds (0.0.0.0 inside a container)."""

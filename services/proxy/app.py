@@ -1,8 +1,8 @@
 """HTTP shell of the proxy: ``create_app(settings) -> FastAPI``.
 
 Reads like a table of contents: the lifespan builds the engine connection pools, the engine
-handles, the Kafka publisher, the pause controller and the :class:`ProxyService`
-(no module globals; each app instance owns its own). Routes parse HTTP and call
+pool (fixed and registered engines, watched for health), the Kafka publisher, the pause controller
+and the :class:`ProxyService` (no module globals; each app instance owns its own). Routes parse HTTP and call
 the service; the chat route, the hot one, is answered by a :class:`~shared.http_server.DirectRoute`
 past FastAPI's per-route layers. Errors are mapped to HTTP in one place (:func:`_install_error_handlers`,
 whose ``ReinError`` handler the direct route uses too):
@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.proxy import messages_api, responses_api
 from services.proxy.engine_client import EngineHandle, NetworkBackend, Sampling
+from services.proxy.engine_pool import EnginePool
 from services.proxy.generation import PauseController
 from services.proxy.membership import Membership
 from services.proxy.metrics import ProxyMetrics
@@ -64,8 +65,11 @@ from shared.errors import (
 )
 from shared.http_server import BodyLimit, DirectRoute
 from shared.lender import Lender
+from shared.members import Members
 from shared.model import load_family
+from shared.names import RedisKeys
 from shared.schemas import new_id
+from shared.state import connect
 
 _log = log.get(__name__)
 B = TypeVar("B", bound=BaseModel)
@@ -83,25 +87,37 @@ def create_app(settings: ProxySettings) -> FastAPI:
                     "write": settings.engine_timeout_s, "pool": settings.engine_timeout_s}
         tls = httpx.create_ssl_context()  # one for every pool: each would load the CA bundle (~50 ms)
         backend = NetworkBackend()
+        keepalive = len(settings.engine_urls) + (8 if settings.discover_engines else 0)
         clients = Lender(lambda: httpcore.AsyncConnectionPool(
-            ssl_context=tls, max_connections=None, max_keepalive_connections=len(settings.engine_urls),
+            ssl_context=tls, max_connections=None, max_keepalive_connections=max(1, keepalive),
             keepalive_expiry=5.0, network_backend=backend,
         ))
+
+        def handle(url: str) -> EngineHandle:
+            return EngineHandle(url, clients, settings.context_window, settings.engine_connect_timeout_s, timeouts)
+
+        redis_client = await asyncio.to_thread(connect, settings.redis) if settings.discover_engines else None
         try:
-            engines = [EngineHandle(url, clients, settings.context_window, settings.engine_connect_timeout_s, timeouts)
-                       for url in settings.engine_urls]
-            for engine in engines:
+            members = None if redis_client is None else Members(redis_client, RedisKeys(settings.redis.key_prefix),
+                                                                "engine")
+            engines = EnginePool([handle(url) for url in settings.engine_urls], handle, members,
+                                 settings.engine_unhealthy_after)
+            for engine in engines.all():
                 try:
                     await engine.refresh()
                 except (EngineUnavailable, EngineError) as exc:
                     _log.warning("engine_info_unavailable_at_start", engine=engine.url, error=str(exc))
+            if members is not None:
+                await engines.check()  # the registered engines take sessions from the first call on
             publisher = Publisher(settings.kafka, settings.publish_max_inflight_bytes, proxy_metrics)
             await publisher.start()
             service = ProxyService(settings, engines, publisher, PauseController(), proxy_metrics, tokenizer)
-            _log.info("proxy ready", engines=[(e.url, e.version) for e in engines],
+            _log.info("proxy ready", engines=[(e.url, e.version) for e in engines.all()],
+                      discover_engines=settings.discover_engines,
                       partial_rollout=settings.partial_rollout, max_preempts=settings.max_preempts)
             sweeper = asyncio.create_task(_expire_idle_sessions(service))
             lease_watch = asyncio.create_task(_expire_pause_leases(service))
+            engine_watch = asyncio.create_task(engines.watch(settings.engine_health_interval_s))
             membership = await Membership.start(settings, service) if settings.advertise_url else None
             try:
                 yield {"service": service, "metrics": proxy_metrics}
@@ -110,9 +126,12 @@ def create_app(settings: ProxySettings) -> FastAPI:
                     await membership.stop()
                 sweeper.cancel()
                 lease_watch.cancel()
+                engine_watch.cancel()
                 service.controller.resume()  # release held calls so shutdown does not hang on them
                 await publisher.close()
         finally:
+            if redis_client is not None:
+                redis_client.close()
             for client in clients.items:
                 await client.aclose()
 

@@ -18,7 +18,6 @@ body becomes 502 ``engine_error``.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import select
 import ssl
@@ -109,6 +108,8 @@ class EngineHandle:
         """Generate calls sent (for state and tests)."""
         self.bulk_abort: bool | None = None
         """The engine takes rein's ``/abort_requests`` (None: not tried yet; False: it has no such route)."""
+        self._calls: set[asyncio.Timeout] = set()
+        """The generate calls in flight, each cut short by :meth:`cut`."""
 
     def observe(self, label: object) -> None:
         """Remember a real version this engine reported (unreal labels change nothing)."""
@@ -128,6 +129,24 @@ class EngineHandle:
         if self.context_window is None:
             server = await self._call("GET", "/get_server_info", None, timeout=self._info_timeout_s)
             self.context_window = context_window_of(server, self.url)
+
+    async def check(self) -> None:
+        """``GET /health``: returns when the engine is up, raises what :meth:`_call` raises when it is not
+        (unreachable, no answer in time, 5xx: rein's engine answers 503 once its decode loop failed). A
+        4xx is an answer from a server without the route: up."""
+        try:
+            await self._call("GET", "/health", None, timeout=self._info_timeout_s)
+        except EngineError as exc:
+            status = exc.fields.get("engine_status")
+            if not (isinstance(status, int) and 400 <= status < 500):
+                raise
+
+    def cut(self) -> None:
+        """End every generate call in flight now (the engine failed its health checks): each raises
+        ``engine_unavailable`` instead of waiting for an answer that may never come."""
+        now = asyncio.get_running_loop().time()
+        for call in self._calls:
+            call.reschedule(now)
 
     async def window(self) -> int:
         """The context window, read from the engine the first time it is needed."""
@@ -156,7 +175,18 @@ class EngineHandle:
             "rid": rid,
         }
         self.requests += 1
-        data = await self._call("POST", "/generate", body, timeout=None)
+        try:
+            async with asyncio.timeout(None) as call:
+                self._calls.add(call)
+                try:
+                    data = await self._call("POST", "/generate", body, timeout=None)
+                finally:
+                    self._calls.discard(call)
+        except TimeoutError:
+            if not call.expired():
+                raise
+            raise EngineUnavailable(f"engine {self.url} failed its health checks during /generate",
+                                    engine=self.url) from None
         out = parse_generate(rid, data, self.url)
         self.observe(out.version)
         return out
@@ -333,9 +363,3 @@ class _PolledStream(httpcore.AsyncNetworkStream):
         if info == "is_readable" and self._poll is not None:
             return bool(self._poll.poll(0))
         return self._stream.get_extra_info(info)
-
-
-def pick_engine(session_id: str, engines: Sequence[EngineHandle]) -> EngineHandle:
-    """The engine a session sticks to: a stable hash of its id (same across restarts)."""
-    digest = hashlib.sha256(session_id.encode("utf-8")).digest()
-    return engines[int.from_bytes(digest[:8], "big") % len(engines)]

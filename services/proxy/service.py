@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.proxy.engine_client import AbortOutcome, EngineHandle, Sampling, pick_engine
+from services.proxy.engine_client import AbortOutcome, EngineHandle, Sampling
+from services.proxy.engine_pool import EnginePool
 from services.proxy.generation import (
     ActiveRequest,
     ChunkOutcome,
@@ -51,6 +52,7 @@ from shared import log
 from shared.errors import (
     ContextOverflow,
     EngineError,
+    EngineLost,
     EngineUnavailable,
     KafkaUnavailable,
     SessionBusy,
@@ -81,7 +83,7 @@ class ProxyService:
     def __init__(
         self,
         settings: ProxySettings,
-        engines: list[EngineHandle],
+        engines: EnginePool,
         publisher: Publisher,
         controller: PauseController,
         metrics: ProxyMetrics,
@@ -131,7 +133,7 @@ class ProxyService:
         try:
             self._look(session)
             plan = session.begin(messages, ids.turn_id, tools)
-            engine = pick_engine(ids.session_id, self.engines)
+            engine = self.engines.route(session)
             request = self._request(plan, await engine.window(), ids, budget, sampling)
             gen = await generate_preemptible(
                 request,
@@ -146,6 +148,8 @@ class ProxyService:
                 self.metrics.tool_call_replies.labels(outcome="calls" if outcome.tool_calls else "malformed").inc()
             return outcome
         except Exception as exc:
+            if isinstance(exc, EngineUnavailable) and not isinstance(exc, EngineLost):
+                exc = self.engines.call_failed(session, exc)
             await self._settle(session)
             step = session.fail(exc, soft=soft_reject)
             await self._carry_out(session, step)
@@ -237,6 +241,7 @@ class ProxyService:
         if step.ended is None:
             return
         self._acks.pop(session.session_id, None)
+        self.engines.release(session)
         self.sessions.finalize(session, step.ended)
         if step.rejection is not None:
             error = step.rejection
@@ -319,10 +324,8 @@ class ProxyService:
     async def pause(
         self, reason: str, timeout_s: float | None, pause_id: str | None = None, lease_s: float | None = None
     ) -> dict[str, Any]:
-        engines = {e.url: e for e in self.engines}
-
         async def abort(requests: Sequence[ActiveRequest]) -> dict[str, AbortOutcome]:
-            engine = engines[requests[0].engine]
+            engine = self.engines.handle(requests[0].engine)
             return await engine.abort_many([r.rid for r in requests], self.settings.engine_connect_timeout_s)
 
         result: PauseResult = await self.controller.pause(
@@ -354,14 +357,16 @@ class ProxyService:
             raise self._stale(pause_id)
         label = real_version(version)
         if label is not None:
-            for engine in self.engines:
+            for engine in self.engines.all():
                 engine.observe(label)
         else:
-            for engine in self.engines:
-                try:
-                    await engine.refresh()
-                except (EngineUnavailable, EngineError) as exc:
-                    _log.warning("engine_info_unavailable_at_resume", engine=engine.url, error=str(exc))
+            engines = self.engines.routable()  # one that is down would hold the resume for its connect timeout
+            answers = await asyncio.gather(*(e.refresh() for e in engines), return_exceptions=True)
+            for engine, answer in zip(engines, answers, strict=True):
+                if isinstance(answer, EngineUnavailable | EngineError):
+                    _log.warning("engine_info_unavailable_at_resume", engine=engine.url, error=str(answer))
+                elif isinstance(answer, BaseException):
+                    raise answer
         closed_s = self.controller.closed_s()
         status = self.controller.resume(pause_id)
         if status == "stale":  # another pause began while the engines were read
@@ -404,7 +409,7 @@ class ProxyService:
             "partial_rollout": self.settings.partial_rollout,
             "max_preempts": self.settings.max_preempts,
             "engines": [{"url": e.url, "version": e.version, "context_window": e.context_window,
-                         "requests": e.requests} for e in self.engines],
+                         "requests": e.requests, **self.engines.standing(e.url)} for e in self.engines.all()],
             "time": time.time(),
         }
 

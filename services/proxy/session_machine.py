@@ -10,7 +10,8 @@ Lifecycle::
 
     open ──begin──▶ in call ──complete──▶ open ──finish, end_acked──▶ finished
                        │ └──fail (nothing published in this call)──▶ open
-                       └──fail (a staleness rule; or anything once this call published)──▶ rejected
+                       └──fail (a staleness rule; anything once this call published;
+                                the engine holding its tokens lost)──▶ rejected
     open ──expire, end_acked──▶ rejected (session_idle)
     open, a chunk lost ──begin refused, fail | finish──▶ rejected (kafka_unavailable)
 
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from services.proxy.transcript import Answer, Messages, NewSegmentReason, SegmentState, Tools, Transcript, TurnPlan
 from shared.errors import (
+    EngineLost,
     InvalidRequest,
     KafkaUnavailable,
     PartialRolloutStalenessExceeded,
@@ -156,6 +158,8 @@ class Session(Transcript):
     """Held by a request (a call, or publishing the idle rejection): others get 409. Set by the store."""
     last_active: float = 0.0
     """Clock reading of the last time a call started or ended (the idle timeout counts from it)."""
+    engine: str = ""
+    """The engine the session sticks to ("" before its first call); the proxy's routing sets it."""
     _turn: TurnPlan | None = field(default=None, init=False, repr=False)
     _turn_id: str = field(default="", init=False, repr=False)
     _first_seq: int = field(default=0, init=False, repr=False)
@@ -254,7 +258,8 @@ class Session(Transcript):
         self.answered(plan, Answer(message, text))
         self._leave_call()
         rein = {
-            "session_id": self.session_id, "segment_index": plan.segment_index, "new_segment": plan.new_segment,
+            "session_id": self.session_id, "engine": self.engine, "segment_index": plan.segment_index,
+            "new_segment": plan.new_segment,
             "output_ids": gen.output_ids, "versions": gen.versions,
             "chunks": [{"rid": c.output.rid, "version": c.output.version, "finish_reason": c.output.finish_reason,
                         "num_tokens": len(c.output.output_ids)} for c in gen.chunks],
@@ -265,8 +270,9 @@ class Session(Transcript):
 
     def fail(self, error: Exception, *, soft: bool = False) -> Step:
         """The call stopped on ``error``. A staleness rule rejects the session (softly when asked);
-        any other failure rejects it only once this call published or a chunk of the session
-        was lost (its records cannot be completed), and then the agent still gets ``error``.
+        any other failure rejects it only once this call published, a chunk of the session
+        was lost, or the engine holding its tokens is (``EngineLost``): its records cannot be completed;
+        the agent still gets ``error``.
         Otherwise the session stays open."""
         if self.phase == "open" and self._lost_error is not None:  # ``begin`` refused the call
             return replace(self._reject(self._lost_error, soft=False, required=False), error=error)
@@ -274,6 +280,8 @@ class Session(Transcript):
             return Step(error=error)
         if isinstance(error, RolloutRejected):
             return self._reject(error, soft=soft, required=True)
+        if isinstance(error, EngineLost) and self.num_chunks > 0:
+            return self._reject(error, soft=False, required=False)  # its tokens' engine is gone: never whole
         plan, published = self._call(), self.num_chunks > self._first_seq
         if published or (isinstance(error, KafkaUnavailable) and self._pending is not None):
             self.close_segment(plan)

@@ -7,36 +7,38 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from shared.settings import ModelServiceSettings
+from shared.settings import ModelServiceSettings, ReplicaSettings
 
 
-class ProxySettings(ModelServiceSettings):
-    """Settings of ``python -m services.proxy``."""
+class ProxySettings(ModelServiceSettings, ReplicaSettings):
+    """Settings of ``python -m services.proxy``.
+
+    With ``REIN_ADVERTISE_URL`` the proxy registers itself in Redis (so replicas behind a load balancer
+    need no ``REIN_PROXY_URLS`` at the broadcaster) and starts paused when an update is in progress."""
 
     host: str = "127.0.0.1"
     """Interface the HTTP server binds (0.0.0.0 inside a container)."""
     port: int = Field(default=8000, ge=1, le=65535)
     """HTTP port agents and the weight broadcaster call."""
-    engine_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"], min_length=1)
-    """Base URLs of the inference engines. A session sticks to one engine, chosen by a
-    stable hash of its session id, so its prefix stays in that engine's cache and its
-    version is that engine's version."""
+    engine_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"])
+    """Base URLs of fixed inference engines (with ``discover_engines``, may be empty). A session sticks to
+    one engine for its lifetime, the least loaded healthy one when it starts, so its prefix stays in that
+    engine's cache and its version is that engine's version."""
+    discover_engines: bool = False
+    """Also route to the engines that registered themselves in Redis (an engine's ``REIN_ADVERTISE_URL``),
+    checked every ``engine_health_interval_s``: one that joins gets new sessions once it answered, one
+    whose registration lapses gets none."""
+    engine_health_interval_s: float = Field(default=2.0, gt=0)
+    """How often every engine's ``GET /health`` is called (and the registered engines read)."""
+    engine_unhealthy_after: int = Field(default=2, ge=1)
+    """Failed health checks or failed calls in a row (unreachable, no answer, not 2xx) after which an engine
+    gets no new sessions and the sessions holding its tokens are rejected (``engine_lost``); one good check
+    makes it healthy again."""
     admin_token: str = Field(min_length=8)
     """Bearer token of the control plane (pause / resume / state). Required, no default:
     set REIN_ADMIN_TOKEN to the same value in the proxy and the weight broadcaster."""
-    advertise_url: str = ""
-    """How the weight broadcaster reaches this proxy (``http://proxy-2:8000``; ``{ip}`` stands for the
-    address this host's name resolves to, as for replicas in compose). Set, the proxy registers itself in
-    Redis and renews that every ``heartbeat_s`` (so replicas behind a load balancer need no
-    ``REIN_PROXY_URLS`` at the broadcaster), and starts paused when an update is in progress. Empty:
-    not registered, no Redis used."""
-    heartbeat_s: float = Field(default=2.0, gt=0)
-    """How often a registered proxy renews its registration."""
-    registration_ttl_s: float = Field(default=10.0, gt=0)
-    """How long a registration outlives its last renewal: a dead proxy drops out of the pause rounds
-    this long after it died (a pause call to it fails before that, which only retries the round)."""
     model_name: str = "rein-tiny"
     """Model id reported by ``GET /v1/models`` and in responses (requests may name any model)."""
     partial_rollout: bool = True
@@ -114,3 +116,9 @@ class ProxySettings(ModelServiceSettings):
         if len(set(cleaned)) != len(cleaned):
             raise ValueError(f"engine_urls has duplicates: {cleaned}")
         return cleaned
+
+    @model_validator(mode="after")
+    def _some_engine(self) -> ProxySettings:
+        if not self.engine_urls and not self.discover_engines:
+            raise ValueError("no engine: set REIN_ENGINE_URLS, or REIN_DISCOVER_ENGINES=true for registered engines")
+        return self

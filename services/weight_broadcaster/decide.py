@@ -8,6 +8,8 @@
   later, or give up this version (DESIGN: never update while a proxy did not quiesce).
 - :func:`renew_before_update`: whether the pause round took long enough that a lease may have run out.
 - :func:`backoff_s`: bounded exponential backoff between attempts.
+- :func:`update_targets`: which engines an update goes to (every fixed one; a registered one only
+  while it answers: a dead one whose registration has not lapsed yet must not fail the version).
 - :func:`not_served`: why an engine's ``/get_model_info`` shows it is not serving an event's
   version (its ``weight_version``, and rein's ``digest`` where the engine reports one).
 """
@@ -62,6 +64,16 @@ def classify(
     if engines and all(not not_served(event, v, d) for v, d in engines):
         return EventAction.ALREADY_APPLIED
     return EventAction.APPLY
+
+
+def update_targets(answered: Sequence[tuple[str, bool]], fixed: Iterable[str]) -> tuple[list[str], list[str]]:
+    """``answered``: each engine and whether its ``/get_model_info`` answered. Returns the engines to
+    update (every fixed one, answering or not: its failure is reported as before; each registered one
+    that answered) and the registered ones left out (reported as lagging; reconciled once they answer)."""
+    fixed_set = set(fixed)
+    targets = [url for url, ok in answered if ok or url in fixed_set]
+    skipped = [url for url, ok in answered if not ok and url not in fixed_set]
+    return targets, skipped
 
 
 def not_served(event: WeightPublished, weight_version: str | None, digest: str | None) -> str:

@@ -21,8 +21,9 @@ proxy (always, in ``finally``, naming the pause; with the version when it was ap
 runs out. Offsets are committed once the poll's events are handled, so
 a crash replays them and the replay is idempotent.
 
-Every ``reconcile_interval_s`` it also checks what each engine serves: an engine that
-restarted on its start checkpoint gets the newest applied version loaded again (the
+Every ``reconcile_interval_s`` it also checks what each engine serves (the configured ones and
+those registered in Redis, as for every update): an engine that
+restarted on its start checkpoint, or joined on one, gets the newest applied version loaded again (the
 same pause → update → resume). A Redis or Kafka outage is waited out: the poll's
 records are handled again once the dependency is back.
 """
@@ -50,6 +51,7 @@ from services.weight_broadcaster.decide import (
     not_served,
     plan_events,
     renew_before_update,
+    update_targets,
 )
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import log, metrics
@@ -94,6 +96,9 @@ class BroadcasterMetrics:
             registry, "broadcaster/staged_updates",
             "Engine updates that swapped in the checkpoint staged before the pause (no read while paused)",
             ("engine",))
+        self.lagging = metrics.counter(
+            registry, "broadcaster/engines_lagging",
+            "Engines found behind the newest version (reloaded) or unreachable at an update (left out)")
         self.applied_seq = metrics.gauge(registry, "broadcaster/applied_seq", "Sequence of the newest applied version")
         self.update_seconds = metrics.gauge(registry, "broadcaster/update_seconds",
                                             "Pause-to-resume time of the last applied version")
@@ -123,6 +128,7 @@ class Broadcaster:
         stop: threading.Event,
         members: Members | None = None,
         pauses: PauseRecord | None = None,
+        engine_members: Members | None = None,
     ) -> None:
         self.s = settings
         self.client = client
@@ -139,12 +145,18 @@ class Broadcaster:
         """Proxies that registered themselves (``REIN_ADVERTISE_URL``): paused with the configured ones."""
         self.pauses = pauses
         """The pause in progress, in Redis for proxies that start during it."""
+        self.engine_members = engine_members
+        """Engines that registered themselves: updated with the configured ones."""
         self._pool = ThreadPoolExecutor(max_workers=max(8, len(settings.proxy_urls), len(settings.engine_urls)),
                                         thread_name_prefix="broadcast")
 
     def proxies(self) -> list[str]:
         """Every proxy to pause: the configured ones and the live registered ones."""
         return sorted({*self.s.proxy_urls, *(self.members.live() if self.members else ())})
+
+    def engines(self) -> list[str]:
+        """Every engine to update: the configured ones and the live registered ones."""
+        return sorted({*self.s.engine_urls, *(self.engine_members.live() if self.engine_members else ())})
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -183,18 +195,25 @@ class Broadcaster:
         return int(raw) if raw is not None else None
 
     def apply(self, event: WeightPublished) -> Outcome:
-        infos = list(self._pool.map(self.client.model_info, self.s.engine_urls))
+        known = list(self._pool.map(self.client.model_info, self.engines()))
+        targets, skipped = update_targets([(i.engine, i.ok) for i in known], self.s.engine_urls)
+        if skipped:
+            self._lagging(skipped, event, "unreachable: not updated")
+        if not targets:
+            _log.error("no_engine_to_update", version=event.version, skipped=skipped)
+            return Outcome(event.version, event.seq, "update_failed", failed_engines=skipped)
+        infos = [i for i in known if i.engine in targets]
         engine_seqs = [q for q in (self._engine_seq(i.weight_version) for i in infos if i.ok) if q is not None]
         applied = max([*engine_seqs, *([self.applied_seq] if self.applied_seq is not None else [])], default=None)
         action = classify(event, applied, [(i.weight_version, i.digest) if i.ok else (None, None) for i in infos])
         if action is EventAction.OLDER:
             return Outcome(event.version, event.seq, "older")
         if action is EventAction.ALREADY_APPLIED:
-            self._announce(event)
+            self._announce(event, targets)
             self._applied(event)
             return Outcome(event.version, event.seq, "already_applied")
 
-        self._stage_all(event)
+        self._stage_all(event, targets)
         unquiesced: list[str] = []
         reason = f"weights {event.version}"
         for attempt in range(1, self.s.max_pause_attempts + 1):
@@ -227,7 +246,7 @@ class Broadcaster:
                 unquiesced = decision.unquiesced + lost
                 if decision.action is PauseAction.UPDATE and not lost:
                     with _LeaseKeeper(partial(self._renew_all, pause_id, proxies), self.s.pause_lease_s / 3):
-                        updated = self._update_all(event)
+                        updated = self._update_all(event, targets)
                     marks["update"] = time.monotonic()
                     applied_ok = all(a.ok for a in updated)
                 else:
@@ -244,7 +263,7 @@ class Broadcaster:
                 if failed:
                     return Outcome(event.version, event.seq, "update_failed", failed_engines=failed)
                 self.metrics.update_seconds.set(time.monotonic() - started)
-                self._announce(event)
+                self._announce(event, targets)
                 self._applied(event)
                 return Outcome(event.version, event.seq, "applied")
             if attempt < self.s.max_pause_attempts and self.stop.wait(
@@ -253,11 +272,11 @@ class Broadcaster:
                 break  # stopping: leave the version for the next run (offset not committed past it)
         return Outcome(event.version, event.seq, "unquiesced", unquiesced=unquiesced)
 
-    def _stage_all(self, event: WeightPublished) -> None:
+    def _stage_all(self, event: WeightPublished, targets: list[str]) -> None:
         """Have every engine that can (rein's) read the checkpoint before the proxies are paused, so
         the update inside the pause only swaps it in. Best effort: an engine that failed to stage
         reads the file in the update, which reports any real problem."""
-        engines = [e for e in self.s.engine_urls if e not in self._no_stage]
+        engines = [e for e in targets if e not in self._no_stage]
         answers = self._pool.map(lambda e: self.client.stage(e, event.path, self.s.update_timeout_s), engines)
         for engine, error in zip(engines, answers, strict=True):
             if error is None:
@@ -265,7 +284,7 @@ class Broadcaster:
             elif error:
                 _log.warning("stage_failed", engine=engine, version=event.version, error=error)
 
-    def _update_all(self, event: WeightPublished) -> list[EngineAnswer]:
+    def _update_all(self, event: WeightPublished, targets: list[str]) -> list[EngineAnswer]:
         def one(engine: str) -> EngineAnswer:
             answer = EngineAnswer(engine=engine, ok=False, error="not attempted")
             for attempt in range(1, self.s.max_update_attempts + 1):
@@ -282,7 +301,7 @@ class Broadcaster:
                            error=answer.error)
             return answer
 
-        return list(self._pool.map(one, self.s.engine_urls))
+        return list(self._pool.map(one, targets))
 
     def _verify(self, engine: str, event: WeightPublished, updated: EngineAnswer) -> EngineAnswer:
         """After a successful update: what the engine serves must be the event's label (and its
@@ -332,9 +351,13 @@ class Broadcaster:
                 self.metrics.resume_failures.labels(proxy=proxy).inc()
                 _log.error("resume_failed", proxy=proxy, version=version, pause_id=pause_id, error=error)
 
-    def _announce(self, event: WeightPublished) -> None:
+    def _lagging(self, engines: list[str], event: WeightPublished, why: str) -> None:
+        self.metrics.lagging.inc(len(engines))
+        _log.warning("engines_lagging", version=event.version, seq=event.seq, engines=engines, why=why)
+
+    def _announce(self, event: WeightPublished, engines: list[str]) -> None:
         applied = WeightApplied(version=event.version, seq=event.seq, digest=event.digest,
-                                engines=list(self.s.engine_urls), last_index=event.last_index)
+                                engines=engines, last_index=event.last_index)
         self.producer.send(self.s.topics.weights, applied)
         _log.info("weights_applied", version=event.version, seq=event.seq, digest=event.digest)
 
@@ -353,7 +376,7 @@ class Broadcaster:
         latest = self.latest
         if latest is None:
             return None
-        infos = list(self._pool.map(self.client.model_info, self.s.engine_urls))
+        infos = list(self._pool.map(self.client.model_info, self.engines()))
         behind = []
         for info in infos:
             if not info.ok or not not_served(latest, info.weight_version, info.digest):
@@ -364,7 +387,7 @@ class Broadcaster:
         if not behind:
             return None
         self.metrics.reconciles.inc()
-        _log.warning("engines_behind", version=latest.version, seq=latest.seq, engines=behind)
+        self._lagging(behind, latest, "serves an older version: reloading the newest")
         return self._count(self.apply(latest))
 
     def recover(self, weights: Sequence[object] = ()) -> None:
@@ -432,9 +455,10 @@ def run(settings: BroadcasterSettings, stop: threading.Event | None = None) -> N
     server = StatusServer(settings.metrics_host, settings.metrics_port, bmetrics.registry, health).start()
     keys = registry.keys
     broadcaster = Broadcaster(settings, client, registry, producer, bmetrics, stop,
-                              Members(redis_client, keys), PauseRecord(redis_client, keys))
+                              Members(redis_client, keys), PauseRecord(redis_client, keys),
+                              Members(redis_client, keys, "engine"))
     _log.info("broadcaster_ready", proxies=settings.proxy_urls, registered=broadcaster.proxies(),
-              engines=settings.engine_urls, port=server.port)
+              engines=broadcaster.engines(), port=server.port)
     try:
         timeout_s = settings.kafka.request_timeout_ms / 1000
         broadcaster.recover(read_topic(settings.kafka, settings.topics.weights, timeout_s))

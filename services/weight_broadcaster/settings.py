@@ -26,8 +26,11 @@ class BroadcasterSettings(ServiceSettings):
     proxy_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """Proxies to pause before and resume after a weight update, besides the ones that registered
     themselves in Redis (``REIN_ADVERTISE_URL``); may be empty: replicas behind a load balancer register."""
-    engine_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"], min_length=1)
-    """Every engine to load each new version."""
+    engine_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:30000"])
+    """Engines to load each new version, besides the ones registered in Redis (an engine's
+    ``REIN_ADVERTISE_URL``); may be empty when the engines register. A fixed engine that fails an
+    update fails the version; a registered one that does not answer is left out and reported
+    (``engines_lagging``), then reconciled once it answers."""
     admin_token: str = Field(min_length=8)
     """Bearer token of the proxies' control plane; the same value as the proxies' REIN_ADMIN_TOKEN."""
     pause_timeout_s: float = Field(default=30.0, gt=0)

@@ -92,8 +92,10 @@ def engine_process(
     step_delay_s: float = 0.0,
     log_level: str = "warning",
     extra_env: Mapping[str, str] | None = None,
+    advertise: bool = False,
 ) -> Iterator[Engine]:
-    """An engine on a free port; ``step_delay_s`` slows decoding so a test can act mid-generation."""
+    """An engine on a free port; ``step_delay_s`` slows decoding so a test can act mid-generation;
+    ``advertise``: it registers its URL in Redis (``extra_env`` says which Redis)."""
     weights_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -103,6 +105,7 @@ def engine_process(
         "REIN_STEP_DELAY_S": str(step_delay_s),
         "REIN_TORCH_THREADS": "1",
         "REIN_LOG_LEVEL": log_level,
+        **({"REIN_ADVERTISE_URL": url} if advertise else {}),
         **(extra_env or {}),
     }
     proc = start_service("services.engine", env, f"{url}/health", timeout_s=START_TIMEOUT_S, log_dir=log_dir)

@@ -14,6 +14,7 @@ from services.weight_broadcaster.decide import (
     not_served,
     plan_events,
     renew_before_update,
+    update_targets,
 )
 from shared.schemas import WeightPublished
 
@@ -106,3 +107,10 @@ def test_a_renewal_before_the_update_only_after_a_third_of_the_lease() -> None:
     assert not renew_before_update(10.0, 30.0)
     assert renew_before_update(10.01, 30.0)
     assert renew_before_update(1e-6, 1e-6)
+
+
+def test_update_targets_keep_every_fixed_engine_and_the_registered_ones_that_answer() -> None:
+    answered = [("http://f1", False), ("http://f2", True), ("http://r1", True), ("http://r2", False)]
+    assert update_targets(answered, ["http://f1", "http://f2"]) == (
+        ["http://f1", "http://f2", "http://r1"], ["http://r2"])
+    assert update_targets([], []) == ([], [])

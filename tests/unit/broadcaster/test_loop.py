@@ -40,6 +40,8 @@ class FakeClient:
     """True: engines take ``/stage_weights`` (rein's; the calls are logged); False: 404, as SGLang."""
     stage_asks: list[str] = field(default_factory=list)
     """Every engine asked to stage, logged or not."""
+    down: set[str] = field(default_factory=set)
+    """Engines that do not answer (their calls fail)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _log(self, *call: str) -> None:
@@ -65,6 +67,8 @@ class FakeClient:
 
     def update(self, engine: str, model_path: str, version: str, timeout_s: float, abort_all: bool) -> EngineAnswer:
         self._log("update", engine, version)
+        if engine in self.down:
+            return EngineAnswer(engine, ok=False, error="ConnectError: refused")
         if not self.ignore_version:
             self.engine_version[engine] = version
         if not self.update_says_served:
@@ -84,6 +88,8 @@ class FakeClient:
     def model_info(self, engine: str) -> EngineAnswer:
         with self._lock:
             self.info_reads.append((engine, len(self.calls)))
+        if engine in self.down:
+            return EngineAnswer(engine, ok=False, error="ConnectError: refused")
         version = self.engine_version.get(engine, "v0")
         digest = self.digest.get(f"/w/{version}.pt", "d-initial") if self.report_digest else None
         return EngineAnswer(engine, ok=True, weight_version=version, digest=digest)
@@ -376,4 +382,56 @@ def test_registered_proxies_are_paused_with_the_configured_ones_late_joiners_inc
     [pause_id] = set(client.pause_ids)
     assert pauses.log[0] == ("hold", pause_id), "the pause is recorded before any proxy is paused"
     assert pauses.log[-1] == ("end", pause_id)
+    b.close()
+
+
+def test_registered_engines_are_updated_with_the_configured_ones_and_named_as_applied() -> None:
+    b, client, _, producer = make([True], engine_urls=["http://e1"])
+    b.engine_members = StubMembers(["http://e2", "http://e3"])  # type: ignore[assignment]
+    [outcome] = b.handle([ev(1)])
+    assert outcome.outcome == "applied"
+    assert sorted(c[1] for c in client.calls if c[0] == "update") == ["http://e1", "http://e2", "http://e3"]
+    applied = producer.sent[-1]
+    assert isinstance(applied, WeightApplied) and applied.engines == ["http://e1", "http://e2", "http://e3"]
+    b.close()
+
+
+def test_a_registered_engine_that_does_not_answer_is_left_out_and_reported_a_fixed_one_fails_the_version() -> None:
+    b, client, _, producer = make([True], engine_urls=["http://e1"])
+    b.engine_members = StubMembers(["http://e2"])  # type: ignore[assignment]
+    client.down = {"http://e2"}  # died; its registration has not lapsed yet
+    [outcome] = b.handle([ev(1)])
+    assert outcome.outcome == "applied", "a dead replica must not hold every version back"
+    assert [c[1] for c in client.calls if c[0] == "update"] == ["http://e1"]
+    assert isinstance(producer.sent[-1], WeightApplied) and producer.sent[-1].engines == ["http://e1"]
+    assert _value(b, "rein_broadcaster_engines_lagging_total") == 1.0
+
+    client.down = {"http://e1"}  # a fixed engine is promised: its failure fails the version, as before
+    client.engine_version["http://e2"] = "v1"
+    [outcome] = b.handle([ev(2)])
+    assert outcome.outcome == "update_failed" and outcome.failed_engines == ["http://e1"]
+    b.close()
+
+
+def test_no_engine_at_all_fails_the_version_without_a_pause() -> None:
+    b, client, _, producer = make([True], engine_urls=[])
+    b.engine_members = StubMembers(["http://e9"])  # type: ignore[assignment]
+    client.down = {"http://e9"}
+    [outcome] = b.handle([ev(1)])
+    assert outcome.outcome == "update_failed" and outcome.failed_engines == ["http://e9"]
+    assert client.calls == [] and producer.sent == []
+    b.close()
+
+
+def test_reconcile_brings_an_engine_that_registered_on_its_start_checkpoint_up_to_the_newest() -> None:
+    b, client, _, _ = make([True], engine_urls=["http://e1"])
+    members = StubMembers([])
+    b.engine_members = members  # type: ignore[assignment]
+    b.handle([ev(1), ev(2)])
+    members.reads = [["http://e2"]]  # joined, serving v0
+    client.calls.clear()
+    outcome = b.reconcile()
+    assert outcome is not None and outcome.outcome == "applied" and outcome.version == "v2"
+    assert client.engine_version["http://e2"] == "v2"
+    assert _value(b, "rein_broadcaster_engines_lagging_total") == 1.0
     b.close()

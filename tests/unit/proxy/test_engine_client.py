@@ -10,8 +10,8 @@ from typing import Any
 import httpcore
 import pytest
 
-from services.proxy.engine_client import EngineHandle, NetworkBackend, context_window_of
-from shared.errors import EngineError
+from services.proxy.engine_client import EngineHandle, NetworkBackend, Sampling, context_window_of
+from shared.errors import EngineError, EngineUnavailable
 from shared.lender import Lender
 
 SGLANG_MODEL_INFO = {"model_path": "/m", "tokenizer_path": "/m", "is_generation": True,
@@ -125,3 +125,47 @@ def test_an_idle_connection_the_engine_closed_is_seen_and_not_reused() -> None:
     expired, statuses, connections = asyncio.run(scenario())
     assert expired == [(False, True), (False, True)]  # not expired while the server holds it, expired once closed
     assert statuses == [200, 200] and connections == 2  # the second call did not reuse the closed connection
+
+
+class StatusEngine(httpcore.AsyncConnectionPool):
+    """Answers every call with ``status``, or never (``status`` None: a hung engine)."""
+
+    def __init__(self, status: int | None) -> None:
+        super().__init__()
+        self.status = status
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        if self.status is None:
+            await asyncio.Event().wait()
+        return httpcore.Response(self.status or 200, content=b"{}")
+
+
+@pytest.mark.parametrize(("status", "up"), [(200, True), (404, True), (405, True), (503, False), (500, False)])
+def test_health_is_any_answer_but_a_server_error(status: int, up: bool) -> None:
+    """SGLang and rein's engine serve ``/health``; a server without it (4xx) still answered: it is up."""
+    engine = EngineHandle("http://e", Lender(lambda: StatusEngine(status)), 64)
+    if up:
+        asyncio.run(engine.check())
+    else:
+        with pytest.raises(EngineError, match=f"answered {status} on /health"):
+            asyncio.run(engine.check())
+
+
+def test_cut_ends_the_calls_in_flight_at_once_as_engine_unavailable() -> None:
+    """A hung engine never answers: :meth:`EngineHandle.cut` (its health checks failed) ends the wait."""
+    engine = EngineHandle("http://e", Lender(lambda: StatusEngine(None)), 64)
+
+    async def scenario() -> float:
+        calls = [asyncio.create_task(engine.generate(f"r{i}", [1, 2], 4, Sampling(1.0), [])) for i in range(2)]
+        await asyncio.sleep(0.05)
+        assert not any(c.done() for c in calls)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        engine.cut()
+        for call in calls:
+            with pytest.raises(EngineUnavailable, match="failed its health checks"):
+                await asyncio.wait_for(call, 5)
+        engine.cut()  # nothing in flight: nothing happens
+        return loop.time() - started
+
+    assert asyncio.run(scenario()) < 1.0

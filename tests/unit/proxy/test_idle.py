@@ -7,6 +7,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from services.proxy.engine_pool import EnginePool
 from services.proxy.generation import PauseController
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.service import ProxyService
@@ -40,7 +41,7 @@ class FlakyPublisher:
 def service(publisher: FlakyPublisher, clock: Clock, timeout_s: float = 10.0) -> ProxyService:
     settings = ProxySettings(admin_token="x" * 16, session_idle_timeout_s=timeout_s)
     return ProxyService(
-        settings, [], publisher, PauseController(), ProxyMetrics(CollectorRegistry()), TinyChatTokenizer(),  # type: ignore[arg-type]
+        settings, EnginePool([]), publisher, PauseController(), ProxyMetrics(CollectorRegistry()), TinyChatTokenizer(),  # type: ignore[arg-type]
         clock=clock,
     )
 

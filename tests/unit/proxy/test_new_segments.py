@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.proxy.engine_client import EngineOutput, Sampling
+from services.proxy.engine_pool import EnginePool
 from services.proxy.generation import ChunkOutcome, Generation, PauseController
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.service import CallIds, ProxyService
@@ -140,7 +141,7 @@ def test_the_service_counts_each_new_segment_by_reason() -> None:
     """An agent that strips its replies: every call after the first re-tokenizes, and the counter says why."""
     settings = ProxySettings(admin_token="x" * 16)
     metrics = ProxyMetrics(CollectorRegistry())
-    svc = ProxyService(settings, [InstantEngine()], None, PauseController(), metrics,  # type: ignore[list-item, arg-type]
+    svc = ProxyService(settings, EnginePool([InstantEngine()]), None, PauseController(), metrics,  # type: ignore[list-item, arg-type]
                        TinyChatTokenizer())
 
     def count(reason: str) -> float:

@@ -14,6 +14,7 @@ from services.proxy.engine_client import EngineOutput, FinishReason
 from services.proxy.generation import ChunkOutcome, Generation
 from services.proxy.session_machine import Session, Step, VersionRules
 from shared.errors import (
+    EngineLost,
     EngineUnavailable,
     GenerationPreempted,
     KafkaUnavailable,
@@ -127,6 +128,7 @@ def _step(step: Step) -> str:
 KAFKA = KafkaUnavailable("broker down")
 LOST_N = "kafka_unavailable"
 LOST = EngineUnavailable("engine gone")
+GONE = EngineLost("the session's engine failed its health checks")
 SPAN = "partial_rollout_staleness_exceeded"
 FIRST_TURN: list[tuple[tuple[object, ...], str]] = [
     (("begin", "first"), "plan s0 new"), (("check", "v1"), "ok"), (("chunk", "v1", "stop"), "publish chunk#0/s0/c0"),
@@ -181,6 +183,14 @@ TABLE: dict[str, tuple[VersionRules, str, list[tuple[tuple[object, ...], str]]]]
         (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("sent",), "ok"),
         (("fail", LOST),
          "end rejected (engine_unavailable), publish rejected(engine_unavailable,n=1)?, raise engine_unavailable"),
+    ]),
+    "the engine holding a session's tokens lost between calls rejects it on record": (VersionRules(), "g", [
+        *FIRST_TURN, (("begin", "extend"), "plan s0 extend"),
+        (("fail", GONE), "end rejected (engine_lost), publish rejected(engine_lost,n=1)?, raise engine_lost"),
+        (("finish",), "refused session_finalized"),
+    ]),
+    "a session without tokens whose engine is lost stays open (it starts elsewhere)": (VersionRules(), "g", [
+        (("begin", "first"), "plan s0 new"), (("fail", GONE), "raise engine_lost"), (("begin", "first"), "plan s0 new"),
     ]),
     "a plain bug after a chunk is rejected as internal_error and re-raised as is": (VersionRules(), "g", [
         (("begin", "first"), "plan s0 new"), (("chunk", "v1", "abort"), "publish chunk#0/s0/c0"), (("sent",), "ok"),
