@@ -9,14 +9,15 @@ taken down with its volumes. One scenario, in order, each step with a bounded wa
 0. ``--profile gpu config``: the GPU profile's configuration is valid (there is no GPU to run it on).
 1. ``up -d``: Kafka, Redis, topics, trainer, broadcaster, engine, proxy, collector, runner; the
    trainer steps; ``rein status`` and ``rein tail`` on the host reach the containers.
-2. ``up -d --scale collector=3 --scale proxy=2``: three members in the collectors' consumer group, two
-   proxies registered (the broadcaster pauses both; HAProxy keeps each session on one); training goes on.
+2. ``up -d --scale proxy=3 --scale engine=2 --scale collector=3``: three members in the collectors'
+   consumer group, three proxies and two engines registered (the broadcaster pauses every proxy and
+   updates both engines; HAProxy keeps each session on one proxy); training goes on.
 3. ``kill trainer`` then ``up -d``: the trainer resumes from its newest durable step and steps on.
 4. The observability profile's Prometheus has every rein service's target up.
 5. The runner stops; read back from the host: every completed group decided, no group in two
    manifests, every finished session's chunks numbered 0..n-1 (its calls reached one proxy) or, when two
-   proxies served it, its trajectory rejected (``conflicting_chunks``), no version label naming two
-   different weights.
+   proxies served it, its trajectory rejected (``conflicting_chunks``), each session's chunks from one
+   engine and both engines serving, no version label naming two different weights.
 
 Figures (build time, time to the first step, image sizes) are printed (``-s``) and written to
 ``compose.json`` in the test's temp dir, for docs/operations.md.
@@ -44,7 +45,15 @@ from kafka.admin import KafkaAdminClient
 
 from ops.local.ports import free_ports
 from shared.bus import read_topic
-from shared.schemas import BatchManifest, Chunk, CompletedGroup, DecisionRecord, SessionFinished, WeightPublished
+from shared.schemas import (
+    BatchManifest,
+    Chunk,
+    CompletedGroup,
+    DecisionRecord,
+    SessionFinished,
+    WeightApplied,
+    WeightPublished,
+)
 from shared.settings import KafkaSettings
 from tests.support.wait import wait_until
 
@@ -54,7 +63,7 @@ REPO = Path(__file__).resolve().parents[2]
 LOCAL_ENV = REPO / "deploy" / "images" / "local.env"
 ADMIN_TOKEN = "compose-test-token"
 REIN_TARGETS = {"engine", "proxy", "trainer", "weight_broadcaster", "collector", "rollout"}
-SCALE = ("--scale", "collector=3", "--scale", "proxy=2")
+SCALE = ("--scale", "proxy=3", "--scale", "engine=2", "--scale", "collector=3")
 """Prometheus jobs that must be up (``sglang`` is only there with ``--profile gpu``)."""
 
 T = TypeVar("T")
@@ -207,16 +216,21 @@ def test_the_whole_system_runs_scales_and_resumes_in_containers(compose: Compose
     status = _status(compose)
     assert status["ok"] and status["registry"] and status["proxies"], json.dumps(status, indent=1)[:4000]
     assert len(status["registered_proxies"]) == 1, status["registered_proxies"]
+    assert len(status["registered_engines"]) == 1, status["registered_engines"]
     tailed = _rein("tail", "weights", "--bootstrap", compose.kafka.bootstrap_servers, "--from-beginning", "--max", "1")
     assert "weight_published" in tailed, tailed
 
-    # 2. Three collectors share the partitions, two proxies share the sessions; training goes on.
+    # 2. Three collectors share the partitions, three proxies the sessions, two engines the generations.
     compose("up", "-d", *SCALE)
     _wait("three members in the collectors' group", lambda: _collector_members(compose) == 3, 180,
           lambda: compose.logs("collector"))
-    _wait("two proxies registered", lambda: len(_status(compose)["registered_proxies"]) == 2, 180,
-          lambda: compose.logs("proxy", "balancer"))
-    scaled = _steps_past(compose, max(first, _max_step(compose)), 600, "a step after scaling the collectors")
+    _wait("three proxies and two engines registered", lambda: (
+        (s := _status(compose)) and len(s["registered_proxies"]) == 3 and len(s["registered_engines"]) == 2), 180,
+          lambda: compose.logs("proxy", "engine", "balancer"))
+    scaled = _steps_past(compose, max(first, _max_step(compose)), 600, "a step after scaling")
+    _wait("a version applied on both engines", lambda: any(
+        isinstance(r, WeightApplied) and len(r.engines) == 2 for r in read_topic(compose.kafka, "weights", 20)),
+          300, lambda: compose.logs("weight_broadcaster", "engine"))
 
     # 3. The trainer is killed and comes back from its newest durable step.
     compose("kill", "trainer", timeout_s=120)
@@ -261,9 +275,11 @@ def test_the_whole_system_runs_scales_and_resumes_in_containers(compose: Compose
     # counts a replica up as soon as DNS names it) can be served by both; the collector then rejects that
     # session (two different chunks with one seq) instead of training a stitched trajectory.
     seqs: dict[str, list[int]] = {}
+    engines: dict[str, set[str]] = {}
     for chunk in read_topic(compose.kafka, "rollout.chunks", 30):
         if isinstance(chunk, Chunk):
             seqs.setdefault(chunk.session_id, []).append(chunk.seq)
+            engines.setdefault(chunk.session_id, set()).add(chunk.engine)
     finished = {r.session_id: r.num_chunks for r in read_topic(compose.kafka, "rollout.events", 30)
                 if isinstance(r, SessionFinished)}
     served_twice = {s for s, v in seqs.items() if len(v) != len(set(v))}
@@ -273,9 +289,14 @@ def test_the_whole_system_runs_scales_and_resumes_in_containers(compose: Compose
     stitched = [s for s in served_twice if s in trajectories and trajectories[s].error != "conflicting_chunks"]
     assert not stitched, f"sessions served by two proxies trained as one: {stitched[:5]}"
     figures["sessions_served_twice"] = len(served_twice)
+    moved = [s for s, e in engines.items() if len(e) > 1 and s not in served_twice]
+    assert not moved, f"sessions whose chunks came from two engines: {moved[:5]}"
+    per_engine = Counter(next(iter(e)) for e in engines.values() if len(e) == 1)
+    assert len(per_engine) >= 2, f"both engine replicas served sessions: {per_engine}"
+    figures["sessions_per_engine"] = sorted(per_engine.values())
     digests: dict[str, set[str]] = {}
     for record in _published(compose):
         digests.setdefault(record.version, set()).add(record.digest)
     assert all(len(d) == 1 for d in digests.values()), digests
     figures.update(groups=len(groups), decisions=len(decisions), manifests=len(manifests),
-                   steps=_max_step(compose), collectors=3, proxies=2)
+                   steps=_max_step(compose), collectors=3, proxies=3, engines=2)

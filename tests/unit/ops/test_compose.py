@@ -32,7 +32,7 @@ GRAFANA = REPO / "deploy" / "grafana"
 
 REIN_SERVICES = ("engine", "proxy", "collector", "trainer", "weight_broadcaster", "rollout")
 """Compose service name = package under services/ = ``python -m services.<name>``."""
-REPLICATED = ("proxy", "collector", "rollout")
+REPLICATED = ("engine", "proxy", "collector", "rollout")
 LISTEN_FIELDS = {"engine": ("host", "port"), "proxy": ("host", "port")}
 """Services whose main HTTP server carries /health and /metrics; the others use metrics_host/metrics_port."""
 
@@ -240,10 +240,14 @@ def test_urls_between_services_point_at_listening_ports(compose: dict[str, Any],
     ports = {name: listen(name, s)[1] for name, s in loaded.items()}
     ports["sglang"] = _sglang_port(compose)
     ports["balancer"] = ports["proxy"]  # it forwards to the proxies' port (checked below)
-    checked = 0
+    checked, advertised = 0, set()
     for name in REIN_SERVICES:
         for key, value in rein_env(compose, name).items():
-            if not key.endswith(("_URL", "_URLS")) or key in ("REIN_REDIS__URL", "REIN_ADVERTISE_URL"):
+            if key == "REIN_ADVERTISE_URL":  # a replica registers its own address: the port must be the one it binds
+                assert urlsplit(value.replace("{ip}", "10.0.0.2")).port == ports[name], (name, value)
+                advertised.add(name)
+                continue
+            if not key.endswith(("_URL", "_URLS")) or key == "REIN_REDIS__URL":
                 continue
             urls = json.loads(value) if key.endswith("_URLS") else [value]
             for raw in urls:
@@ -251,7 +255,8 @@ def test_urls_between_services_point_at_listening_ports(compose: dict[str, Any],
                 assert url.hostname in ports, f"{name} {key}: {raw} names no rein service"
                 assert url.port == ports[url.hostname], f"{name} {key}: {raw}, but {url.hostname} listens on {ports}"
                 checked += 1
-    assert checked >= 3  # proxy -> engine, broadcaster -> engine, rollout -> balancer (proxies register)
+    assert checked >= 1  # rollout -> balancer (proxies and engines register)
+    assert advertised == {"proxy", "engine"}
 
 
 def test_proxy_and_broadcaster_agree(loaded: dict[str, Any]) -> None:
