@@ -56,6 +56,9 @@ class StackConfig:
     partitions: int = 4
     kafka_brokers: int = 1
     """Kafka nodes: 1, or a KRaft cluster whose topics are replicated 3 ways with min.insync.replicas 2."""
+    engines: int = 1
+    """Engine replicas. More than one: each registers itself (``REIN_ADVERTISE_URL``), the proxies route to the
+    registered engines (``REIN_DISCOVER_ENGINES``) and the broadcaster updates them; none is configured by URL."""
     proxies: int = 1
     """Proxy replicas. More than one: each registers itself (``REIN_ADVERTISE_URL``) so the broadcaster finds
     it, and HAProxy (``deploy/haproxy.sh``) sits in front with session affinity; agents use its URL."""
@@ -115,8 +118,9 @@ def start(config: StackConfig) -> LocalStack:
     stack = Stack(run_dir)
     token = secrets.token_hex(16)
     port = _port_allocator(config.base_port)
+    engines = ["engine"] if config.engines == 1 else [f"engine-{i}" for i in range(config.engines)]
     urls = {
-        "engine": f"http://127.0.0.1:{port()}",
+        **{name: f"http://127.0.0.1:{port()}" for name in engines},
         **({"proxy": f"http://127.0.0.1:{port()}"} if config.proxies == 1 else
            {f"proxy-{i}": f"http://127.0.0.1:{port()}" for i in range(config.proxies)}),
         "trainer": f"http://127.0.0.1:{port()}",
@@ -177,29 +181,34 @@ def start(config: StackConfig) -> LocalStack:
             timeout_s=config.startup_timeout_s,
         )
         v0 = _first_checkpoint(weights, stack, timeout_s=config.startup_timeout_s)
-        stack.add(
-            Service(
-                "engine",
-                "services.engine",
-                env(
-                    "engine",
-                    {
-                        "REIN_PORT": port_of("engine"),
-                        "REIN_WEIGHTS_DIR": str(weights),
-                        "REIN_MODEL_PATH": str(v0),
-                        "REIN_SEED": str(config.seed),
-                        "REIN_TORCH_THREADS": "1",
-                        "REIN_STEP_DELAY_S": str(config.engine_step_delay_s),
-                        **model,
-                    },
+        for name in engines:
+            stack.add(
+                Service(
+                    name,
+                    "services.engine",
+                    env(
+                        "engine",
+                        {
+                            "REIN_PORT": port_of(name),
+                            "REIN_WEIGHTS_DIR": str(weights),
+                            "REIN_MODEL_PATH": str(v0),
+                            "REIN_SEED": str(config.seed),
+                            "REIN_TORCH_THREADS": "1",
+                            "REIN_STEP_DELAY_S": str(config.engine_step_delay_s),
+                            **model,
+                            **({"REIN_ADVERTISE_URL": urls[name]} if config.engines > 1 else {}),
+                        },
+                    ),
+                    f"{urls[name]}/health",
+                    logs / f"{name}.log",
                 ),
-                f"{urls['engine']}/health",
-                logs / "engine.log",
-            ),
-            timeout_s=config.startup_timeout_s,
-        )
+                timeout_s=config.startup_timeout_s,
+            )
+        # Replicas register themselves: the proxies and the broadcaster find them in Redis.
+        engine_urls = json.dumps([urls["engine"]] if config.engines == 1 else [])
         proxy_env = {
-            "REIN_ENGINE_URLS": json.dumps([urls["engine"]]),
+            "REIN_ENGINE_URLS": engine_urls,
+            "REIN_DISCOVER_ENGINES": str(config.engines > 1).lower(),
             "REIN_ADMIN_TOKEN": token,
             "REIN_PARTIAL_ROLLOUT": str(config.partial_rollout).lower(),
             **model,
@@ -231,7 +240,7 @@ def start(config: StackConfig) -> LocalStack:
                     {
                         # Replicas register themselves: the broadcaster finds them in Redis.
                         "REIN_PROXY_URLS": json.dumps([urls["proxy"]] if config.proxies == 1 else []),
-                        "REIN_ENGINE_URLS": json.dumps([urls["engine"]]),
+                        "REIN_ENGINE_URLS": engine_urls,
                         "REIN_ADMIN_TOKEN": token,
                         "REIN_METRICS_PORT": port_of("broadcaster"),
                     },

@@ -96,10 +96,12 @@ def create_app(settings: ProxySettings) -> FastAPI:
         def handle(url: str) -> EngineHandle:
             return EngineHandle(url, clients, settings.context_window, settings.engine_connect_timeout_s, timeouts)
 
-        redis_client = await asyncio.to_thread(connect, settings.redis) if settings.discover_engines else None
+        redis_client = None
         try:
-            members = None if redis_client is None else Members(redis_client, RedisKeys(settings.redis.key_prefix),
-                                                                "engine")
+            members = None
+            if settings.discover_engines:  # Redis unreachable: the proxy does not start (StateUnavailable says why)
+                redis_client = await asyncio.to_thread(connect, settings.redis)
+                members = Members(redis_client, RedisKeys(settings.redis.key_prefix), "engine")
             engines = EnginePool([handle(url) for url in settings.engine_urls], handle, members,
                                  settings.engine_unhealthy_after)
             for engine in engines.all():
@@ -115,18 +117,18 @@ def create_app(settings: ProxySettings) -> FastAPI:
             _log.info("proxy ready", engines=[(e.url, e.version) for e in engines.all()],
                       discover_engines=settings.discover_engines,
                       partial_rollout=settings.partial_rollout, max_preempts=settings.max_preempts)
-            sweeper = asyncio.create_task(_expire_idle_sessions(service))
-            lease_watch = asyncio.create_task(_expire_pause_leases(service))
-            engine_watch = asyncio.create_task(engines.watch(settings.engine_health_interval_s))
-            membership = await Membership.start(settings, service) if settings.advertise_url else None
+            tasks = [asyncio.create_task(_expire_idle_sessions(service)),
+                     asyncio.create_task(_expire_pause_leases(service)),
+                     asyncio.create_task(engines.watch(settings.engine_health_interval_s))]
+            membership = None
             try:
+                membership = await Membership.start(settings, service) if settings.advertise_url else None
                 yield {"service": service, "metrics": proxy_metrics}
             finally:
                 if membership is not None:
                     await membership.stop()
-                sweeper.cancel()
-                lease_watch.cancel()
-                engine_watch.cancel()
+                for task in tasks:
+                    task.cancel()
                 service.controller.resume()  # release held calls so shutdown does not hang on them
                 await publisher.close()
         finally:

@@ -4,8 +4,8 @@ watch that keeps the table true.
 Every ``engine_health_interval_s`` the watch calls each known engine's ``GET /health`` (rein's engine
 and SGLang both serve it) and, with ``discover_engines``, reads the engines registered in Redis: a new
 one is asked its version and context window and then takes sessions; one whose registration lapsed
-takes none. A failed call counts like a failed check. When an engine turns unhealthy its calls in
-flight are cut (they fail as ``engine_unavailable`` at once instead of waiting out
+takes none. A failed call counts like a failed check. When an engine turns unhealthy or leaves, its calls
+in flight are cut (they fail as ``engine_unavailable`` at once instead of waiting out
 ``engine_timeout_s``), so a session on a dead engine is rejected on record, never left hanging.
 """
 
@@ -114,7 +114,11 @@ class EnginePool:
         except DEPENDENCY_ERRORS as exc:
             _log.warning("engines_not_read", error=str(exc))  # the table stays as it was
             return
-        for url in self.table.registered(live):
+        new, left = self.table.registered(live)
+        for url in left:  # a dead engine's registration may lapse before its health checks fail
+            _log.warning("engine_left", engine=url)
+            self.handles[url].cut()
+        for url in new:
             if url not in self.handles:
                 assert self._new_handle is not None, "a pool that reads registered engines makes handles"
                 self.handles[url] = self._new_handle(url)

@@ -49,15 +49,16 @@ class EngineTable:
 
     # ------------------------------------------------------------------ what the engines did
 
-    def registered(self, urls: Iterable[str]) -> list[str]:
-        """The registered engines now: those that left are no longer routable. Returns the new ones,
-        which :meth:`joined` must admit once they answered (until then they get no sessions)."""
+    def registered(self, urls: Iterable[str]) -> tuple[list[str], list[str]]:
+        """The registered engines now. Returns the new ones, which :meth:`joined` must admit once they
+        answered (until then they get no sessions), and the ones that left (no longer routable)."""
         now = set(urls)
-        for entry in self.entries.values():
-            if not entry.fixed and entry.url not in now:
-                entry.registered = False
-        return sorted(u for u in now if u not in self.entries or not (self.entries[u].registered or
+        left = sorted(e.url for e in self.entries.values() if e.registered and not e.fixed and e.url not in now)
+        for url in left:
+            self.entries[url].registered = False
+        new = sorted(u for u in now if u not in self.entries or not (self.entries[u].registered or
                                                                        self.entries[u].fixed))
+        return new, left
 
     def joined(self, url: str) -> None:
         """A registered engine answered: it takes sessions (a fixed one is only marked healthy)."""

@@ -77,7 +77,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         wait_on_stack("two steps with one proxy left", lambda: _steps(local) >= before + 2, PROGRESS_TIMEOUT_S, local,
                       allow_dead=("proxy-1",))
         data["one_proxy_s"] = round(time.monotonic() - t0, 1)
-        data |= stop_and_read(local)
+        data |= stop_and_read(local, allow_dead=("proxy-1",))
         kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
         data["chunks"] = [r for r in read_topic(kafka, Topics().chunks, 60) if isinstance(r, Chunk)]
         data["urls"] = dict(local.urls)

@@ -52,10 +52,10 @@ def batches_made(local: LocalStack) -> int:
         client.close()
 
 
-def stop_and_read(local: LocalStack) -> dict[str, Any]:
+def stop_and_read(local: LocalStack, allow_dead: tuple[str, ...] = ()) -> dict[str, Any]:
     """Stop the runner and the trainer (cleanly), then read a consistent picture: no new groups, then
     decisions -> pending -> manifests, with the outbox empty before each read (a kept group is pending,
-    or its manifest is published)."""
+    or its manifest is published). ``allow_dead``: services the scenario killed."""
     services = {s.name: s for s in local.stack.services}
     services["rollout"].stop(timeout_s=90)
     trainer = services["trainer"]
@@ -68,10 +68,10 @@ def stop_and_read(local: LocalStack) -> dict[str, Any]:
         def outbox_empty() -> bool:
             return client.llen(keys.outbox) == 0
 
-        wait_on_stack("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer"))
+        wait_on_stack("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer", *allow_dead))
         decisions = read_topic(kafka, Topics().decisions, 60)
         pending = set(client.lrange(keys.pending_order, 0, -1))
-        wait_on_stack("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer"))
+        wait_on_stack("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer", *allow_dead))
         batches = read_topic(kafka, Topics().batches, 60)
         registry = client.zrange(keys.registry_order, 0, -1, withscores=True)
     finally:

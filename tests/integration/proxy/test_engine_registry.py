@@ -13,13 +13,15 @@ from typing import Any
 import openai
 import pytest
 
+from ops.local.ports import free_port
 from shared.members import Members
-from shared.names import RedisKeys
+from shared.names import RedisKeys, Topics
 from shared.schemas import Chunk, SessionRejected
 from shared.settings import RedisSettings
 from shared.state import connect
+from tests.support.procs import ServiceStartError
 from tests.support.proxy import Proxy, ProxyFactory, count_records, in_background, proxy_factory, read_records, rein
-from tests.support.stack import engine_process
+from tests.support.stack import engine_process, proxy_process
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration]
@@ -121,3 +123,15 @@ def _rejections(proxy: Proxy, n: int, timeout_s: float = 30) -> dict[str, tuple[
 
     wait_until(enough, timeout_s, "the rejections on record")
     return found
+
+
+def test_a_proxy_that_cannot_read_the_registered_engines_does_not_start(
+    kafka_bootstrap: str, topics: Topics, tmp_path: Path
+) -> None:
+    """With REIN_DISCOVER_ENGINES and no fixed engine, a proxy without Redis could route nowhere: it fails
+    at start, saying why, instead of answering 503 to every call."""
+    env = {"REIN_REDIS__URL": f"redis://127.0.0.1:{free_port()}/0", "REIN_REDIS__SOCKET_TIMEOUT_S": "0.5",
+           "REIN_DISCOVER_ENGINES": "true"}
+    with pytest.raises(ServiceStartError, match="did not answer"), proxy_process(
+            [], kafka_bootstrap, topics, tmp_path, admin_token="registry-admin-token", extra_env=env):
+        pass

@@ -70,27 +70,27 @@ def test_no_engine_at_all_is_unavailable_not_lost() -> None:
 
 def test_registered_engines_join_once_they_answered_and_leave_with_their_registration() -> None:
     table = EngineTable([A])
-    assert table.registered([B, C]) == [B, C], "new: to be asked first"
+    assert table.registered([B, C]) == ([B, C], []), "new: to be asked first"
     assert table.routable() == [A], "not before they answered"
     table.joined(B)
-    assert table.registered([B, C]) == [C], "B is in; C still has to answer"
+    assert table.registered([B, C]) == ([C], []), "B is in; C still has to answer"
     assert table.routable() == [A, B]
     url = table.route("s", "", holds_tokens=False)
     table.stick(url)
     table.route("t", "", holds_tokens=False)
-    assert table.registered([C]) == [C] and table.routable() == [A], "B's registration lapsed"
+    assert table.registered([C]) == ([C], [B]) and table.routable() == [A], "B's registration lapsed"
     if url == B:
         with pytest.raises(EngineLost, match="left the registry"):
             table.route("s", B, holds_tokens=True)
-    assert table.registered([B]) == [B], "back: it must answer again before it gets sessions"
+    assert table.registered([B]) == ([B], []), "back: it must answer again before it gets sessions"
     assert table.routable() == [A]
 
 
 def test_a_fixed_engine_never_leaves_and_starts_healthy() -> None:
     table = EngineTable([A])
-    assert table.registered([]) == [] and table.routable() == [A]
+    assert table.registered([]) == ([], []) and table.routable() == [A]
     table.joined(A)  # a fixed engine that also registers stays fixed
-    assert table.registered([]) == [] and table.routable() == [A]
+    assert table.registered([]) == ([], []) and table.routable() == [A]
 
 
 def test_unhealthy_after_must_be_positive() -> None:
