@@ -70,8 +70,11 @@ class EnginePool:
         return error
 
     def standing(self, url: str) -> dict[str, object]:
-        """What the table says of ``url`` (for the proxy's state)."""
-        e = self.table.entries[url]
+        """What the table says of ``url`` (for the proxy's state); a registered engine that has not answered
+        yet is not in it."""
+        e = self.table.entries.get(url)
+        if e is None:
+            return {"healthy": False, "fixed": False, "registered": False, "sessions": 0}
         return {"healthy": e.healthy, "fixed": e.fixed, "registered": e.registered, "sessions": e.sessions}
 
     def handle(self, url: str) -> EngineHandle:

@@ -84,3 +84,24 @@ def test_failed_calls_take_an_engine_out_and_lose_the_sessions_holding_its_token
         assert url in [e.url for e in engines.routable()], "one good check brings it back"
 
     asyncio.run(scenario())
+
+
+class SilentEngine(httpcore.AsyncConnectionPool):
+    """Refuses every call (registered, but not answering)."""
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        raise httpcore.ConnectError("refused")
+
+
+def test_a_registered_engine_that_never_answered_gets_no_sessions_and_is_shown_as_not_admitted() -> None:
+    async def scenario() -> None:
+        engines = EnginePool([], lambda url: EngineHandle(url, Lender(SilentEngine), None),
+                             Registered("http://e9"))  # type: ignore[arg-type]
+        await engines.check()
+        assert [e.url for e in engines.all()] == ["http://e9"] and engines.routable() == []
+        assert engines.standing("http://e9") == {"healthy": False, "fixed": False, "registered": False,
+                                                 "sessions": 0}
+        with pytest.raises(EngineUnavailable, match="no healthy engine"):
+            engines.route(Session("s", "g"))
+
+    asyncio.run(scenario())
