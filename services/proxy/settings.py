@@ -33,7 +33,8 @@ class ProxySettings(ModelServiceSettings, ReplicaSettings):
     engine_health_interval_s: float = Field(default=2.0, gt=0)
     """How often every engine's ``GET /health`` is called (and the registered engines read)."""
     engine_unhealthy_after: int = Field(default=2, ge=1)
-    """Failed health checks or failed calls in a row (unreachable, no answer, not 2xx) after which an engine
+    """Failed health checks (unreachable, no answer in time, a 5xx) or calls that could not reach the engine,
+    in a row, after which an engine
     gets no new sessions and the sessions holding its tokens are rejected (``engine_lost``); one good check
     makes it healthy again."""
     admin_token: str = Field(min_length=8)
