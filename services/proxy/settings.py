@@ -34,9 +34,8 @@ class ProxySettings(ModelServiceSettings, ReplicaSettings):
     """How often every engine's ``GET /health`` is called (and the registered engines read)."""
     engine_unhealthy_after: int = Field(default=2, ge=1)
     """Failed health checks (unreachable, no answer in time, a 5xx) or calls that could not reach the engine,
-    in a row, after which an engine
-    gets no new sessions and the sessions holding its tokens are rejected (``engine_lost``); one good check
-    makes it healthy again."""
+    in a row, after which an engine gets no new sessions and the sessions holding its tokens are rejected
+    (``engine_lost``); one good check makes it healthy again."""
     admin_token: str = Field(min_length=8)
     """Bearer token of the control plane (pause / resume / state). Required, no default:
     set REIN_ADMIN_TOKEN to the same value in the proxy and the weight broadcaster."""
