@@ -239,7 +239,8 @@ def carries_signal(rewards: Sequence[float]) -> bool:
 
 
 UNCHARGED_ERRORS = frozenset({
-    "unreachable", "timeout", "engine_unavailable", "kafka_unavailable", "session_idle", "incomplete", "session_lost",
+    "unreachable", "timeout", "engine_unavailable", "engine_lost", "kafka_unavailable", "session_idle", "incomplete",
+    "session_lost",
 })
 """Session errors that say a dependency or the agent's process failed, not the prompt or the policy.
 A group failed only by these is retried without using up one of the prompt's ``max_retries``

@@ -8,7 +8,7 @@ One engine and one proxy subprocess per module (real Kafka, fresh topics):
   wrong content types; and control-plane calls (finish, pause, resume, state, models,
   health, metrics) with fuzzed bodies and authorization headers. Every answer must be one of
   the documented statuses (200, 400, 401, 404, 409, 413, 422; 502 only with one of the three
-  staleness errors; 503 only ``engine_unavailable`` / ``kafka_unavailable``), never a 500,
+  staleness errors; 503 only ``engine_unavailable`` / ``engine_lost`` / ``kafka_unavailable``), never a 500,
   and the proxy must still answer ``/health`` afterwards.
 - **Admin endpoints** refuse a missing or wrong bearer token (and do nothing);
   **the engine** refuses a weight path outside its weights directory (absolute, ``..``,
@@ -82,7 +82,7 @@ MAX_RECORD = 64 * 1024
 """REIN_KAFKA__MAX_RECORD_BYTES of the consumers under test: an oversize record is ~100 KiB."""
 
 STALENESS_502 = {"partial_rollout_staleness_exceeded", "trajectory_version_changed", "generation_preempted"}
-DEPENDENCY_503 = {"engine_unavailable", "kafka_unavailable"}
+DEPENDENCY_503 = {"engine_unavailable", "engine_lost", "kafka_unavailable"}
 PLAIN_OK = {200, 400, 401, 404, 409, 413, 422}
 
 

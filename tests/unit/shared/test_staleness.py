@@ -383,6 +383,7 @@ def test_uncharged_is_computed_from_every_abnormal_session() -> None:
 
     free = group(("completed", ""), ("rejected", "incomplete"), ("failed", "engine_unavailable"))
     assert window_group(free).uncharged
+    assert window_group(group(("rejected", "engine_lost"), ("completed", ""))).uncharged  # an engine died
     charged = group(("rejected", "session_idle"), ("rejected", "partial_rollout_staleness_exceeded"))
     assert not window_group(charged).uncharged
     assert not window_group(group(("failed", ""))).uncharged  # no reason given: the prompt pays
