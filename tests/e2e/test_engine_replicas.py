@@ -8,7 +8,6 @@ no ``REIN_ENGINE_URLS`` (``REIN_DISCOVER_ENGINES``) and neither has the broadcas
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from typing import Any
 
@@ -16,7 +15,6 @@ import httpx
 import pytest
 
 from ops.local.stack import LocalStack, start
-from ops.report import rows_so_far
 from shared.bus import read_topic
 from shared.members import Members
 from shared.names import RedisKeys, Topics
@@ -26,8 +24,10 @@ from shared.state import client_for
 from tests.support.readback import (
     assert_every_manifest_trained_once,
     assert_groups_accounted_for,
+    kill_replica,
     small_stack,
     stop_and_read,
+    trained_steps,
 )
 from tests.support.wait import wait_on_stack
 
@@ -35,10 +35,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(120
 
 PROGRESS_TIMEOUT_S = 300
 ENGINES = ("engine-0", "engine-1")
-
-
-def _steps(local: LocalStack) -> int:
-    return len(rows_so_far(local.trainer_metrics))
 
 
 def _version(local: LocalStack, name: str) -> str:
@@ -57,29 +53,17 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     data: dict[str, Any] = {"urls": dict(local.urls)}
     try:
         data["registered"] = members.live(forget=False)
-        wait_on_stack("two trainer steps", lambda: _steps(local) >= 2, PROGRESS_TIMEOUT_S, local)
+        wait_on_stack("two trainer steps", lambda: trained_steps(local) >= 2, PROGRESS_TIMEOUT_S, local)
         wait_on_stack("both engines on one version", lambda: _version(local, "engine-0") == _version(
             local, "engine-1") != "v0", 60, local)
 
         # One engine dies: its sessions are lost on record, its registration lapses, the other carries the run.
-        victim = next(s for s in local.stack.services if s.name == "engine-1")
-        assert victim.proc is not None
-        before, t0 = _steps(local), time.monotonic()
-        victim.proc.kill()
-        victim.proc.wait(timeout=30)
-        wait_on_stack("the dead engine's registration lapsed",
-                      lambda: members.live(forget=False) == [local.urls["engine-0"]], 30, local,
-                      allow_dead=("engine-1",))
-        data["lapsed_s"] = round(time.monotonic() - t0, 1)
-        wait_on_stack("two steps with one engine left", lambda: _steps(local) >= before + 2, PROGRESS_TIMEOUT_S,
-                      local, allow_dead=("engine-1",))
-        data["one_engine_s"] = round(time.monotonic() - t0, 1)
-        data["killed_at_step"] = before
+        data |= kill_replica(local, "engine-1", members, [local.urls["engine-0"]], PROGRESS_TIMEOUT_S)
         data |= stop_and_read(local, allow_dead=("engine-1",))
         kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
         data["chunks"] = [r for r in read_topic(kafka, Topics().chunks, 60) if isinstance(r, Chunk)]
         print(f"\nengine replicas: registration lapsed {data['lapsed_s']} s after the kill, two steps with one "
-              f"engine in {data['one_engine_s']} s, {len(data['rows'])} steps")
+              f"engine in {data['two_steps_s']} s, {len(data['rows'])} steps")
     finally:
         redis.close()
         local.stop()

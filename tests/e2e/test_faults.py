@@ -26,7 +26,6 @@ import redis
 
 from ops.local.launcher import Service
 from ops.local.stack import LocalStack, StackConfig, start
-from ops.report import rows_so_far
 from shared.bus import read_topic
 from shared.names import RedisKeys, Topics
 from shared.schemas import DecisionRecord, GroupDispatched, SessionRejected, WeightPublished
@@ -37,6 +36,7 @@ from tests.support.readback import (
     batches_made,
     stop_and_read,
     trained_index,
+    trained_steps,
 )
 from tests.support.rebalance import ForeignMember
 from tests.support.wait import wait_on_stack
@@ -67,10 +67,6 @@ is failed (and retried) after it. Above the Kafka crash's recovery time, so no l
 
 def _service(local: LocalStack, name: str) -> Service:
     return next(s for s in local.stack.services if s.name == name)
-
-
-def _steps(local: LocalStack) -> int:
-    return len(rows_so_far(local.trainer_metrics))
 
 
 def _kill_and_restart(local: LocalStack, name: str, while_down: Callable[[], None] = lambda: None) -> None:
@@ -124,9 +120,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     faults: list[dict[str, Any]] = []
     open_at: dict[str, set[str]] = {}
     try:
-        wait_on_stack("trainer step 1", lambda: _steps(local) >= 1, PROGRESS_TIMEOUT_S, local)
+        wait_on_stack("trainer step 1", lambda: trained_steps(local) >= 1, PROGRESS_TIMEOUT_S, local)
         for fault in FAULTS:
-            before = _steps(local)
+            before = trained_steps(local)
             made = batches_made(local)  # manifests 0..made-1 exist; index `made` comes after the fault
             started = time.monotonic()
             if fault == "proxy":
@@ -160,8 +156,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                   lambda m=made: trained_index(local) >= m, PROGRESS_TIMEOUT_S, local)
             faults.append({"fault": fault, "steps_before": before, "fault_s": round(injected_s, 1),
                            "new_batch_trained_after_s": round(time.monotonic() - started, 1)})
-        last = _steps(local) + EXTRA_STEPS
-        wait_on_stack(f"trainer step {last}", lambda: _steps(local) >= last, PROGRESS_TIMEOUT_S, local)
+        last = trained_steps(local) + EXTRA_STEPS
+        wait_on_stack(f"trainer step {last}", lambda: trained_steps(local) >= last, PROGRESS_TIMEOUT_S, local)
         # Groups of the killed runner that never reached the proxy end only after the incomplete timeout.
         wait_on_stack("the groups open at the runner's kill decided", lambda: open_at["rollout"] <= _decided(kafka),
               INCOMPLETE_S + PROGRESS_TIMEOUT_S, local)

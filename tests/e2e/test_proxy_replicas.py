@@ -10,7 +10,6 @@ official ``openai`` client, multi-call sessions, then a finish) reaches the prox
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from typing import Any
 
@@ -18,7 +17,6 @@ import httpx
 import pytest
 
 from ops.local.stack import LocalStack, start
-from ops.report import rows_so_far
 from shared.bus import read_topic
 from shared.members import Members
 from shared.names import RedisKeys, Topics
@@ -28,18 +26,16 @@ from shared.state import client_for
 from tests.support.readback import (
     assert_every_manifest_trained_once,
     assert_groups_accounted_for,
+    kill_replica,
     small_stack,
     stop_and_read,
+    trained_steps,
 )
 from tests.support.wait import wait_on_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
 PROGRESS_TIMEOUT_S = 300
-
-
-def _steps(local: LocalStack) -> int:
-    return len(rows_so_far(local.trainer_metrics))
 
 
 def _state(local: LocalStack, name: str) -> dict[str, Any]:
@@ -60,29 +56,18 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     data: dict[str, Any] = {}
     try:
         data["registered"] = Members(redis, keys).live(forget=False)
-        wait_on_stack("two trainer steps", lambda: _steps(local) >= 2, PROGRESS_TIMEOUT_S, local)
+        wait_on_stack("two trainer steps", lambda: trained_steps(local) >= 2, PROGRESS_TIMEOUT_S, local)
         data["pauses"] = {n: _state(local, n)["pauses"] for n in ("proxy-0", "proxy-1")}
         data["requests"] = {n: _requests(local, n) for n in ("proxy-0", "proxy-1")}
 
         # One proxy dies: its registration lapses, the other carries the run.
-        victim = next(s for s in local.stack.services if s.name == "proxy-1")
-        assert victim.proc is not None
-        before, t0 = _steps(local), time.monotonic()
-        victim.proc.kill()
-        victim.proc.wait(timeout=30)
-        wait_on_stack("the dead proxy's registration lapsed",
-                      lambda: Members(redis, keys).live(forget=False) == [local.urls["proxy-0"]], 30, local,
-                      allow_dead=("proxy-1",))
-        data["lapsed_s"] = round(time.monotonic() - t0, 1)
-        wait_on_stack("two steps with one proxy left", lambda: _steps(local) >= before + 2, PROGRESS_TIMEOUT_S, local,
-                      allow_dead=("proxy-1",))
-        data["one_proxy_s"] = round(time.monotonic() - t0, 1)
+        data |= kill_replica(local, "proxy-1", Members(redis, keys), [local.urls["proxy-0"]], PROGRESS_TIMEOUT_S)
         data |= stop_and_read(local, allow_dead=("proxy-1",))
         kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
         data["chunks"] = [r for r in read_topic(kafka, Topics().chunks, 60) if isinstance(r, Chunk)]
         data["urls"] = dict(local.urls)
         print(f"\nproxy replicas: pauses {data['pauses']}, calls per proxy {data['requests']}, registration lapsed "
-              f"{data['lapsed_s']} s after the kill, two steps with one proxy in {data['one_proxy_s']} s, "
+              f"{data['lapsed_s']} s after the kill, two steps with one proxy in {data['two_steps_s']} s, "
               f"{len(data['rows'])} steps")
     finally:
         redis.close()

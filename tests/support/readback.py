@@ -7,6 +7,7 @@ group with contradicting decisions, every kept group trained or still pending.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from ops.local.stack import LocalStack, StackConfig
 from ops.report import rows_so_far
 from shared.bus import read_topic
+from shared.members import Members
 from shared.names import RedisKeys, Topics
 from shared.schemas import BatchManifest, DecisionRecord
 from shared.settings import KafkaSettings
@@ -36,6 +38,28 @@ def small_stack(run_dir: Path, **overrides: Any) -> StackConfig:
         "extra_env": {f"collector-{i}": {"REIN_NO_SIGNAL_GROUPS": "keep"} for i in range(2)},
     }
     return StackConfig(run_dir=run_dir, **(values | overrides))
+
+
+def trained_steps(local: LocalStack) -> int:
+    """Rows the trainer has written to its metrics (one per trained manifest)."""
+    return len(rows_so_far(local.trainer_metrics))
+
+
+def kill_replica(local: LocalStack, name: str, members: Members, survivors: list[str],
+                 timeout_s: float) -> dict[str, float]:
+    """SIGKILL replica ``name``, wait until ``members`` lists only ``survivors`` (its registration lapsed),
+    then until two more manifests are trained. Returns seconds from the kill: ``lapsed_s``, ``two_steps_s``."""
+    victim = next(s for s in local.stack.services if s.name == name)
+    assert victim.proc is not None
+    before, t0 = trained_steps(local), time.monotonic()
+    victim.proc.kill()
+    victim.proc.wait(timeout=30)
+    wait_on_stack(f"{name}'s registration to lapse", lambda: members.live(forget=False) == sorted(survivors), 30,
+                  local, allow_dead=(name,))
+    lapsed_s = round(time.monotonic() - t0, 1)
+    wait_on_stack(f"two steps without {name}", lambda: trained_steps(local) >= before + 2, timeout_s, local,
+                  allow_dead=(name,))
+    return {"lapsed_s": lapsed_s, "two_steps_s": round(time.monotonic() - t0, 1)}
 
 
 def trained_index(local: LocalStack) -> int:
