@@ -99,8 +99,11 @@ def create_app(settings: ProxySettings) -> FastAPI:
         redis_client = None
         try:
             members = None
-            if settings.discover_engines:  # Redis unreachable: the proxy does not start (StateUnavailable says why)
+            # One Redis client for the registered engines and this proxy's own registration. Unreachable: the
+            # proxy does not start (StateUnavailable says why): it could route nowhere, or not be found to pause.
+            if settings.discover_engines or settings.advertise_url:
                 redis_client = await asyncio.to_thread(connect, settings.redis)
+            if settings.discover_engines and redis_client is not None:
                 members = Members(redis_client, RedisKeys(settings.redis.key_prefix), "engine")
             engines = EnginePool([handle(url) for url in settings.engine_urls], handle, members,
                                  settings.engine_unhealthy_after)
@@ -122,7 +125,8 @@ def create_app(settings: ProxySettings) -> FastAPI:
                      asyncio.create_task(engines.watch(settings.engine_health_interval_s))]
             membership = None
             try:
-                membership = await Membership.start(settings, service) if settings.advertise_url else None
+                if settings.advertise_url and redis_client is not None:
+                    membership = await Membership.start(settings, service, redis_client)
                 yield {"service": service, "metrics": proxy_metrics}
             finally:
                 if membership is not None:

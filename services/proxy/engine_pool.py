@@ -135,10 +135,11 @@ class EnginePool:
                       context_window=self.handles[url].context_window)
 
     async def watch(self, interval_s: float) -> None:
-        """Check every ``interval_s`` until cancelled."""
+        """Check every ``interval_s`` until cancelled (the first round ``interval_s`` after start, which
+        checked already)."""
         while True:
+            await asyncio.sleep(interval_s)
             try:
                 await self.check()
             except Exception:  # one bad round must not end the watch
                 _log.exception("engine_check_failed")
-            await asyncio.sleep(interval_s)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 
+import redis
+
 from services.proxy.service import ProxyService
 from services.proxy.settings import ProxySettings
 from shared import log
 from shared.members import Members, PauseRecord
 from shared.names import RedisKeys
 from shared.registration import Registration
-from shared.state import connect
 
 _log = log.get(__name__)
 
@@ -26,23 +27,18 @@ class Membership:
         self.pauses = pauses
 
     @classmethod
-    async def start(cls, settings: ProxySettings, service: ProxyService) -> Membership:
-        """Join a held pause, register, and start renewing (Redis unreachable: ``StateUnavailable``)."""
-        client = await asyncio.to_thread(connect, settings.redis)
+    async def start(cls, settings: ProxySettings, service: ProxyService, client: redis.Redis) -> Membership:
+        """Join a held pause, register, and start renewing (Redis unreachable: ``StateUnavailable``).
+        ``client`` is the proxy's (it closes it)."""
         keys = RedisKeys(settings.redis.key_prefix)
         self = cls(Registration(Members(client, keys, "proxy"), settings, "proxy"), PauseRecord(client, keys))
-        try:
-            held = await asyncio.to_thread(self.pauses.current)
-            if held is not None:
-                await service.pause(held.reason, None, held.pause_id, held.lease_left_s)
-                _log.info("proxy_joined_pause", pause_id=held.pause_id, lease_left_s=round(held.lease_left_s, 2))
-            await self.registration.start()
-        except BaseException:
-            client.close()
-            raise
+        held = await asyncio.to_thread(self.pauses.current)
+        if held is not None:
+            await service.pause(held.reason, None, held.pause_id, held.lease_left_s)
+            _log.info("proxy_joined_pause", pause_id=held.pause_id, lease_left_s=round(held.lease_left_s, 2))
+        await self.registration.start()
         return self
 
     async def stop(self) -> None:
         """Stop renewing and leave, so the broadcaster stops pausing this proxy at once."""
         await self.registration.stop()
-        self.pauses.client.close()
