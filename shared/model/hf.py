@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 from jinja2 import TemplateError
+from tokenizers import Tokenizer
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
@@ -111,8 +112,10 @@ class HFChatTokenizer:
     form (:data:`TOOLS_PROMPT`), and each call is folded into the content as a
     ``<tool_call>{json}</tool_call>`` line (the Hermes/Qwen convention), so the model sees both.
 
-    Only the template writes special tokens: one spelled in a request's strings (content, a tool's
-    result, tool-call arguments) is encoded as text, so it cannot close a turn and forge another.
+    Only the template writes the tokenizer's added tokens, special or not: one spelled in a request's strings
+    (content, a tool's result, tool-call arguments) is encoded as text, so it cannot close a turn and forge
+    another, close a tool result or forge a call (Qwen-family tokenizers add ``<tool_call>``,
+    ``</tool_response>`` and ``<think>`` as tokens that are not *special*).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, extra_eos: Sequence[int] = ()) -> None:
@@ -121,10 +124,15 @@ class HFChatTokenizer:
         self._template = template
         self.template_knows_tools = "tool_calls" in template
         self._tool_call_format = detect_format(template)
-        self._spellings = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-        """Special ids and their spellings: what the tokenizer parses as a special wherever it reads it."""
+        added = tokenizer.added_tokens_decoder
+        self._spellings = {i: t.content for i, t in added.items()}
+        """Added ids and their spellings: what the tokenizer parses as one token wherever it reads it."""
         self._markers = {text: i for i, text in self._spellings.items()}
         self._special = Spellings(list(self._markers))
+        self._kept = frozenset(i for i, t in added.items() if not t.special)
+        """Added ids that are not special: :meth:`decode` keeps them, so an answer the agent got spells them."""
+        self._as_text = _without_added(tokenizer, self._kept) if self._kept else None
+        """The tokenizer without the non-special added tokens, reading special ones as text: content's ids."""
         stops = {i for i in extra_eos if isinstance(i, int)}
         eos = tokenizer.eos_token_id
         if isinstance(eos, int):
@@ -224,9 +232,9 @@ class HFChatTokenizer:
         plain = self._plain(messages)
         contexts = [self._seen(context) for context, _ in turns]
         stopped = [bool(sampled) and sampled[-1] in self._stop_ids for _, sampled in turns]
-        answers = [self.decode(s[:-1] if stop else s) for (_, s), stop in zip(turns, stopped, strict=True)]
-        pieces = [(text, verbatim) for seen in contexts for text, verbatim in seen]
-        literals = self._literals(plain, tools, [*(t for t, verbatim in pieces if not verbatim), *answers],
+        answers = [self._answer(s[:-1] if stop else s) for (_, s), stop in zip(turns, stopped, strict=True)]
+        pieces = [(text, verbatim) for seen in (*contexts, *answers) for text, verbatim in seen]
+        literals = self._literals(plain, tools, [t for t, verbatim in pieces if not verbatim],
                                   avoid=[t for t, verbatim in pieces if verbatim])
         full = self._render(plain, tools, literals, add_generation_prompt=True)
         pos = 0
@@ -235,10 +243,14 @@ class HFChatTokenizer:
             if not full.startswith(text, pos):
                 return None
             pos += len(text)
-            answer = literals.hide(answer)
-            if not full.startswith(answer, pos):
-                return None
-            pos += len(answer)
+            for piece, marker in answer:
+                # a sampled added token reads back as the template's marker (a tool call echoed as tool_calls)
+                # or as the content the agent echoed (where the request's strings hide it)
+                found = next((t for t in ((piece, literals.hide(piece)) if marker else (literals.hide(piece),))
+                              if full.startswith(t, pos)), None)
+                if found is None:
+                    return None
+                pos += len(found)
             if stop:
                 end = next((t for t in self._stop_texts if full.startswith(t, pos)), None)
                 if end is None:
@@ -294,6 +306,23 @@ class HFChatTokenizer:
             ids.extend([self._markers[piece]] if marker else self._encode(piece, as_text=True))
         return ids
 
+    def _answer(self, sampled: Sequence[int]) -> list[tuple[str, bool]]:
+        """The answer the agent got for ``sampled`` (:meth:`decode`), in pieces: ``(spelling, True)`` for each
+        non-special added token the model sampled, ``(text, False)`` between. One piece without such a token."""
+        if not self._kept.intersection(sampled):
+            return [(self.decode(sampled), False)]
+        pieces: list[tuple[str, bool]] = []
+        start = 0
+        for k, i in enumerate(sampled):
+            if i in self._kept:
+                if k > start:
+                    pieces.append((self.decode(sampled[start:k]), False))
+                pieces.append((self._spellings[i], True))
+                start = k + 1
+        if start < len(sampled):
+            pieces.append((self.decode(sampled[start:]), False))
+        return pieces
+
     def _seen(self, context: Sequence[int]) -> list[tuple[str, bool]]:
         """``context``'s exact text in pieces: ``(text, True)`` to compare verbatim (a special id's
         spelling is a marker), ``(text, False)`` to hide first (text between two special ids that spells
@@ -318,7 +347,9 @@ class HFChatTokenizer:
         return str(self.inner.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def _encode(self, text: str, *, as_text: bool = False) -> list[int]:
-        """``text``'s ids without added BOS/EOS; ``as_text``: special-token spellings in it stay text."""
+        """``text``'s ids without added BOS/EOS; ``as_text``: added-token spellings in it stay text."""
+        if as_text and self._as_text is not None:
+            return list(self._as_text.encode(text, add_special_tokens=False).ids)
         options = {"split_special_tokens": True} if as_text else {}
         ids = self.inner.encode(text, add_special_tokens=False, **options)
         out = [i for i in ids if isinstance(i, int)]
@@ -329,6 +360,21 @@ class HFChatTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         text = self.inner.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
         return str(text)
+
+
+def _without_added(tokenizer: PreTrainedTokenizerBase, drop: frozenset[int]) -> Tokenizer:
+    """``tokenizer``'s fast backend without the added tokens ``drop`` and reading special ones as text: the ids
+    of content. ``split_special_tokens`` splits only *special* added tokens; the others would still be read
+    as one token each."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        raise ModelError(f"tokenizer {tokenizer.name_or_path!r} adds tokens that are not special and has no fast "
+                         "backend to encode their spellings as text")
+    doc = json.loads(backend.to_str())
+    doc["added_tokens"] = [t for t in doc.get("added_tokens", []) if t.get("id") not in drop]
+    plain = Tokenizer.from_str(json.dumps(doc))
+    plain.encode_special_tokens = True
+    return plain
 
 
 def finish_directory(directory: Path) -> None:

@@ -66,10 +66,11 @@ class Literals:
         self._reveal = {ord(char): spelling for spelling, char in self._hide.items()}
 
     def hide(self, text: str) -> str:
-        """``text`` with each spelling replaced by its stand-in."""
+        """``text`` with each spelling found in ``texts`` replaced by its stand-in (others, rein's own text such
+        as a tools prompt, stay markers)."""
         if not self._hide:
             return text
-        return self._pattern.sub(lambda m: self._hide[m.group()], text)
+        return self._pattern.sub(lambda m: self._hide.get(m.group(), m.group()), text)
 
     def hide_in(self, value: Any) -> Any:
         """``value`` with :meth:`hide` applied to every string in it (mappings become dicts, sequences lists)."""
