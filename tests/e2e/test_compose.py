@@ -61,7 +61,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.compose, pytest.mark.timeout(3600)]
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_ENV = REPO / "deploy" / "images" / "local.env"
-ADMIN_TOKEN = "compose-test-token"
 REIN_TARGETS = {"engine", "proxy", "trainer", "weight_broadcaster", "collector", "rollout"}
 SCALE = ("--scale", "proxy=3", "--scale", "engine=2", "--scale", "collector=3")
 """Prometheus jobs that must be up (``sglang`` is only there with ``--profile gpu``)."""
@@ -92,20 +91,29 @@ class Compose:
 
     project: str
     ports: dict[str, int]
+    secrets: Path
+    """The deployment's secrets, as ``deploy/compose-env.sh`` writes them (compose refuses to start without)."""
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.env = {**os.environ, "ADMIN_TOKEN": ADMIN_TOKEN, "LOG_LEVEL": "info",
+        _run(["bash", str(REPO / "deploy" / "compose-env.sh"), str(self.secrets)], 30)
+        self.env = {**os.environ, "LOG_LEVEL": "info",
                     **{f"{name.upper()}_HOST_PORT": str(port) for name, port in self.ports.items()}}
 
+    @property
+    def admin_token(self) -> str:
+        return next(line.split("=", 1)[1] for line in self.secrets.read_text().splitlines()
+                    if line.startswith("ADMIN_TOKEN="))
+
+    def _compose(self) -> list[str]:
+        return ["docker", "compose", "--env-file", str(self.secrets), "--env-file", str(LOCAL_ENV), "-p", self.project]
+
     def __call__(self, *args: str, timeout_s: float = 600) -> str:
-        return _run(["docker", "compose", "--env-file", str(LOCAL_ENV), "-p", self.project, *args],
-                    timeout_s, self.env, context=lambda: "--- logs\n" + self.logs(tail=15))
+        return _run([*self._compose(), *args], timeout_s, self.env, context=lambda: "--- logs\n" + self.logs(tail=15))
 
     def logs(self, *services: str, tail: int = 40) -> str:
         """The services' last log lines (all services when none is named)."""
-        done = subprocess.run(["docker", "compose", "--env-file", str(LOCAL_ENV), "-p", self.project, "logs",
-                               "--no-color", "--tail", str(tail), *services],
+        done = subprocess.run([*self._compose(), "logs", "--no-color", "--tail", str(tail), *services],
                               capture_output=True, text=True, timeout=60, env=self.env, cwd=REPO)
         return done.stdout[-8000:] + done.stderr[-2000:]
 
@@ -155,9 +163,10 @@ def images(docker_engine: None, figures: dict[str, Any]) -> None:
 
 
 @pytest.fixture
-def compose(images: None) -> Iterator[Compose]:
+def compose(images: None, tmp_path: Path) -> Iterator[Compose]:
     names = ("kafka", "redis", "proxy", "prometheus", "grafana")
-    project = Compose(f"rein-test-{uuid.uuid4().hex[:8]}", dict(zip(names, free_ports(len(names)), strict=True)))
+    project = Compose(f"rein-test-{uuid.uuid4().hex[:8]}", dict(zip(names, free_ports(len(names)), strict=True)),
+                      tmp_path / "secrets.env")
     try:
         yield project
     finally:
@@ -187,7 +196,7 @@ def _status(compose: Compose) -> dict[str, Any]:
     report: dict[str, Any] = json.loads(_rein(
         "status", "--json", "--kafka", compose.kafka.bootstrap_servers,
         "--redis", f"redis://127.0.0.1:{compose.ports['redis']}/0",
-        "--proxy", f"http://127.0.0.1:{compose.ports['proxy']}", "--admin-token", ADMIN_TOKEN))
+        "--proxy", f"http://127.0.0.1:{compose.ports['proxy']}", "--admin-token", compose.admin_token))
     return report
 
 

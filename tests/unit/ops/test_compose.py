@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,6 +38,11 @@ LISTEN_FIELDS = {"engine": ("host", "port"), "proxy": ("host", "port")}
 """Services whose main HTTP server carries /health and /metrics; the others use metrics_host/metrics_port."""
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+SECRETS = {"ADMIN_TOKEN": "compose-admin-token", "RUNNER_TOKEN": "compose-runner-token",
+           "SESSION_KEY_SECRET": "compose-session-key-secret", "RUN_ID": "compose-run",
+           "GRAFANA_ADMIN_PASSWORD": "compose-grafana-password"}
+"""The deployment's secrets: mandatory (``${NAME:?...}``, no public default), written by deploy/compose-env.sh;
+these stand-ins fill them here."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -56,6 +62,8 @@ def interpolate(value: str, env: dict[str, str] | None = None) -> str:
             return env.get(name) or arg
         if op == "-":
             return env.get(name, arg)
+        if op == ":?" and name in SECRETS:
+            return env.get(name) or SECRETS[name]
         raise AssertionError(f"${{{name}{op}{arg}}} makes {name} mandatory for every `docker compose up`")
 
     escaped = value.replace("$$", "\0")
@@ -483,6 +491,33 @@ def test_grafana_dashboard_is_provisioned_and_shows_the_staleness_metrics(compos
 )
 def test_interpolate(raw: str, env: dict[str, str], expected: str) -> None:
     assert interpolate(raw, env) == expected
+
+
+def test_the_secrets_have_no_default_and_the_set_up_writes_each_once(compose: dict[str, Any], tmp_path: Path) -> None:
+    """No public default secret: compose refuses to start without them, and deploy/compose-env.sh writes each
+    (fresh, 0600), keeps what is there on a second run and makes a new RUN_ID with --new-run."""
+    mandatory = set(re.findall(r"\$\{([A-Z_]+):\?", COMPOSE.read_text()))
+    assert mandatory == set(SECRETS)
+    env = tmp_path / "secrets.env"
+    env.write_text("KEEP_VERSIONS=3\n")
+
+    def written() -> dict[str, str]:
+        subprocess.run(["bash", str(REPO / "deploy" / "compose-env.sh"), *extra, str(env)], check=True,
+                       capture_output=True, timeout=30)
+        return dict(line.split("=", 1) for line in env.read_text().splitlines())
+
+    extra: list[str] = []
+    first = written()
+    assert set(first) == {*SECRETS, "KEEP_VERSIONS"} and (env.stat().st_mode & 0o777) == 0o600
+    assert all(len(first[name]) >= 16 for name in SECRETS)
+    assert written() == first, "a second run keeps the deployment's secrets"
+    extra = ["--new-run"]
+    again = written()
+    assert again["RUN_ID"] != first["RUN_ID"] and {k: v for k, v in again.items() if k != "RUN_ID"} == {
+        k: v for k, v in first.items() if k != "RUN_ID"}
+    other = tmp_path / "other.env"
+    subprocess.run(["bash", str(REPO / "deploy" / "compose-env.sh"), str(other)], check=True, capture_output=True)
+    assert not set(first.values()) & set(dict(line.split("=", 1) for line in other.read_text().splitlines()).values())
 
 
 @pytest.mark.parametrize("raw", ["${A}", "${A:?set A}", "$A"])
