@@ -42,6 +42,7 @@ from fastapi import FastAPI, Request, Response
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ops.local.credentials import Credentials
 from ops.local.ports import free_port
 from shared import checkpoint
 from shared.bus import ensure_topology
@@ -52,7 +53,10 @@ from shared.settings import KafkaSettings
 from shared.tokenizer import TOKENIZER
 from tests.support.procs import Proc, start_service
 
-ADMIN = "bench-admin-token"
+CREDENTIALS = Credentials("bench-admin-token", "bench-runner-token-0123", "bench-session-key-secret-0123", "bench")
+ADMIN = CREDENTIALS.admin_token
+RUNNER = {"Authorization": f"Bearer {CREDENTIALS.runner_token}"}
+"""The runner's credential: every chat call here names its session by X-Session-Id, as rein's runner does."""
 WORDS = ["guess", "higher", "lower", "number", "between", "and", "the", "is"]
 
 
@@ -78,7 +82,7 @@ def start_proxy(engine: str, kafka: str, logs: Path) -> tuple[Proc, str]:
     ensure_topology(KafkaSettings(bootstrap_servers=kafka), bench_topics,
                     only=[bench_topics.chunks, bench_topics.events])
     proc = start_service("services.proxy", {
-        "REIN_PORT": str(port), "REIN_ENGINE_URLS": json.dumps([engine]), "REIN_ADMIN_TOKEN": ADMIN,
+        "REIN_PORT": str(port), "REIN_ENGINE_URLS": json.dumps([engine]), **CREDENTIALS.proxy_env(),
         "REIN_KAFKA__BOOTSTRAP_SERVERS": kafka, "REIN_TOPICS__CHUNKS": f"bench.chunks.{tag}",
         "REIN_TOPICS__EVENTS": f"bench.events.{tag}", "REIN_LOG_LEVEL": "warning"},
         f"{url}/health", timeout_s=120, log_dir=logs)
@@ -129,7 +133,7 @@ def overhead(engine: str, passthrough: str, proxy: str, n: int, max_tokens: int,
     pass_s: list[float] = []
     proxy_s: list[float] = []
     untracked_s: list[float] = []
-    with httpx.Client(timeout=60) as http:
+    with httpx.Client(timeout=60, headers=RUNNER) as http:
         for i in range(n + warmup):
             content = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(1 + i % 5))
             messages = [{"role": "user", "content": content}]
@@ -197,7 +201,7 @@ def stall(engine: str, proxy: str, weights: Path, rounds: int, inflight: int) ->
                 body = {"model": "m", "messages": [{"role": "user", "content": "guess"}], "max_tokens": 48,
                         "ignore_eos": True}
                 hdrs = {"X-Session-Id": f"stall-{uuid.uuid4().hex}", "X-Group-Id": f"sg-{r}-{k}"}
-                with httpx.Client(timeout=120) as client:
+                with httpx.Client(timeout=120, headers=RUNNER) as client:
                     answers.append(client.post(f"{proxy}/v1/chat/completions", json=body, headers=hdrs).status_code)
 
             for k in range(inflight):

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.collector import start_infra, stop_infra, throughput  # noqa: E402
-from bench.proxy import start_engine, start_proxy  # noqa: E402
+from bench.proxy import RUNNER, start_engine, start_proxy  # noqa: E402
 from ops.local.launcher import deploy_script  # noqa: E402
 from tests.support.procs import Proc  # noqa: E402
 
@@ -58,7 +58,8 @@ async def _drive(url: str, concurrency: int, turns: int, seconds: float) -> dict
                 done += 1
                 messages += [answer.json()["choices"][0]["message"], {"role": "user", "content": "again"}]
 
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency)) as client:
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency),
+                                 headers=RUNNER) as client:
         started = time.monotonic()
         await asyncio.gather(*(agent(client) for _ in range(concurrency)))
         elapsed = time.monotonic() - started

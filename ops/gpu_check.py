@@ -34,6 +34,7 @@ import httpx
 import openai
 import torch
 
+from ops.local.credentials import Credentials
 from ops.local.launcher import Infra, Service
 from ops.local.ports import free_port
 from shared import bus
@@ -42,7 +43,8 @@ from shared.names import Topics
 from shared.schemas import Chunk
 from shared.settings import KafkaSettings
 
-ADMIN = "gpu-check-admin-token"
+CREDENTIALS = Credentials.new("gpu-check")
+ADMIN = CREDENTIALS.admin_token
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         report.step("sglang_serves_the_model", sglang_up)
         proxy = Service(
             "proxy", "services.proxy",
-            {"REIN_PORT": str(proxy_port), "REIN_ENGINE_URLS": json.dumps([engine]), "REIN_ADMIN_TOKEN": ADMIN,
+            {"REIN_PORT": str(proxy_port), "REIN_ENGINE_URLS": json.dumps([engine]), **CREDENTIALS.proxy_env(),
              "REIN_MODEL": str(args.model), "REIN_KAFKA__BOOTSTRAP_SERVERS": infra.kafka_bootstrap,
              "REIN_REDIS__URL": infra.redis_url, "REIN_PARTIAL_ROLLOUT": "true"},
             f"http://127.0.0.1:{proxy_port}/health", out / "proxy.log",
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         admin = {"Authorization": f"Bearer {ADMIN}"}
 
         def call(session: str, max_tokens: int) -> Any:
-            client = openai.OpenAI(base_url=f"{base}/v1", api_key="rein", timeout=300, max_retries=0,
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key=CREDENTIALS.runner_token, timeout=300, max_retries=0,
                                    default_headers={"X-Session-Id": session, "X-Group-Id": f"g-{session}"})
             try:
                 return client.chat.completions.create(

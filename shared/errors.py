@@ -77,14 +77,21 @@ class InvalidRequest(ReinError):
 
 
 class Unauthorized(ReinError):
-    """An admin endpoint was called without the bearer token or with a wrong one."""
+    """A call without the credential its route needs, or with a wrong one."""
 
     status = 401
     code = "unauthorized"
 
 
+class Forbidden(ReinError):
+    """A valid credential of a role the route is not for (an agent's session key where the runner's is needed)."""
+
+    status = 403
+    code = "forbidden"
+
+
 class UnknownSessionKey(Unauthorized):
-    """A chat call's API key (or the key in its path) is not a session key this deployment minted."""
+    """A chat call's API key (or the key in its path) is not a valid session key of this run."""
 
     code = "unknown_session_key"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ def run_up(args: argparse.Namespace) -> int:
                 "kafka": local.infra.kafka_bootstrap,
                 "redis": local.infra.redis_url,
                 "urls": local.urls,
-                "admin_token": local.admin_token,
+                "credentials": asdict(local.credentials),
                 "logs": str(args.run_dir / "logs"),
             },
             indent=2,

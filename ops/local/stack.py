@@ -9,12 +9,12 @@ Kafka + Redis -> topics -> trainer (writes and publishes ``v0``) -> engine (load
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ops.local.credentials import Credentials
 from ops.local.launcher import Infra, LaunchError, Service, Stack, deploy_script
 from ops.local.ports import free_port
 from shared import bus
@@ -93,7 +93,7 @@ class LocalStack:
     infra: Infra
     stack: Stack
     urls: dict[str, str]
-    admin_token: str
+    credentials: Credentials
 
     def stop(self) -> None:
         try:
@@ -116,7 +116,7 @@ def start(config: StackConfig) -> LocalStack:
     run_dir.mkdir(parents=True, exist_ok=True)
     infra = Infra.start(run_dir / "infra", config.kafka_brokers, config.redis_failover)
     stack = Stack(run_dir)
-    token = secrets.token_hex(16)
+    credentials = Credentials.new(run_dir.name)
     port = _port_allocator(config.base_port)
     engines = ["engine"] if config.engines == 1 else [f"engine-{i}" for i in range(config.engines)]
     urls = {
@@ -130,7 +130,7 @@ def start(config: StackConfig) -> LocalStack:
     collector_ports = [port() for _ in range(config.collectors)]
     for i, p in enumerate(collector_ports):
         urls[f"collector-{i}"] = f"http://127.0.0.1:{p}"
-    local = LocalStack(config, infra, stack, urls, token)
+    local = LocalStack(config, infra, stack, urls, credentials)
     try:
         bus.ensure_topology(KafkaSettings(bootstrap_servers=infra.kafka_bootstrap), Topics(), config.partitions)
         common = {
@@ -209,7 +209,7 @@ def start(config: StackConfig) -> LocalStack:
         proxy_env = {
             "REIN_ENGINE_URLS": engine_urls,
             "REIN_DISCOVER_ENGINES": str(config.engines > 1).lower(),
-            "REIN_ADMIN_TOKEN": token,
+            **credentials.proxy_env(),
             "REIN_PARTIAL_ROLLOUT": str(config.partial_rollout).lower(),
             **model,
         }
@@ -241,7 +241,7 @@ def start(config: StackConfig) -> LocalStack:
                         # Replicas register themselves: the broadcaster finds them in Redis.
                         "REIN_PROXY_URLS": json.dumps([urls["proxy"]] if config.proxies == 1 else []),
                         "REIN_ENGINE_URLS": engine_urls,
-                        "REIN_ADMIN_TOKEN": token,
+                        **credentials.broadcaster_env(),
                         "REIN_METRICS_PORT": port_of("broadcaster"),
                     },
                 ),
@@ -280,6 +280,7 @@ def start(config: StackConfig) -> LocalStack:
                     "rollout",
                     {
                         "REIN_PROXY_URL": urls["proxy"],
+                        **credentials.runner_env(),
                         "REIN_SEED": str(config.seed),
                         "REIN_GROUP_SIZE": str(config.group_size),
                         "REIN_MAX_CONCURRENT_GROUPS": str(config.max_concurrent_groups),
@@ -297,12 +298,13 @@ def start(config: StackConfig) -> LocalStack:
         )
         (run_dir / "stack.json").write_text(
             json.dumps(
-                {"config": asdict(config), "urls": urls, "infra": asdict(infra), "admin_token": token},
+                {"config": asdict(config), "urls": urls, "infra": asdict(infra),
+                 "admin_token": credentials.admin_token, "credentials": asdict(credentials)},
                 indent=2,
                 default=str,
             )
         )
-        (run_dir / "stack.json").chmod(0o600)  # holds the admin token
+        (run_dir / "stack.json").chmod(0o600)  # holds the deployment's secrets
     except BaseException:
         local.stop()
         raise

@@ -1,9 +1,10 @@
 """The OpenAI-compatible gateway every agent talks to.
 
-Consumes: agents' ``POST /v1/chat/completions`` (headers ``X-Session-Id`` required,
-``X-Group-Id`` for training sessions, ``X-Turn-Id``, ``X-Prompt-Id``, ``X-Attempt``,
-``X-Rein-Soft-Reject``) and ``POST /v1/sessions/{id}/finish``; the weight
-broadcaster's ``/v1/rollout/pause|resume`` (bearer ``REIN_ADMIN_TOKEN``).
+Consumes: agents' chat calls (``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages``) named by a
+session key, or by ``X-Session-Id`` (``X-Group-Id`` for training sessions, ``X-Turn-Id``, ``X-Prompt-Id``,
+``X-Attempt``, ``X-Rein-Soft-Reject``) with the runner's token; the runner's ``POST /v1/sessions`` and
+``POST /v1/sessions/{id}/finish`` (bearer ``REIN_RUNNER_TOKEN``); the weight broadcaster's
+``/v1/rollout/pause|resume`` (bearer ``REIN_ADMIN_TOKEN``). Who may do what: ``auth``.
 
 Produces: ``rollout.chunks`` (one :class:`shared.schemas.Chunk` per engine call,
 key = group id, submitted before the agent gets its answer and acked before the
@@ -16,7 +17,8 @@ Owns (in memory, per process): the session store (per-segment token ids and
 per-token versions, TITO message history), the pause flag and the set of engine
 requests in flight, and each engine's last known weight version.
 
-Modules: ``settings`` (ProxySettings), ``sessions`` (pure store, TITO),
+Modules: ``settings`` (ProxySettings), ``auth`` and ``session_keys`` (credentials, pure), ``sessions``
+(pure store, TITO),
 ``generation`` (pause controller + preemptible loop), ``engine_client`` (httpcore),
 ``publisher`` (Kafka), ``service`` (what each endpoint does), ``openai_api``
 (request/response shapes), ``app`` (routes, middleware, error mapping).

@@ -13,7 +13,6 @@ validation errors become 422 naming the field, anything else a logged 500.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -29,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.proxy import messages_api, responses_api
+from services.proxy.auth import Auth, CallIds, Headers
 from services.proxy.engine_client import EngineHandle, NetworkBackend, Sampling
 from services.proxy.engine_pool import EnginePool
 from services.proxy.generation import PauseController
@@ -47,8 +47,8 @@ from services.proxy.openai_api import (
     sse_frames,
 )
 from services.proxy.publisher import Publisher
-from services.proxy.service import CallIds, ProxyService
-from services.proxy.session_keys import BadSessionKey, SessionKey, is_key, mint, read
+from services.proxy.service import ProxyService
+from services.proxy.session_keys import KeySigner, SessionKey, is_key
 from services.proxy.session_machine import ChatOutcome
 from services.proxy.settings import ProxySettings
 from shared import log, metrics
@@ -56,11 +56,8 @@ from shared.errors import (
     EngineError,
     EngineUnavailable,
     InvalidRequest,
-    MissingHeader,
     PayloadTooLarge,
     ReinError,
-    Unauthorized,
-    UnknownSessionKey,
     http_body,
 )
 from shared.http_server import BodyLimit, DirectRoute
@@ -78,6 +75,8 @@ _TRUE = {"1", "true", "yes", "on"}
 
 def create_app(settings: ProxySettings) -> FastAPI:
     tokenizer = load_family(settings.model).tokenizer  # REIN_MODEL's tokenizer and chat template; no weights
+    auth = Auth(settings.admin_token, settings.runner_token, settings.open_sessions,
+                KeySigner(settings.session_key_secret, settings.run_id, settings.session_key_ttl_s))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, Any]]:
@@ -146,13 +145,12 @@ def create_app(settings: ProxySettings) -> FastAPI:
 
     def by_headers(wire: Callable[[bytes], _Call]) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
-            return await _chat(request, _call_ids(_Headers(request.scope["headers"]), settings.admin_token), wire)
+            return await _chat(request, auth.call_ids(Headers(request.scope["headers"])), wire)
         return endpoint
 
     def by_path(wire: Callable[[bytes], _Call]) -> Callable[[str, Request], Awaitable[Response]]:
         async def endpoint(key: str, request: Request) -> Response:
-            headers = _Headers(request.scope["headers"])
-            return await _chat(request, _call_ids(headers, settings.admin_token, path_key=key), wire)
+            return await _chat(request, auth.call_ids(Headers(request.scope["headers"]), path_key=key), wire)
         return endpoint
 
     # Chat Completions, and the Responses and Messages wires as thin adapters onto the same call
@@ -164,7 +162,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
 
     async def _chat(request: Request, ids: CallIds, wire: Callable[[bytes], _Call]) -> Response:
         service: ProxyService = request.state.service
-        headers = _Headers(request.scope["headers"])
+        headers = Headers(request.scope["headers"])
         call = wire(await request.body())
         body = call.chat
         body.refuse_unsupported()
@@ -199,15 +197,16 @@ def create_app(settings: ProxySettings) -> FastAPI:
 
     @app.get("/sessions/{key}/v1/models")
     async def models_by_path(key: str) -> dict[str, Any]:
-        _session_key(key, settings.admin_token)
+        auth.session_key(key)
         return await models()
 
     @app.post("/v1/sessions")
     async def open_session(request: Request) -> dict[str, Any]:
-        """A session for an agent that sets only a base URL and an API key (docs/agents.md)."""
+        """A session for an agent that sets only a base URL and an API key (docs/agents.md); the runner's."""
+        auth.require_runner(Headers(request.scope["headers"]), "opening a session")
         body = _parse(OpenSessionBody, await request.body())
         ids = SessionKey(body.session_id or new_id("session"), body.group_id, body.prompt_id, body.attempt)
-        key = mint(ids, settings.admin_token)
+        key = auth.mint(ids)
         root = f"{str(request.base_url).rstrip('/')}/sessions/{key}"
         return {"session_id": ids.session_id, "group_id": ids.group_id, "prompt_id": ids.prompt_id,
                 "attempt": ids.attempt, "api_key": key, "base_url": f"{root}/v1",
@@ -215,39 +214,38 @@ def create_app(settings: ProxySettings) -> FastAPI:
 
     @app.post("/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request) -> dict[str, Any]:
-        """``session_id`` may be the session's key (whoever ran the agent holds it)."""
+        """The session's end and reward, the runner's alone; ``session_id`` may be the session's key."""
+        auth.require_runner(Headers(request.scope["headers"]), "finishing a session")
         service: ProxyService = request.state.service
-        opened = None
         if is_key(session_id):
-            ids = _session_key(session_id, settings.admin_token)
-            session_id, opened = ids.session_id, CallIds(ids.session_id, ids.group_id, "", ids.prompt_id, ids.attempt)
+            session_id = auth.session_key(session_id).session_id
         body = _parse(FinishBody, await request.body())
-        return await service.finish(session_id, body.reward, body.status, body.error, opened=opened)
+        return await service.finish(session_id, body.reward, body.status, body.error)
 
     @app.post("/v1/rollout/pause")
     async def pause(request: Request) -> dict[str, Any]:
-        _require_admin(request, settings.admin_token)
+        auth.require_admin(Headers(request.scope["headers"]))
         service: ProxyService = request.state.service
         body = _parse(PauseBody, await request.body(), empty_ok=True)
         return await service.pause(body.reason, body.timeout_s, body.pause_id, body.lease_s)
 
     @app.post("/v1/rollout/renew")
     async def renew(request: Request) -> dict[str, Any]:
-        _require_admin(request, settings.admin_token)
+        auth.require_admin(Headers(request.scope["headers"]))
         service: ProxyService = request.state.service
         body = _parse(RenewBody, await request.body())
         return service.renew(body.pause_id, body.lease_s)
 
     @app.post("/v1/rollout/resume")
     async def resume(request: Request) -> dict[str, Any]:
-        _require_admin(request, settings.admin_token)
+        auth.require_admin(Headers(request.scope["headers"]))
         service: ProxyService = request.state.service
         body = _parse(ResumeBody, await request.body(), empty_ok=True)
         return await service.resume(body.version, body.pause_id)
 
     @app.get("/v1/rollout/state")
     async def rollout_state(request: Request) -> dict[str, Any]:
-        _require_admin(request, settings.admin_token)
+        auth.require_admin(Headers(request.scope["headers"]))
         service: ProxyService = request.state.service
         return service.state()
 
@@ -302,57 +300,6 @@ async def _expire_idle_sessions(service: ProxyService) -> None:
             _log.exception("idle_sweep_failed")
 
 
-class _Headers:
-    """A request's headers by name, read in one pass: Starlette's ``Headers.get`` scans them all per lookup
-    and raises inside for an absent one, and the openai client sends a dozen. First occurrence wins, as there;
-    names are lowercase in ASGI."""
-
-    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
-        self._by_name = dict(reversed(raw))
-
-    def get(self, name: bytes, default: str = "") -> str:
-        value = self._by_name.get(name)
-        return default if value is None else value.decode("latin-1")
-
-
-def _session_key(key: str, secret: str) -> SessionKey:
-    try:
-        return read(key, secret)
-    except BadSessionKey as exc:
-        raise UnknownSessionKey(f"unknown session key: {exc}; open a session with POST /v1/sessions") from None
-
-
-def _call_ids(headers: _Headers, secret: str, path_key: str | None = None) -> CallIds:
-    """The call's session: from the key in its path, else its headers, else its API key (``Authorization:
-    Bearer``, or ``x-api-key`` as Anthropic's clients send it)."""
-    turn_id = headers.get(b"x-turn-id").strip()
-    bearer = headers.get(b"authorization").strip()
-    key = path_key
-    if key is None and not headers.get(b"x-session-id").strip():
-        if bearer[:7].lower() == "bearer ":
-            key = bearer[7:].strip()
-        elif headers.get(b"x-api-key").strip():
-            key = headers.get(b"x-api-key").strip()
-    if key is not None:
-        ids = _session_key(key, secret)
-        return CallIds(ids.session_id, ids.group_id, turn_id, ids.prompt_id, ids.attempt)
-    session_id = headers.get(b"x-session-id").strip()
-    if not session_id:
-        raise MissingHeader("no session: send header X-Session-Id (one id per agent conversation), or an API key "
-                            "or base URL from POST /v1/sessions", header="X-Session-Id")
-    attempt_text = headers.get(b"x-attempt", "0").strip() or "0"
-    if not (attempt_text.isascii() and attempt_text.isdigit()):  # '²'.isdigit() but int('²') fails
-        raise InvalidRequest(f"header X-Attempt must be an integer >= 0, got {attempt_text!r}",
-                             fields=[{"field": "X-Attempt", "message": "not an integer >= 0"}])
-    return CallIds(
-        session_id=session_id,
-        group_id=headers.get(b"x-group-id").strip(),
-        turn_id=turn_id,
-        prompt_id=headers.get(b"x-prompt-id").strip(),
-        attempt=int(attempt_text),
-    )
-
-
 class _Call(NamedTuple):
     """One chat call as a wire speaks it: the chat-completions request it asks for, and how the finished
     ``chat.completion`` body is answered whole, streamed, or (after the stream began) failed."""
@@ -402,13 +349,6 @@ def _validate(model: type[B], data: Any) -> B:
         raise InvalidRequest(f"invalid request body: {names}", fields=fields) from None
 
 
-def _require_admin(request: Request, token: str) -> None:
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise Unauthorized("admin endpoints need 'Authorization: Bearer <REIN_ADMIN_TOKEN>'")
-
-
 # --------------------------------------------------------------------------- errors and middleware
 
 
@@ -444,7 +384,7 @@ async def _heartbeats(running: asyncio.Future[ChatOutcome], model: str, every_s:
 async def _rein_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ReinError)
     if exc.status >= 500:
-        _log.warning("request_failed", path=request.url.path, status=exc.status, error=exc.code,
+        _log.warning("request_failed", path=_route_label(request.url.path), status=exc.status, error=exc.code,
                      message=exc.message)
     return JSONResponse(http_body(exc), status_code=exc.status)
 
@@ -456,7 +396,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(http_body(InvalidRequest("invalid request", fields=fields)), status_code=422)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        _log.error("unhandled_error", path=request.url.path, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        _log.error("unhandled_error", path=_route_label(request.url.path), error=f"{type(exc).__name__}: {exc}",
+                   exc_info=exc)
         return JSONResponse(http_body(ReinError(f"internal error: {type(exc).__name__}")), status_code=500)
 
     app.add_exception_handler(ReinError, _rein_error)
@@ -476,6 +417,7 @@ _ROUTES = frozenset({
 
 
 def _route_label(path: str) -> str:
+    """The route a path is for, as metrics and logs name it: a session key in a path is never written out."""
     if path.startswith("/sessions/") and "/v1/" in path:  # the same routes under a session's base URL
         path = path[path.index("/v1/"):]
     if path in _ROUTES:

@@ -30,9 +30,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from services.proxy.auth import CallIds
 from services.proxy.engine_client import AbortOutcome, EngineHandle, Sampling
 from services.proxy.engine_pool import EnginePool
 from services.proxy.generation import (
@@ -66,17 +66,6 @@ from shared.versions import real_version
 __all__ = ["CallIds", "ChatOutcome", "ProxyService"]
 
 _log = log.get(__name__)
-
-
-@dataclass(frozen=True)
-class CallIds:
-    """Identity of one chat call, from its headers."""
-
-    session_id: str
-    group_id: str = ""
-    turn_id: str = ""
-    prompt_id: str = ""
-    attempt: int = 0
 
 
 class ProxyService:
@@ -256,18 +245,16 @@ class ProxyService:
 
     # ------------------------------------------------------------------ finish
 
-    async def finish(self, session_id: str, reward: float, status: str, error: str = "", *,
-                     opened: CallIds | None = None) -> dict[str, Any]:
+    async def finish(self, session_id: str, reward: float, status: str, error: str = "") -> dict[str, Any]:
         """Once every chunk of the session is acked, publish SessionFinished, then end the session;
         a Kafka failure of that record leaves it open (finish again). A chunk Kafka refused rejects
         the session instead (best effort on record, 503 ``kafka_unavailable``). While this waits the
         session is busy: a call or another finish gets 409.
 
-        ``opened``: the finish names the session by its key, which proves it was opened here; a session
-        that made no call yet then ends on record with no chunk, so its group completes instead of
-        waiting for it (a raw id never seen stays 404: it may be a typo)."""
-        if opened is not None and not self.sessions.known(session_id):
-            self.sessions.release(self.sessions.acquire(session_id, opened.group_id, opened.prompt_id, opened.attempt))
+        A session this proxy does not hold is 404, even named by its key: it never called here, or it
+        called a proxy that restarted or a replica the balancer no longer routes to. Its chunks may be on
+        Kafka, so no end is recorded that would claim a count this proxy does not know; the runner ends
+        such a session as lost (its group is retried)."""
         session = self.sessions.get(session_id)
         if session.busy:
             raise SessionBusy(f"session {session_id} has a call in flight; finish it after", session_id=session_id)

@@ -82,7 +82,8 @@ class SessionStore:
         self._raise_if_final(session_id)
         session = self._live.get(session_id)
         if session is None:
-            raise SessionNotFound(f"no session {session_id} on this proxy", session_id=session_id)
+            raise SessionNotFound(f"no session {session_id} on this proxy: it made no call here, or this proxy "
+                                  "restarted since; no end is recorded for it", session_id=session_id)
         return session
 
     def finalize(self, session: Session, outcome: str) -> None:
@@ -92,10 +93,6 @@ class SessionStore:
         self._final.move_to_end(session.session_id)
         while len(self._final) > self._memory:
             self._final.popitem(last=False)
-
-    def known(self, session_id: str) -> bool:
-        """Live, or finalized and still remembered."""
-        return session_id in self._live or session_id in self._final
 
     def outcome(self, session_id: str) -> str | None:
         return self._final.get(session_id)

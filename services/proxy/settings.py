@@ -37,8 +37,23 @@ class ProxySettings(ModelServiceSettings, ReplicaSettings):
     in a row, after which an engine gets no new sessions and the sessions holding its tokens are rejected
     (``engine_lost``); one good check makes it healthy again."""
     admin_token: str = Field(min_length=8)
-    """Bearer token of the control plane (pause / resume / state). Required, no default:
+    """Bearer token of the control plane (pause / resume / state): the operator's. Required, no default:
     set REIN_ADMIN_TOKEN to the same value in the proxy and the weight broadcaster."""
+    runner_token: str = ""
+    """Bearer token of whoever runs the agents (the rollout runner): it alone opens sessions, finishes them
+    (posts rewards) and drives a session by ``X-Session-Id``. Required unless ``open_sessions``; the same
+    value in every proxy and the rollout runner. The agent never holds it (docs/security.md)."""
+    open_sessions: bool = False
+    """An open local set-up: anyone who reaches the proxy may open, drive and finish sessions (post
+    rewards) without the runner token. An agent could then post its own reward: never for training runs."""
+    session_key_secret: str = Field(min_length=16)
+    """Secret that signs session keys (HMAC-SHA256): the same in every proxy replica, distinct from the
+    tokens. Required, no default."""
+    run_id: str = Field(min_length=1)
+    """The run the proxy serves: a session key minted for another run is refused, even under the same secret.
+    Required; the same in every proxy replica (the local stack and ``deploy/compose-env.sh`` make one)."""
+    session_key_ttl_s: float = Field(default=86_400.0, gt=0)
+    """How long a session key is valid after it is minted (longer than any episode)."""
     model_name: str = "rein-tiny"
     """Model id reported by ``GET /v1/models`` and in responses (requests may name any model)."""
     partial_rollout: bool = True
@@ -116,6 +131,18 @@ class ProxySettings(ModelServiceSettings, ReplicaSettings):
         if len(set(cleaned)) != len(cleaned):
             raise ValueError(f"engine_urls has duplicates: {cleaned}")
         return cleaned
+
+    @model_validator(mode="after")
+    def _credentials(self) -> ProxySettings:
+        if not self.open_sessions and len(self.runner_token) < 16:
+            raise ValueError("runner_token: set REIN_RUNNER_TOKEN (16+ characters, the rollout runner's credential), "
+                             "or REIN_OPEN_SESSIONS=true for an open local set-up where agents can post rewards")
+        named = {"admin_token": self.admin_token, "runner_token": self.runner_token,
+                 "session_key_secret": self.session_key_secret}
+        values = [v for v in named.values() if v]
+        if len(set(values)) != len(values):
+            raise ValueError(f"{', '.join(named)} must differ: each role holds only its own")
+        return self
 
     @model_validator(mode="after")
     def _some_engine(self) -> ProxySettings:

@@ -132,7 +132,8 @@ def classify(exc: openai.APIError) -> CallError:
 
 
 class ProxyClients(NamedTuple):
-    """The clients of one episode: chat calls through ``chat``, the finish call through ``finish``."""
+    """The clients of one episode: chat calls through ``chat``; opening and finishing the session through
+    ``finish``. Both carry the runner's credential (an agent command gets only its session's key)."""
 
     chat: openai.AsyncOpenAI
     finish: httpx.AsyncClient

@@ -63,6 +63,10 @@ class ProxyUnavailable(RuntimeError):
     """The proxy did not answer ``/health`` within the configured bound."""
 
 
+class CredentialRefused(RuntimeError):
+    """The proxy refused the runner's credential: no episode could be recorded."""
+
+
 class Runner:
     """Wires task, scheduler, agent, Kafka and metrics; see the module docstring."""
 
@@ -140,11 +144,14 @@ class Runner:
         try:
             tls = httpx.create_ssl_context()  # one for every client: each would load the CA bundle (~50 ms)
 
+            runner = {"Authorization": f"Bearer {s.runner_token}"} if s.runner_token else {}
+
             def episode_clients() -> ProxyClients:
-                chat = openai.AsyncOpenAI(base_url=f"{s.proxy_url}/v1", api_key=s.api_key, max_retries=0,
-                                          timeout=s.request_timeout_s,
+                # the openai client needs some key; an open proxy checks none
+                chat = openai.AsyncOpenAI(base_url=f"{s.proxy_url}/v1", api_key=s.runner_token or "open",
+                                          max_retries=0, timeout=s.request_timeout_s,
                                           http_client=openai.DefaultAsyncHttpxClient(verify=tls))
-                return ProxyClients(chat, httpx.AsyncClient(timeout=timeout, verify=tls))
+                return ProxyClients(chat, httpx.AsyncClient(timeout=timeout, verify=tls, headers=runner))
 
             clients = Lender(episode_clients)
             async with contextlib.AsyncExitStack() as opened:
@@ -157,6 +164,7 @@ class Runner:
                          Agent(clients, proxy_url=s.proxy_url, model=s.model, max_tokens=s.max_tokens,
                                temperature=s.temperature, finish_attempts=s.finish_attempts))
                 await self._wait_proxy(http)
+                await self._check_credential(clients)
                 self._redis = await asyncio.to_thread(connect, s.redis)
                 producer = await asyncio.to_thread(self._connect_kafka)
                 await self._feeds.start()
@@ -200,6 +208,20 @@ class Runner:
             self.log.warning("proxy_unavailable", url=url, error=last, retry_in_s=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+    async def _check_credential(self, clients: Lender[ProxyClients]) -> None:
+        """Open a session the way each episode will (minting a key changes no state): a proxy that refuses
+        the runner's credential would otherwise fail every episode, one retry at a time."""
+        with clients.use() as pair:
+            try:
+                response = await pair.finish.post(f"{self.settings.proxy_url}/v1/sessions",
+                                                  json={"group_id": "rein-credential-check"})
+            except httpx.TransportError:
+                return  # it answered /health just now: the episodes meet whatever this is, and report it
+        if response.status_code in (401, 403):
+            raise CredentialRefused(
+                f"the proxy refused the runner's credential ({response.status_code}: {response.text[:200]}); set "
+                "REIN_RUNNER_TOKEN to the proxies' value (or run the proxies with REIN_OPEN_SESSIONS=true)")
 
     def _connect_kafka(self) -> Producer:
         topics = self.settings.topics

@@ -14,8 +14,10 @@ class RolloutSettings(ServiceSettings):
 
     proxy_url: str = "http://127.0.0.1:8000"
     """Base URL of the proxy (without ``/v1``); agents call ``{proxy_url}/v1/chat/completions``."""
-    api_key: str = "rein"
-    """Bearer key the openai client sends; the proxy does not check it, the client requires one."""
+    runner_token: str = ""
+    """The runner's credential at the proxy (the proxies' ``REIN_RUNNER_TOKEN``), sent as the bearer of every
+    call that opens, drives by ``X-Session-Id`` or finishes a session. An agent command never gets it: only its
+    session's key (docs/security.md). Empty only against a proxy with ``REIN_OPEN_SESSIONS=true``."""
     model: str = "rein-tiny"
     """Model name put in each chat request (the proxy accepts any)."""
     task: Literal["guess_number", "arithmetic", "calculator"] = "guess_number"

@@ -40,7 +40,7 @@ PROGRESS_TIMEOUT_S = 300
 
 def _state(local: LocalStack, name: str) -> dict[str, Any]:
     answer = httpx.get(f"{local.urls[name]}/v1/rollout/state", timeout=5,
-                       headers={"Authorization": f"Bearer {local.admin_token}"})
+                       headers={"Authorization": f"Bearer {local.credentials.admin_token}"})
     answer.raise_for_status()
     state: dict[str, Any] = answer.json()
     return state

@@ -5,9 +5,10 @@ One engine and one proxy subprocess per module (real Kafka, fresh topics):
 - **Proxy fuzz** (hypothesis, derandomized, fixed example counts): chat-completion calls
   with valid and invalid JSON shapes, wrong types, huge / negative / non-integer budgets,
   unknown roles, empty messages, odd or missing headers, non-UTF-8 bytes, oversize bodies,
-  wrong content types; and control-plane calls (finish, pause, resume, state, models,
+  wrong content types, each with the runner's credential, an agent's session key, the admin token, a wrong one
+  or none; and control-plane calls (open, finish, pause, resume, state, models,
   health, metrics) with fuzzed bodies and authorization headers. Every answer must be one of
-  the documented statuses (200, 400, 401, 404, 409, 413, 422; 502 only with one of the three
+  the documented statuses (200, 400, 401, 403, 404, 409, 413, 422; 502 only with one of the three
   staleness errors; 503 only ``engine_unavailable`` / ``engine_lost`` / ``kafka_unavailable``), never a 500,
   and the proxy must still answer ``/health`` afterwards.
 - **Admin endpoints** refuse a missing or wrong bearer token (and do nothing);
@@ -83,7 +84,7 @@ MAX_RECORD = 64 * 1024
 
 STALENESS_502 = {"partial_rollout_staleness_exceeded", "trajectory_version_changed", "generation_preempted"}
 DEPENDENCY_503 = {"engine_unavailable", "engine_lost", "kafka_unavailable"}
-PLAIN_OK = {200, 400, 401, 404, 409, 413, 422}
+PLAIN_OK = {200, 400, 401, 403, 404, 409, 413, 422}
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -168,6 +169,19 @@ class Stack:
 
     def healthy(self) -> bool:
         return self.proxy_proc.healthy()
+
+    def runner(self) -> httpx.Client:
+        """A client with the runner's credential."""
+        return httpx.Client(base_url=self.proxy, timeout=60,
+                            headers={"authorization": f"Bearer {self.proxy_proc.runner_token}"})
+
+    def credentials(self, text: str) -> str:
+        """``text`` with its placeholders ``<runner>`` and ``<key>`` (an agent's session key) filled in."""
+        if "<key>" in text:
+            with self.runner() as runner:
+                key = runner.post("/v1/sessions", json={"group_id": "fuzz-key"}).json()["api_key"]
+            text = text.replace("<key>", key)
+        return text.replace("<runner>", self.proxy_proc.runner_token)
 
     def checkpoint(self, version: str, seed: int, where: Path | None = None) -> tuple[Path, str]:
         return self.engine_proc.checkpoint(version, seed, where)
@@ -272,7 +286,13 @@ chat_bodies = st.one_of(
 @st.composite
 def chat_calls(draw: st.DrawFn) -> tuple[dict[str, bytes], bytes]:
     headers: dict[str, bytes] = {}
-    sid = draw(st.one_of(st.none(), session_ids))
+    auth = draw(st.sampled_from(["Bearer <runner>"] * 12 + [None, f"Bearer {ADMIN}", "Bearer <key>",
+                                                            "Bearer wrong-token-000"]))
+    if auth is not None:
+        headers["authorization"] = auth.encode()
+    # the runner names its session by header (now and then it forgets); the others may or may not
+    sid = draw(st.one_of(session_ids, session_ids, session_ids, st.none()) if auth == "Bearer <runner>" else
+               st.one_of(st.none(), session_ids))
     if sid is not None:
         headers["x-session-id"] = sid.encode("latin-1")
     for name, strat in (("x-attempt", attempts), ("x-group-id", header_text), ("x-turn-id", header_text),
@@ -286,7 +306,8 @@ def chat_calls(draw: st.DrawFn) -> tuple[dict[str, bytes], bytes]:
 auth_headers = st.one_of(
     st.none(),
     st.sampled_from([f"Bearer {ADMIN}", f"bearer   {ADMIN}", "Bearer", f"Basic {ADMIN}", ADMIN,
-                     f"Bearer {ADMIN[:-1]}", f"Bearer {ADMIN}x", "Bearer wrong-token-000"]),
+                     f"Bearer {ADMIN[:-1]}", f"Bearer {ADMIN}x", "Bearer wrong-token-000", "Bearer <runner>",
+                     "Bearer <runner>", "Bearer <key>", "Basic <runner>"]),
     header_text.map(lambda t: f"Bearer {t}"),
 )
 control_bodies = st.one_of(
@@ -301,7 +322,7 @@ control_bodies = st.one_of(
 
 @st.composite
 def control_calls(draw: st.DrawFn) -> tuple[str, str, dict[str, bytes], bytes]:
-    kind = draw(st.sampled_from(["finish", "pause", "resume", "state", "models", "health", "metrics"]))
+    kind = draw(st.sampled_from(["finish", "open", "pause", "resume", "state", "models", "health", "metrics"]))
     headers: dict[str, bytes] = {}
     auth = draw(auth_headers)
     if auth is not None:
@@ -311,6 +332,9 @@ def control_calls(draw: st.DrawFn) -> tuple[str, str, dict[str, bytes], bytes]:
         sid = draw(st.one_of(st.sampled_from(["fuzz-a", "fuzz-b", "fuzz-c", "never-seen"]),
                              st.text(min_size=1, max_size=12)))
         return "POST", f"/v1/sessions/{quote(sid, safe='')}/finish", headers, body
+    if kind == "open":
+        return "POST", "/v1/sessions", headers, draw(st.one_of(control_bodies, st.fixed_dictionaries(
+            {"group_id": st.text(max_size=8)}, optional={"attempt": json_values}).map(_dumps)))
     if kind in ("pause", "resume"):
         return "POST", f"/v1/rollout/{kind}", headers, body
     if kind == "state":
@@ -355,6 +379,7 @@ def test_fuzz_chat_completions_only_documented_statuses(stack: Stack) -> None:
         @given(call=chat_calls())
         def one(call: tuple[dict[str, bytes], bytes]) -> None:
             headers, body = call
+            headers = {k: stack.credentials(v.decode("latin-1")).encode("latin-1") for k, v in headers.items()}
             check_answer(client.post("/v1/chat/completions", headers=headers, content=body), seen)
 
         one()
@@ -373,6 +398,7 @@ def test_fuzz_control_plane_only_documented_statuses(stack: Stack) -> None:
         @given(call=control_calls())
         def one(call: tuple[str, str, dict[str, bytes], bytes]) -> None:
             method, path, headers, body = call
+            headers = {k: stack.credentials(v.decode("latin-1")).encode("latin-1") for k, v in headers.items()}
             try:
                 check_answer(client.request(method, path, headers=headers, content=body), seen)
             finally:
@@ -598,6 +624,7 @@ def test_rollout_runner_skips_and_counts_poison_retry_records(
         "services.rollout",
         {
             "REIN_PROXY_URL": stack.proxy,
+            "REIN_RUNNER_TOKEN": stack.proxy_proc.runner_token,
             "REIN_KAFKA__BOOTSTRAP_SERVERS": stack.bootstrap,
             "REIN_KAFKA__MAX_RECORD_BYTES": str(MAX_RECORD),
             "REIN_TOPICS__EVENTS": stack.topics.events,
@@ -656,7 +683,7 @@ EDGE_CALLS: dict[str, tuple[str, dict[str, bytes], bytes]] = {
 @pytest.mark.parametrize("name", sorted(EDGE_CALLS))
 def test_edge_inputs_are_documented_answers(stack: Stack, name: str) -> None:
     path, headers, body = EDGE_CALLS[name]
-    with httpx.Client(base_url=stack.proxy, timeout=60) as client:
+    with stack.runner() as client:
         if path.endswith("/finish"):  # a real session to finish, so the body is what decides
             _open_session(client, path.split("/")[3])
         r = client.post(path, headers=headers, content=body)
@@ -676,7 +703,7 @@ def _open_session(client: httpx.Client, sid: str) -> None:
 def test_non_finite_reward_is_refused_not_published(stack: Stack, reward: bytes) -> None:
     """A NaN / infinite reward would reach GRPO's advantages through rollout.events and poison the update."""
     sid = f"edge-reward-{uuid.uuid4().hex[:6]}"
-    with httpx.Client(base_url=stack.proxy, timeout=60) as client:
+    with stack.runner() as client:
         _open_session(client, sid)
         r = client.post(f"/v1/sessions/{sid}/finish", content=b'{"reward": ' + reward + b"}")
         assert r.status_code == 422, f"reward {reward!r} accepted: {r.status_code} {r.text}"

@@ -36,6 +36,7 @@ from shared.state import RedisRegistry, connect
 from shared.tokenizer import TOKENIZER
 from tests.support.proxy import (
     ADMIN,
+    RUNNER,
     Proxy,
     ProxyFactory,
     in_background,
@@ -125,7 +126,7 @@ def test_a_long_streamed_call_is_kept_alive_then_sent_whole(
     proxy = proxy_factory([url], stream_heartbeat_s=0.1)
     body = {"model": "m", "messages": USER, "max_tokens": 12, "stream": True}
     with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body, timeout=60,
-                      headers={"X-Session-Id": f"s-{uuid.uuid4().hex}"}) as r:
+                      headers={"X-Session-Id": f"s-{uuid.uuid4().hex}", "Authorization": f"Bearer {RUNNER}"}) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line]
     first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))

@@ -31,6 +31,10 @@ from shared.settings import KafkaSettings
 from tests.support.stack import Engine
 
 ADMIN = "test-admin-token-0123"
+RUNNER = "test-runner-token-4567"
+"""The runner's credential of every ``proxy_factory`` proxy: what opens, drives by header and finishes sessions."""
+KEY_SECRET = "test-session-key-secret-89ab"
+RUN_ID = "test-run"
 
 
 class ServerThread:
@@ -69,19 +73,22 @@ class Proxy:
 
     def __post_init__(self) -> None:
         self.admin = httpx.Client(base_url=self.url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"})
+        self.runner = httpx.Client(base_url=self.url, timeout=60, headers={"Authorization": f"Bearer {RUNNER}"})
 
     def client(self, session_id: str, group_id: str = "", **headers: str) -> openai.OpenAI:
+        """The runner's client of one session, named by ``X-Session-Id``."""
         hdrs = {"X-Session-Id": session_id, **headers}
         if group_id:
             hdrs["X-Group-Id"] = group_id
         client = openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key="unused", default_headers=hdrs, max_retries=0, timeout=120
+            base_url=f"{self.url}/v1", api_key=RUNNER, default_headers=hdrs, max_retries=0, timeout=120
         )
         self.clients.append(client)
         return client
 
     def close(self) -> None:
         self.admin.close()
+        self.runner.close()
         for client in self.clients:
             client.close()
 
@@ -104,7 +111,14 @@ class Proxy:
         return data
 
     def finish(self, session_id: str, reward: float = 1.0) -> httpx.Response:
-        return self.admin.post(f"/v1/sessions/{session_id}/finish", json={"reward": reward})
+        return self.runner.post(f"/v1/sessions/{session_id}/finish", json={"reward": reward})
+
+    def open(self, group_id: str, **body: Any) -> dict[str, Any]:
+        """``POST /v1/sessions`` as the runner: the session's ids, key and base URLs."""
+        r = self.runner.post("/v1/sessions", json={"group_id": group_id, **body})
+        assert r.status_code == 200, r.text
+        data: dict[str, Any] = r.json()
+        return data
 
     def records(self, kind: str, n: int, timeout_s: float = 30) -> list[Record]:
         topic = self.settings.topics.chunks if kind == "chunks" else self.settings.topics.events
@@ -126,6 +140,9 @@ def proxy_factory(kafka_bootstrap: str, unique_topic: Callable[..., str]) -> Ite
         topics = topics or Topics(chunks=unique_topic(), events=unique_topic())
         settings = ProxySettings(
             admin_token=ADMIN,
+            runner_token=RUNNER,
+            session_key_secret=KEY_SECRET,
+            run_id=RUN_ID,
             engine_urls=engine_urls,
             kafka=KafkaSettings(bootstrap_servers=kafka_bootstrap, **(kafka or {})),
             topics=topics,

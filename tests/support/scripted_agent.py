@@ -40,10 +40,7 @@ class Scripted:
 
     def open(self, group_id: str) -> dict[str, Any]:
         """``POST /v1/sessions``, as whoever runs a black-box agent does."""
-        response = self.proxy.admin.post("/v1/sessions", json={"group_id": group_id, "prompt_id": "p-417"})
-        assert response.status_code == 200, response.text
-        opened: dict[str, Any] = response.json()
-        return opened
+        return self.proxy.open(group_id, prompt_id="p-417")
 
     def assert_token_exact(self) -> list[Chunk]:
         """Both turns recorded with exactly the engine's ids, the second continuing from the first's."""

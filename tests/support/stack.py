@@ -13,12 +13,13 @@ import json
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from ops.local.credentials import Credentials
 from ops.local.ports import free_port
 from shared import checkpoint
 from shared.names import Topics
@@ -73,12 +74,20 @@ class Engine:
 
 @dataclass
 class ProxyProcess:
-    """A running proxy process: its URL, admin token and topics."""
+    """A running proxy process: its URL, credentials and topics."""
 
     url: str
-    admin_token: str
+    credentials: Credentials
     topics: Topics
     proc: Proc
+
+    @property
+    def admin_token(self) -> str:
+        return self.credentials.admin_token
+
+    @property
+    def runner_token(self) -> str:
+        return self.credentials.runner_token
 
     def healthy(self) -> bool:
         return httpx.get(f"{self.url}/health", timeout=10).status_code == 200
@@ -126,13 +135,15 @@ def proxy_process(
     log_level: str = "warning",
     extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[ProxyProcess]:
-    """A proxy on a free port in front of ``engine_urls``, publishing to ``topics.chunks`` / ``.events``."""
+    """A proxy on a free port in front of ``engine_urls``, publishing to ``topics.chunks`` / ``.events``; its
+    runner token and session-key secret are fresh (``ProxyProcess.credentials``)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    credentials = replace(Credentials.new(), admin_token=admin_token)
     env = {
         "REIN_PORT": str(port),
         "REIN_ENGINE_URLS": json.dumps(engine_urls),
-        "REIN_ADMIN_TOKEN": admin_token,
+        **credentials.proxy_env(),
         "REIN_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
         "REIN_TOPICS__CHUNKS": topics.chunks,
         "REIN_TOPICS__EVENTS": topics.events,
@@ -141,7 +152,7 @@ def proxy_process(
     }
     proc = start_service("services.proxy", env, f"{url}/health", timeout_s=START_TIMEOUT_S, log_dir=log_dir)
     try:
-        yield ProxyProcess(url=url, admin_token=admin_token, topics=topics, proc=proc)
+        yield ProxyProcess(url=url, credentials=credentials, topics=topics, proc=proc)
     finally:
         proc.stop()
 

@@ -36,6 +36,8 @@ PURE: dict[str, frozenset[str]] = {
     "services/rollout/task.py": IO_CLIENTS,
     "services/proxy/responses_api.py": IO_CLIENTS,
     "services/proxy/messages_api.py": IO_CLIENTS,
+    "services/proxy/auth.py": IO_CLIENTS,
+    "services/proxy/session_keys.py": IO_CLIENTS,
 }
 
 

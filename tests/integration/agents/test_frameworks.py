@@ -135,7 +135,7 @@ def test_a_black_box_cli_given_only_a_base_url_and_a_key_trains_through_rein(
     assert proc.returncode == 0, f"llm exited {proc.returncode}: {proc.stderr[-2000:]}"
     assert "Answer: 15846" in proc.stdout
 
-    finished = scripted.proxy.admin.post(f"/v1/sessions/{opened['api_key']}/finish", json={"reward": 1.0})
+    finished = scripted.proxy.runner.post(f"/v1/sessions/{opened['api_key']}/finish", json={"reward": 1.0})
     assert finished.status_code == 200, finished.text
     group = assembled(group_id)
     [trajectory] = group.trajectories

@@ -50,9 +50,7 @@ def proxy(smollm2_engine: Engine, proxy_factory: ProxyFactory, smollm2_dir: Path
 
 
 def opened(proxy: Proxy) -> dict[str, str]:
-    response = proxy.admin.post("/v1/sessions", json={"group_id": f"g-{uuid.uuid4().hex}"})
-    assert response.status_code == 200, response.text
-    return dict(response.json())
+    return {k: str(v) for k, v in proxy.open(f"g-{uuid.uuid4().hex}").items()}
 
 
 def recorded(proxy: Proxy, session_id: str) -> list[Chunk]:

@@ -57,6 +57,11 @@ class Stack:
     redis: RedisSettings
     topics: Topics
     group: str
+    runner_token: str
+
+    def runner(self, session_id: str) -> dict[str, str]:
+        """Headers of the runner's call in session ``session_id``."""
+        return {"X-Session-Id": session_id, "Authorization": f"Bearer {self.runner_token}"}
 
     def model_info(self) -> dict[str, Any]:
         data: dict[str, Any] = httpx.get(f"{self.engine}/get_model_info", timeout=10).json()
@@ -111,6 +116,7 @@ def stack(
             RedisSettings(url=redis_db_url, key_prefix=f"t{uuid.uuid4().hex[:8]}"),
             topics,
             unique_group,
+            proxy.runner_token,
         )
 
 
@@ -189,7 +195,7 @@ def test_unquiesced_pause_means_no_update(stack: Stack) -> None:
         result["response"] = httpx.post(
             f"{stack.proxy}/v1/chat/completions",
             timeout=120,
-            headers={"X-Session-Id": f"s-{uuid.uuid4().hex}"},
+            headers=stack.runner(f"s-{uuid.uuid4().hex}"),
             json={
                 "model": "rein-tiny",
                 "messages": [{"role": "user", "content": "guess"}],
@@ -347,7 +353,7 @@ def test_broadcaster_killed_between_pause_and_resume(stack: Stack, tmp_path: Pat
 
         def chat() -> None:
             result["response"] = httpx.post(
-                f"{stack.proxy}/v1/chat/completions", timeout=60, headers={"X-Session-Id": f"s-{uuid.uuid4().hex}"},
+                f"{stack.proxy}/v1/chat/completions", timeout=60, headers=stack.runner(f"s-{uuid.uuid4().hex}"),
                 json={"model": "rein-tiny", "messages": [{"role": "user", "content": "guess"}], "max_tokens": 3},
             )
 

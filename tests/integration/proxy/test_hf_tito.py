@@ -14,7 +14,6 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -101,12 +100,12 @@ def test_image_parts_are_refused_with_a_clear_400(hf_engine: Engine, proxy_facto
     proxy = proxy_factory([hf_engine.url], model=str(tiny_llama_dir))
     body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]}
-    r = httpx.post(f"{proxy.url}/v1/chat/completions", json=body, headers={"X-Session-Id": "img"}, timeout=30)
+    r = proxy.runner.post("/v1/chat/completions", json=body, headers={"X-Session-Id": "img"})
     assert r.status_code == 400, r.text
     assert r.json()["detail"]["error"] == "unsupported_content"
     assert r.json()["detail"]["field"] == "messages.0.content.1"
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     ok = {"model": "m", "max_tokens": 2, "tools": tools, "messages": [{"role": "tool", "tool_call_id": "c1",
                                                                        "content": "5"}]}
-    r = httpx.post(f"{proxy.url}/v1/chat/completions", json=ok, headers={"X-Session-Id": "tool"}, timeout=60)
+    r = proxy.runner.post("/v1/chat/completions", json=ok, headers={"X-Session-Id": "tool"})
     assert r.status_code == 200, r.text

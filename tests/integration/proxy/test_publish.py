@@ -182,7 +182,8 @@ def test_a_proxy_killed_before_its_acks_leaves_nothing_on_kafka_and_the_runner_e
     topics = Topics(chunks=unique_topic(), events=unique_topic())
     with proxy_process([engine.url], kafka_bootstrap, topics, tmp_path, admin_token=ADMIN,
                        extra_env={"REIN_KAFKA__LINGER_MS": "120000"}) as proxy:
-        runner, log_path = _start_runner(proxy.url, kafka_bootstrap, topics, redis_url, unique_topic, tmp_path)
+        runner, log_path = _start_runner(proxy.url, proxy.runner_token, kafka_bootstrap, topics, redis_url,
+                                         unique_topic, tmp_path)
         try:
             metrics = f"{proxy.url}/metrics"
             wait_until(lambda: 'route="/v1/chat/completions",status="200"' in httpx.get(metrics, timeout=10).text,
@@ -212,13 +213,15 @@ def test_a_proxy_killed_before_its_acks_leaves_nothing_on_kafka_and_the_runner_e
 
 
 def _start_runner(
-    proxy_url: str, bootstrap: str, topics: Topics, redis_url: str, unique_topic: Callable[..., str], logs: Path
+    proxy_url: str, runner_token: str, bootstrap: str, topics: Topics, redis_url: str,
+    unique_topic: Callable[..., str], logs: Path,
 ) -> tuple[subprocess.Popen[bytes], Path]:
     """``python -m services.rollout`` for one group of two, on the test's topics (stopped by the test)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("REIN_")}
     tag = uuid.uuid4().hex[:8]
     env.update({
-        "PYTHONUNBUFFERED": "1", "REIN_PROXY_URL": proxy_url, "REIN_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
+        "PYTHONUNBUFFERED": "1", "REIN_PROXY_URL": proxy_url, "REIN_RUNNER_TOKEN": runner_token,
+        "REIN_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
         "REIN_TOPICS__EVENTS": topics.events, "REIN_TOPICS__CHUNKS": topics.chunks,
         "REIN_TOPICS__RETRIES": unique_topic(), "REIN_TOPICS__WEIGHTS": unique_topic(),
         "REIN_RETRY_CONSUMER_GROUP": f"g-{tag}", "REIN_REDIS__URL": redis_url, "REIN_REDIS__KEY_PREFIX": f"t-{tag}",

@@ -23,6 +23,7 @@ from shared.tokenizer import TOKENIZER as TOK
 from tests.support.procs import Proc
 from tests.support.proxy import (
     ADMIN,
+    RUNNER,
     ProxyFactory,
     count_records,
     proxy_factory,
@@ -168,16 +169,15 @@ def test_an_agent_with_only_a_base_url_and_a_key_is_recorded_as_the_session_it_w
     The runner's side opens each session (group, prompt, attempt) and finishes it by the same key."""
     proxy = proxy_factory([engine.url])
     gid = f"g-{uuid.uuid4().hex}"
-    opened = [httpx.post(f"{proxy.url}/v1/sessions", json={"group_id": gid, "prompt_id": "p-3", "attempt": 1},
-                         timeout=30).json() for _ in range(2)]
+    opened = [proxy.open(gid, prompt_id="p-3", attempt=1) for _ in range(2)]
     by_key = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=opened[0]["api_key"], max_retries=0, timeout=120)
     by_url = openai.OpenAI(base_url=opened[1]["base_url"], api_key="anything", max_retries=0, timeout=120)
     assert [m.id for m in by_url.models.list().data] == ["rein-tiny"]
     for client in (by_key, by_url):
         resp = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "guess"}], max_tokens=2)
         assert resp.choices[0].message.content is not None
-    for session in opened:  # finished by the key, as whoever ran the agent holds it
-        r = httpx.post(f"{proxy.url}/v1/sessions/{session['api_key']}/finish", json={"reward": 0.5}, timeout=30)
+    for session in opened:  # finished by the key, by whoever ran the agent (the runner's credential)
+        r = proxy.runner.post(f"/v1/sessions/{session['api_key']}/finish", json={"reward": 0.5})
         assert r.status_code == 200, r.text
     chunks = [r for r in proxy.records("chunks", 2) if isinstance(r, Chunk)]
     assert sorted((c.session_id, c.group_id, c.prompt_id, c.attempt) for c in chunks) == sorted(
@@ -198,28 +198,29 @@ def test_an_agent_with_only_a_base_url_and_a_key_is_recorded_as_the_session_it_w
             r = http.request("GET" if url.endswith("models") else "POST", url, json=None if url.endswith("models")
                              else ok, headers=headers)
             assert r.status_code == 401 and r.json()["detail"]["error"] == "unknown_session_key", (url, r.text)
-        r = http.post(f"{proxy.url}/v1/sessions", json={"prompt_id": "p"})
-        assert r.status_code == 422 and "group_id" in [f["field"] for f in r.json()["detail"]["fields"]]
+    r = proxy.runner.post("/v1/sessions", json={"prompt_id": "p"})
+    assert r.status_code == 422 and "group_id" in [f["field"] for f in r.json()["detail"]["fields"]]
 
 
-def test_a_session_opened_by_key_that_never_called_ends_on_record_when_finished_by_its_key(
-    proxy_factory: ProxyFactory,
+def test_a_session_this_proxy_does_not_hold_is_not_recorded_empty(
+    engine: Engine, proxy_factory: ProxyFactory
 ) -> None:
-    """A black-box agent that dies before its first call: the finish by its key still ends the session
-    on record (no chunk), so its group completes instead of waiting; a raw id never seen stays 404."""
-    proxy = proxy_factory([f"http://127.0.0.1:{free_port()}"])  # no call reaches an engine here
-    gid = f"g-{uuid.uuid4().hex}"
-    opened = httpx.post(f"{proxy.url}/v1/sessions", json={"group_id": gid}, timeout=30).json()
-    with httpx.Client(base_url=proxy.url, timeout=30) as http:
-        r = http.post(f"/v1/sessions/{opened['api_key']}/finish", json={"reward": 0.0, "status": "failed",
-                                                                         "error": "agent_exit_1"})
-        assert r.status_code == 200 and r.json()["num_chunks"] == 0, r.text
-        again = http.post(f"/v1/sessions/{opened['api_key']}/finish", json={"reward": 0.0})
-        assert again.status_code == 409 and again.json()["detail"]["error"] == "session_finalized"
-        assert http.post(f"/v1/sessions/s-{uuid.uuid4().hex}/finish", json={"reward": 0.0}).status_code == 404
-    [end] = [r for r in proxy.records("events", 1) if isinstance(r, SessionFinished)]
-    assert (end.session_id, end.group_id, end.num_chunks, end.status, end.error) == (
-        opened["session_id"], gid, 0, "failed", "agent_exit_1")
+    """The proxy restarted between the session's last call and its finish (or the balancer moved the key):
+    the chunks are on Kafka and the new proxy cannot count them, so it records no end that would claim none;
+    404, and the runner ends the session as lost (its group is retried)."""
+    before = proxy_factory([engine.url])
+    opened = before.open(f"g-{uuid.uuid4().hex}")
+    agent = openai.OpenAI(base_url=opened["base_url"], api_key="anything", max_retries=0, timeout=120)
+    agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "guess"}], max_tokens=2)
+    after = proxy_factory([engine.url], topics=before.settings.topics)  # the same deployment, restarted
+    for named in (opened["api_key"], opened["session_id"]):
+        r = after.runner.post(f"/v1/sessions/{named}/finish", json={"reward": 1.0})
+        assert r.status_code == 404 and r.json()["detail"]["error"] == "session_not_found", r.text
+        assert "no end is recorded" in r.json()["detail"]["message"]
+    assert count_records(after.bootstrap, after.settings.topics.chunks) == 1
+    assert count_records(after.bootstrap, after.settings.topics.events) == 0
+    r = before.runner.post(f"/v1/sessions/{opened['api_key']}/finish", json={"reward": 1.0})
+    assert r.status_code == 200 and r.json()["num_chunks"] == 1, "the proxy that holds it finishes it"
 
 
 def test_error_statuses(engine: Engine, proxy_factory: ProxyFactory) -> None:
@@ -230,7 +231,7 @@ def test_error_statuses(engine: Engine, proxy_factory: ProxyFactory) -> None:
         r = http.post(url, json=ok)
         assert r.status_code == 400 and r.json()["detail"]["error"] == "missing_header"
 
-        hdr = {"X-Session-Id": f"s-{uuid.uuid4().hex}"}
+        hdr = {"X-Session-Id": f"s-{uuid.uuid4().hex}", "Authorization": f"Bearer {RUNNER}"}
         bad = {"model": "m", "messages": [{"role": "tool", "content": "x"}]}
         r = http.post(url, json=bad, headers=hdr)
         assert r.status_code == 422
@@ -270,10 +271,10 @@ def test_error_statuses(engine: Engine, proxy_factory: ProxyFactory) -> None:
                 assert r.status_code == 401, (path, headers)
                 assert r.json()["detail"]["error"] == "unauthorized"
 
-        r = http.post(f"{proxy.url}/v1/sessions/nope/finish", json={"reward": 1})
-        assert r.status_code == 404 and r.json()["detail"]["error"] == "session_not_found"
-        r = http.post(f"{proxy.url}/v1/sessions/nope/finish", json={"reward": "high"})
-        assert r.status_code == 422
+    r = proxy.runner.post("/v1/sessions/nope/finish", json={"reward": 1})
+    assert r.status_code == 404 and r.json()["detail"]["error"] == "session_not_found"
+    r = proxy.runner.post("/v1/sessions/nope/finish", json={"reward": "high"})
+    assert r.status_code == 422
 
     # the proxy is still healthy after all of that
     assert httpx.get(f"{proxy.url}/health").status_code == 200
@@ -332,17 +333,17 @@ def test_a_stopping_proxy_cancels_calls_held_by_a_pause_that_never_ends(
         admin_token=ADMIN, log_level="info", extra_env={"REIN_SHUTDOWN_TIMEOUT_S": "2"},
     ) as proxy:
         proc, url = proxy.proc, proxy.url
-        took, outcome = _stop_while_a_call_is_held(proc, url)
+        took, outcome = _stop_while_a_call_is_held(proc, url, proxy.runner_token)
     assert took < 2 + 5, f"the proxy took {took:.1f}s to stop"
     assert proc.popen.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
     assert "error" in outcome, f"the held call was not failed: {outcome}"
     assert "timeout graceful shutdown exceeded" in proc.log_path.read_text()
 
 
-def _stop_while_a_call_is_held(proc: Proc, url: str) -> tuple[float, dict[str, object]]:
+def _stop_while_a_call_is_held(proc: Proc, url: str, runner: str) -> tuple[float, dict[str, object]]:
     """Pause the proxy (and never resume) while a call generates, then SIGTERM it: (seconds to exit, outcome)."""
     admin = httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {ADMIN}"})
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60,
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=runner, max_retries=0, timeout=60,
                            default_headers={"X-Session-Id": f"s-{uuid.uuid4().hex}", "X-Group-Id": "g"})
     outcome: dict[str, object] = {}
 

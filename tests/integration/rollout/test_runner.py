@@ -59,6 +59,7 @@ class Stack:
     proxy_url: str
     log_dir: Path
     redis_url: str
+    runner_token: str
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def stack(
         kafka_bootstrap, topics, tmp_path_factory.mktemp("weights"), logs,
         admin_token="rollout-test-token", engine_env={"REIN_SEED": "3"},
     ) as (_engine, proxy):
-        yield Stack(kafka_bootstrap, topics, proxy.url, logs, redis_url)
+        yield Stack(kafka_bootstrap, topics, proxy.url, logs, redis_url, proxy.runner_token)
 
 
 def _runner_env(stack: Stack, group: str, retries: str, weights: str, **extra: str) -> dict[str, str]:
@@ -85,6 +86,7 @@ def _runner_env(stack: Stack, group: str, retries: str, weights: str, **extra: s
         {
             "PYTHONUNBUFFERED": "1",
             "REIN_PROXY_URL": stack.proxy_url,
+            "REIN_RUNNER_TOKEN": stack.runner_token,
             "REIN_KAFKA__BOOTSTRAP_SERVERS": stack.bootstrap,
             "REIN_TOPICS__EVENTS": stack.topics.events,
             "REIN_TOPICS__CHUNKS": stack.topics.chunks,

@@ -39,7 +39,8 @@ class FlakyPublisher:
 
 
 def service(publisher: FlakyPublisher, clock: Clock, timeout_s: float = 10.0) -> ProxyService:
-    settings = ProxySettings(admin_token="x" * 16, session_idle_timeout_s=timeout_s)
+    settings = ProxySettings(admin_token="x" * 16, open_sessions=True, session_key_secret="k" * 16, run_id="r",
+                             session_idle_timeout_s=timeout_s)
     return ProxyService(
         settings, EnginePool([]), publisher, PauseController(), ProxyMetrics(CollectorRegistry()), TinyChatTokenizer(),  # type: ignore[arg-type]
         clock=clock,

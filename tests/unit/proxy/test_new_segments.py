@@ -139,7 +139,7 @@ class InstantEngine:
 
 def test_the_service_counts_each_new_segment_by_reason() -> None:
     """An agent that strips its replies: every call after the first re-tokenizes, and the counter says why."""
-    settings = ProxySettings(admin_token="x" * 16)
+    settings = ProxySettings(admin_token="x" * 16, open_sessions=True, session_key_secret="k" * 16, run_id="r")
     metrics = ProxyMetrics(CollectorRegistry())
     svc = ProxyService(settings, EnginePool([InstantEngine()]), None, PauseController(), metrics,  # type: ignore[list-item, arg-type]
                        TinyChatTokenizer())

@@ -114,7 +114,8 @@ def test_step_time_on_the_tiny_llama(family: HFFamily, capsys: pytest.CaptureFix
 
 
 def test_one_model_setting_for_engine_proxy_and_trainer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    required = {ProxySettings: {"admin_token": "a-token-of-8+"}}
+    required = {ProxySettings: {"admin_token": "a-token-of-8+", "runner_token": "r" * 16,
+                                "session_key_secret": "k" * 16, "run_id": "r"}}
     for cls in (EngineSettings, ProxySettings, TrainerSettings):
         assert load(cls, **required.get(cls, {})).model == "tiny"
     monkeypatch.setenv("REIN_MODEL", str(tmp_path))
