@@ -11,6 +11,9 @@ PY := $(VENV)/bin/python
 # SIGTERM first (tests/conftest.py stops the broker and Redis on it), SIGKILL a minute later.
 TEST_TIMEOUT ?= 70m
 TESTS ?= tests
+# Parallel pytest workers (pytest-xdist): the suite mostly waits on processes, so more workers than cores;
+# the whole-stack scenarios still run one at a time (tests/support/schedule.py). 0: one process.
+TEST_WORKERS ?= 4
 PYTEST_ARGS ?=
 # What `make demo` trains: tiny (the built-in policy), smollm2 (converted once by deploy/smollm2.sh),
 # or a path to a Hugging Face directory or a .gguf file. DEMO_ARGS: more flags (python -m ops.demo --help).
@@ -27,7 +30,7 @@ infra:
 	bash deploy/redis.sh install
 
 test: venv infra
-	timeout --signal=TERM --kill-after=60s $(TEST_TIMEOUT) $(PY) -m pytest $(TESTS) $(PYTEST_ARGS)
+	timeout --signal=TERM --kill-after=60s $(TEST_TIMEOUT) $(PY) -m pytest -n $(TEST_WORKERS) $(TESTS) $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -43,7 +43,7 @@ cmd_start() {
         servers+="    server p$i $target"$'\n'
         i=$((i + 1))
     done
-    port="$(python3 "$HERE/../ops/local/ports.py" 1)"
+    port="$(python3 "$HERE/../ops/local/ports.py" 1 ${REIN_PORT_BLOCK:+--block "$REIN_PORT_BLOCK"})"
     sed -e "s|@BIND@|$HOST:$port|" -e "s|@DIR@|$dir|" "$HERE/haproxy/rein.cfg.in" |
         awk -v servers="$servers" '{ if ($0 == "@SERVERS@") printf "%s", servers; else print }' >"$dir/haproxy.cfg"
     haproxy -c -q -f "$dir/haproxy.cfg" || die "invalid configuration $dir/haproxy.cfg"

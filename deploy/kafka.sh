@@ -95,7 +95,8 @@ cmd_fetch() {
 }
 
 # Prints N distinct free TCP ports on 127.0.0.1, below the ephemeral range (see ops/local/ports.py).
-free_ports() { python3 "$HERE/../ops/local/ports.py" "$1"; }
+# REIN_PORT_BLOCK=I/N (parallel test workers): from block I of N of that range only.
+free_ports() { python3 "$HERE/../ops/local/ports.py" "$1" ${REIN_PORT_BLOCK:+--block "$REIN_PORT_BLOCK"}; }
 
 # A Kafka Uuid: 16 random bytes, url-safe base64 without padding, never starting with '-'.
 random_cluster_id() {

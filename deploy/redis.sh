@@ -50,7 +50,8 @@ need_redis() {
 }
 
 # A free TCP port on 127.0.0.1, below the ephemeral range (see ops/local/ports.py).
-free_port() { python3 "$HERE/../ops/local/ports.py" 1; }
+# REIN_PORT_BLOCK=I/N (parallel test workers): from block I of N of that range only.
+free_port() { python3 "$HERE/../ops/local/ports.py" 1 ${REIN_PORT_BLOCK:+--block "$REIN_PORT_BLOCK"}; }
 
 # Alive and not a zombie (an unreaped zombie still answers kill -0).
 pid_alive() {

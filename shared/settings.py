@@ -134,7 +134,7 @@ def rein_cache() -> Path:
 
 S = TypeVar("S", bound=BaseSettings)
 
-NOT_SETTINGS = frozenset({"REIN_CACHE", "REIN_EXTRAS"})
+NOT_SETTINGS = frozenset({"REIN_CACHE", "REIN_EXTRAS", "REIN_PORT_BLOCK"})
 """``REIN_*`` variables read by the deploy scripts, not by any service."""
 
 

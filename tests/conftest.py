@@ -21,6 +21,11 @@ Per-test helpers (function scope):
 Hugging Face model fixtures (``smollm2_dir``, ``tiny_llama_dir``) live in ``tests/support/hf_model.py``.
 
 The versions that ran are printed in the terminal summary.
+
+Parallel runs (``make test``: pytest-xdist, ``tests/support/schedule.py`` says which worker runs what) share
+one broker and one Redis (``tests/support/infra.py``); each worker takes its own block of ports and of
+Redis DBs, and every topic and consumer group a test makes is its own. A run killed with SIGKILL leaves
+nothing behind: ``tests/support/reaper.py`` watches it from outside.
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -58,17 +65,49 @@ hypothesis.settings.load_profile("rein")
 _INFRA = pytest.StashKey[Infra]()
 _KEPT = pytest.StashKey[str]()
 _REDIS_DBS = itertools.cycle(range(1, 64))
+RUN_MARK = "PYTEST_REIN_RUN"
+"""Set in the run's environment, so every process the run starts carries it (the reaper's key)."""
+REAPER_DIR = "PYTEST_REIN_REAPER_DIR"
+"""Where a test lists what the reaper must remove that does not inherit the environment (compose projects)."""
+
+
+def _worker(config: pytest.Config) -> tuple[int, int] | None:
+    """(index, count) of this pytest-xdist worker; None in the controller or a run without workers."""
+    info = getattr(config, "workerinput", None)
+    if info is None:
+        return None
+    return int(str(info["workerid"]).removeprefix("gw")), int(info["workercount"])
+
+
+def _distributed(config: pytest.Config) -> bool:
+    """This is the controller of a parallel run (its workers run the tests)."""
+    return _worker(config) is None and getattr(config.option, "dist", "no") != "no"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    infra = Infra()
-    config.stash[_INFRA] = infra
+    global _REDIS_DBS
+    worker = _worker(config)
+    if worker is not None:  # one broker and Redis for the run; ports and Redis DBs of its own
+        from ops.local import ports
+
+        index, count = worker
+        ports.use_block(index, count)
+        os.environ["REIN_PORT_BLOCK"] = f"{index}/{count}"  # for the deploy scripts this worker runs
+        _REDIS_DBS = itertools.cycle(range(1 + index, 64, count))
+        config.stash[_INFRA] = Infra(Path(config.workerinput["rein_infra_root"]), shared=True)
+        return
+    _start_reaper()
+    if _distributed(config):
+        config.option.loadscopereorder = False  # tests/support/schedule.py orders the units itself
+        config.stash[_INFRA] = Infra(Path(tempfile.mkdtemp(prefix="rein-infra-")))  # the workers' shared root
+    else:
+        config.stash[_INFRA] = Infra()
     # Backstop for a run killed with SIGTERM (e.g. a CI timeout): stop our services, then die as asked.
     if threading.current_thread() is threading.main_thread():
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_sigterm(signum: int, frame: FrameType | None) -> None:
-            infra.stop_all()
+            infra = _stop_services(config)
             if infra.root is not None:
                 capman = config.pluginmanager.getplugin("capturemanager")
                 with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
@@ -81,6 +120,52 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGTERM, on_sigterm)
 
 
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist, in the controller: each worker is told the root its services are shared under."""
+    node.workerinput["rein_infra_root"] = str(node.config.stash[_INFRA].workdir())
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from tests.support.schedule import ModulesHeavyFirst
+
+    return ModulesHeavyFirst(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The order a parallel run hands out its units in (tests/support/schedule.py); a serial run keeps it too."""
+    from tests.support.schedule import order
+
+    items[:] = order(items)
+
+
+def _start_reaper() -> None:
+    """Start tests/support/reaper.py watching this process, then join the run's cgroup and mark the environment
+    (every process this run starts stays in the one and inherits the other)."""
+    from tests.support.reaper import join_cgroup
+
+    mark, directory = uuid.uuid4().hex, tempfile.mkdtemp(prefix="rein-reaper-")
+    env = {k: v for k, v in os.environ.items() if k not in (RUN_MARK, REAPER_DIR)}
+    devnull = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
+    script = str(Path(__file__).resolve().parent / "support" / "reaper.py")
+    # posix_spawn in a new session, before joining the cgroup: nothing to wait for here (it outlives this
+    # process by design), and neither a signal to this run's process group nor its cgroup reaches it
+    os.posix_spawn(sys.executable, [sys.executable, script, str(os.getpid()), mark, directory],
+                   env, file_actions=devnull, setsid=True)
+    join_cgroup(mark)
+    os.environ[RUN_MARK] = mark
+    os.environ[REAPER_DIR] = directory
+
+
+def _stop_services(config: pytest.Config) -> Infra:
+    """Stop the run's services (in a parallel run's controller: those its workers started); the Infra that did."""
+    infra = config.stash[_INFRA]
+    if _distributed(config):
+        infra = Infra.adopt(infra.workdir())
+        config.stash[_INFRA] = infra
+    infra.stop_all()
+    return infra
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start, concurrently and in the background, the services the selected tests need."""
     if session.config.option.collectonly:
@@ -90,9 +175,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    infra = session.config.stash[_INFRA]
-    infra.stop_all()
-    session.config.stash[_KEPT] = infra.cleanup(keep=exitstatus != 0)
+    config = session.config
+    if _worker(config) is not None:
+        config.stash[_INFRA].stop_all()  # lets its starts finish: the controller stops the services
+        return
+    config.stash[_KEPT] = _stop_services(config).cleanup(keep=exitstatus != 0)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

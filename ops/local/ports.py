@@ -6,8 +6,12 @@ killed service is down before it restarts on the same port, a client connection 
 Redis client, say) can take it, and the service dies with EADDRINUSE. Ports below that range
 are never given out implicitly, so only another listener can take them.
 
+Processes that choose ports side by side (parallel test workers) each take their own block of that
+range (:func:`use_block`; ``--block I/N`` on the command line), so two of them never hand out the same
+port in the moment between choosing it and binding it.
+
 Standard library only: ``deploy/kafka.sh`` and ``deploy/redis.sh`` run it as a script
-(``python3 ops/local/ports.py N`` prints N ports) before any virtualenv exists.
+(``python3 ops/local/ports.py N [--block I/N]`` prints N ports) before any virtualenv exists.
 """
 
 from __future__ import annotations
@@ -24,6 +28,15 @@ LOWEST_PORT = 10000
 MIN_CHOICE = 1000
 """Below this many candidates the range is too crowded; fall back to the kernel's choice."""
 ATTEMPTS = 500
+_block: tuple[int, int] | None = None
+
+
+def use_block(index: int, count: int) -> None:
+    """Choose ports from block ``index`` of ``count`` equal blocks of the range from now on (this process)."""
+    global _block
+    if not 0 <= index < count:
+        raise ValueError(f"block {index} of {count}")
+    _block = (index, count)
 
 
 def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
@@ -51,13 +64,17 @@ def free_ports(count: int, *, rng: random.Random | None = None, ephemeral: tuple
         raise ValueError(f"count must be at least 1, got {count}")
     rng = rng or random.Random()
     low, _ = ephemeral or ephemeral_range()
+    start, stop = LOWEST_PORT, low
+    if _block is not None:
+        size = (low - LOWEST_PORT) // _block[1]
+        start, stop = LOWEST_PORT + _block[0] * size, LOWEST_PORT + (_block[0] + 1) * size
     held: list[socket.socket] = []
     try:
-        if low - LOWEST_PORT >= MIN_CHOICE:
+        if stop - start >= MIN_CHOICE:
             for _ in range(ATTEMPTS):
                 if len(held) == count:
                     break
-                sock = _bound(rng.randrange(LOWEST_PORT, low))  # a port held already fails to bind
+                sock = _bound(rng.randrange(start, stop))  # a port held already fails to bind
                 if sock is not None:
                     held.append(sock)
         while len(held) < count:  # crowded or unusual range: the kernel's own choice
@@ -76,5 +93,15 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def _main(argv: list[str]) -> str:
+    args = list(argv)
+    if "--block" in args:
+        at = args.index("--block")
+        index, _, count = args[at + 1].partition("/")
+        use_block(int(index), int(count))
+        del args[at : at + 2]
+    return " ".join(str(p) for p in free_ports(int(args[0]) if args else 1))
+
+
 if __name__ == "__main__":
-    print(" ".join(str(p) for p in free_ports(int(sys.argv[1]) if len(sys.argv) > 1 else 1)))
+    print(_main(sys.argv[1:]))

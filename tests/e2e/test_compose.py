@@ -96,6 +96,10 @@ class Compose:
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        reaper = os.environ.get("PYTEST_REIN_REAPER_DIR")  # removes the project if the run is SIGKILLed
+        if reaper:
+            with (Path(reaper) / "compose-projects").open("a") as listing:
+                listing.write(self.project + "\n")
         _run(["bash", str(REPO / "deploy" / "compose-env.sh"), str(self.secrets)], 30)
         self.env = {**os.environ, "LOG_LEVEL": "info",
                     **{f"{name.upper()}_HOST_PORT": str(port) for name, port in self.ports.items()}}

@@ -8,12 +8,19 @@ on SIGTERM) every service this session started is stopped by its pid file, throu
 scripts (run by :func:`ops.local.launcher.deploy_script`, as the demo's stack runs them); nothing else
 is touched. A missing Java, Maven or redis-server is a test failure with the
 script's message, never a skip.
+
+A parallel run (pytest-xdist) has one broker and one Redis for all its workers: the workers share
+one root (``shared=True``); whichever asks for a service first starts it, under a lock file, and
+records it in ``<root>/<name>.json``, where the others find it. The workers never stop them; the
+run's controller does at its end (:meth:`Infra.adopt`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -22,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ops.local.launcher import LaunchError, deploy_script
@@ -68,8 +75,10 @@ class Service:
 class Infra:
     """Starts and stops the session's services; thread-safe, every method idempotent."""
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(self, root: Path | None = None, *, shared: bool = False) -> None:
         self._root_arg = root
+        self.shared = shared
+        """A worker of a parallel run: services started once for all workers, stopped by the controller."""
         self.root: Path | None = None
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -77,15 +86,30 @@ class Infra:
         self.services: dict[str, Service] = {}
         self._closed = False
 
-    def _workdir(self) -> Path:
+    def workdir(self) -> Path:
+        """The root of the services' data dirs (made on first use)."""
         if self.root is None:
             if self._root_arg is not None:
                 self._root_arg.mkdir(parents=True, exist_ok=True)
                 self.root = self._root_arg
             else:
                 self.root = Path(tempfile.mkdtemp(prefix="rein-infra-"))
-            atexit.register(self.stop_all)
+            if not self.shared:
+                atexit.register(self.stop_all)
         return self.root
+
+    @classmethod
+    def adopt(cls, root: Path) -> Infra:
+        """The services the workers of a parallel run started under ``root``, to report and stop."""
+        infra = cls(root)
+        infra.workdir()
+        for record in sorted(root.glob("*.json")):
+            svc = _load_record(record)
+            infra.services[svc.name] = svc
+            done: Future[Service] = Future()
+            done.set_result(svc)
+            infra._futures[svc.name] = done
+        return infra
 
     def prestart(self, names: Iterable[str]) -> None:
         """Begin starting each named service not started yet; returns at once."""
@@ -98,7 +122,7 @@ class Infra:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rein-infra")
                 script = DEPLOY / f"{name}.sh"
-                svc = Service(name=name, script=script, data_dir=self._workdir() / name)
+                svc = Service(name=name, script=script, data_dir=self.workdir() / name)
                 self.services[name] = svc
                 self._futures[name] = self._pool.submit(self._start, svc)
 
@@ -111,6 +135,23 @@ class Infra:
         return svc
 
     def _start(self, svc: Service) -> Service:
+        if not self.shared:
+            return self._launch(svc)
+        assert self.root is not None
+        with (self.root / f"{svc.name}.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be starting it: wait, then take its record
+            record = self.root / f"{svc.name}.json"
+            if record.exists():
+                found = _load_record(record)
+                self.services[svc.name] = found
+                return found
+            self._launch(svc)
+            tmp = record.with_suffix(".tmp")
+            tmp.write_text(json.dumps({**asdict(svc), "script": str(svc.script), "data_dir": str(svc.data_dir)}))
+            tmp.replace(record)
+        return svc
+
+    def _launch(self, svc: Service) -> Service:
         began = time.monotonic()
         svc.data_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -136,7 +177,8 @@ class Infra:
             svc.pids.append(int(svc.pid_file.read_text().strip()))
 
     def stop_all(self) -> None:
-        """Stop every service this session started (by its pid file); safe to call repeatedly."""
+        """Stop every service this session started (by its pid file); safe to call repeatedly. A worker of a
+        parallel run only lets its starts finish (the controller stops the services)."""
         with self._lock:
             self._closed = True
             futures = dict(self._futures)
@@ -145,6 +187,8 @@ class Infra:
                 fut.result(timeout=START_TIMEOUT_S)  # a start in flight must finish before it can stop
             except Exception as exc:  # a start crash must not prevent the other stops
                 self.services[name].error = self.services[name].error or repr(exc)
+        if self.shared:
+            return
         threads = [threading.Thread(target=self._stop, args=(svc,)) for svc in self.services.values()]
         for t in threads:
             t.start()
@@ -193,6 +237,11 @@ class Infra:
                 f"{svc.stop_note or 'still running'}"
             )
         return lines
+
+
+def _load_record(path: Path) -> Service:
+    fields = json.loads(path.read_text())
+    return Service(**{**fields, "script": Path(fields["script"]), "data_dir": Path(fields["data_dir"])})
 
 
 def _alive(pid: int) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +127,11 @@ def _rejections(proxy: Proxy, n: int, timeout_s: float = 30) -> dict[str, tuple[
 
 
 def test_a_proxy_that_cannot_read_the_registered_engines_does_not_start(
-    kafka_bootstrap: str, topics: Topics, tmp_path: Path
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
 ) -> None:
     """With REIN_DISCOVER_ENGINES and no fixed engine, a proxy without Redis could route nowhere: it fails
     at start, saying why, instead of answering 503 to every call."""
+    topics = Topics(chunks=unique_topic(), events=unique_topic())
     env = {"REIN_REDIS__URL": f"redis://127.0.0.1:{free_port()}/0", "REIN_REDIS__SOCKET_TIMEOUT_S": "0.5",
            "REIN_DISCOVER_ENGINES": "true"}
     with pytest.raises(ServiceStartError, match="did not answer"), proxy_process(

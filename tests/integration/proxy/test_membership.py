@@ -5,6 +5,7 @@ is a closed port (nothing here generates)."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -25,8 +26,9 @@ ADMIN = "membership-admin-token"
 
 
 def test_a_replica_joins_the_held_pause_registers_and_leaves(
-    kafka_bootstrap: str, topics: Topics, redis_db_url: str, tmp_path: Path
+    kafka_bootstrap: str, unique_topic: Callable[..., str], redis_db_url: str, tmp_path: Path
 ) -> None:
+    topics = Topics(chunks=unique_topic(), events=unique_topic())
     prefix = f"m{uuid.uuid4().hex[:8]}"
     client = connect(RedisSettings(url=redis_db_url))
     keys = RedisKeys(prefix)
@@ -66,9 +68,12 @@ def test_a_replica_joins_the_held_pause_registers_and_leaves(
         client.close()
 
 
-def test_a_replica_that_cannot_reach_redis_does_not_start(kafka_bootstrap: str, topics: Topics, tmp_path: Path) -> None:
+def test_a_replica_that_cannot_reach_redis_does_not_start(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
     """Registration is promised by REIN_ADVERTISE_URL: without Redis the proxy fails at start, saying why,
     instead of serving while no broadcaster can find it to pause it."""
+    topics = Topics(chunks=unique_topic(), events=unique_topic())
     env = {"REIN_REDIS__URL": f"redis://127.0.0.1:{free_port()}/0", "REIN_REDIS__SOCKET_TIMEOUT_S": "0.5",
            "REIN_ADVERTISE_URL": "http://replica-c:8000"}
     with pytest.raises(ServiceStartError, match="did not answer"), proxy_process(

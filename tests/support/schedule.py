@@ -1,0 +1,59 @@
+"""Which worker of a parallel run (``make test``, pytest-xdist) runs what, and in what order.
+
+A unit of work is a test module: one worker runs it whole, so its module fixtures (a proxy and an
+engine, a scenario run) start once. The end-to-end scenarios that start a whole stack are one unit
+together: they run one at a time, never two stacks fighting for the two cores. The heavy units (those
+stacks, the compose test, the bench smoke runs) are handed out first, each to a worker of its own that
+takes nothing else until it is done; the integration and unit modules fill the other workers and,
+once a heavy unit ends, its worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from xdist.scheduler import LoadScopeScheduling
+
+STACKS = "tests/e2e (whole stacks, one at a time)"
+COMPOSE = "tests/e2e/test_compose.py"
+BENCH = "tests/bench/test_smoke.py"
+HEAVY = (STACKS, COMPOSE, BENCH)
+"""Units in the order they are handed out, before every other."""
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit a test belongs to: its module, or :data:`STACKS` for a whole-stack scenario."""
+    module = nodeid.split("::", 1)[0]
+    if module.startswith("tests/e2e/") and module != COMPOSE:
+        return STACKS
+    return module
+
+
+def rank(nodeid: str) -> int:
+    """0.. for the heavy units in :data:`HEAVY` order, then integration modules, then the rest."""
+    unit = unit_of(nodeid)
+    if unit in HEAVY:
+        return HEAVY.index(unit)
+    return len(HEAVY) + (0 if unit.startswith("tests/integration/") else 1)
+
+
+def order(items: Sequence[pytest.Item]) -> list[pytest.Item]:
+    """``items`` by :func:`rank`, collection order kept within a rank."""
+    return sorted(items, key=lambda item: rank(item.nodeid))
+
+
+class ModulesHeavyFirst(LoadScopeScheduling):  # type: ignore[misc]
+    """xdist's scheduling by scope, with :func:`unit_of` as the scope and no second unit queued on a worker
+    still busy with a heavy one (it would wait there while other workers run dry). The queue follows the
+    collection order, which :func:`order` set."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return unit_of(nodeid)
+
+    def _reschedule(self, node: Any) -> None:
+        busy = any(scope in HEAVY and not all(done.values())
+                   for scope, done in self.assigned_work.get(node, {}).items())
+        if not busy:
+            super()._reschedule(node)
