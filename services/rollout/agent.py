@@ -1,9 +1,11 @@
-"""One episode through the proxy with the official ``openai`` client, then its reward.
+"""One episode through the proxy's OpenAI chat route, then its reward.
 
 The agent is deliberately an ordinary OpenAI-API user: each turn it sends the whole
 conversation (the proxy does token-in-token-out on the extended history), appends the
 assistant reply and the environment's answer, and at the end reports the reward with
-``POST /v1/sessions/{id}/finish``. Outcomes:
+``POST /v1/sessions/{id}/finish``. It speaks the wire through :mod:`services.rollout.proxy_http`, not the
+official client (which that module says why); the official clients are tested against the proxy on
+their own. Outcomes:
 
 - ``completed`` / ``truncated``: the episode ended and the finish call was delivered
   (``truncated`` when the proxy refused a turn as ``context_overflow``; the reward is
@@ -25,11 +27,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
-import httpx
-import openai
-
+from services.rollout.proxy_http import Answer, ProxyHttp, Timeout, Unreachable
 from services.rollout.task import Episode, Message
 from shared import log
 from shared.lender import Lender
@@ -92,8 +92,7 @@ class CallError:
 def error_name(body: object) -> str:
     """The machine-readable error of a proxy error body, or ''.
 
-    Accepts FastAPI's ``{"detail": {"error": ...}}`` (what the openai client hands over
-    for rein's proxy) and the OpenAI ``{"error": {"code"|"type": ...}}`` shape.
+    Accepts rein's ``{"detail": {"error": ...}}`` and the OpenAI ``{"error": {"code"|"type": ...}}`` shape.
     """
     if not isinstance(body, dict):
         return ""
@@ -112,40 +111,30 @@ def error_name(body: object) -> str:
     return ""
 
 
-def classify(exc: openai.APIError) -> CallError:
+def classify(failure: Answer | Timeout | Unreachable) -> CallError:
     """Map a failed chat call to an outcome (the one place that knows the proxy's error contract)."""
-    if isinstance(exc, openai.APITimeoutError):
+    if isinstance(failure, Timeout):
         return CallError("failed", "timeout")
-    if isinstance(exc, openai.APIConnectionError):
+    if isinstance(failure, Unreachable):
         return CallError("failed", "unreachable", unreachable=True)
-    if isinstance(exc, openai.APIStatusError):
-        name = error_name(exc.body)
-        if exc.status_code == 409 and name != "session_busy":
-            # session_finalized: the proxy rejected (or closed) the session; it takes no more calls.
-            return CallError("rejected", name or "session_finalized")
-        if exc.status_code == 502 and name in STALENESS_ERRORS:
-            return CallError("rejected", name, on_record=True)
-        if exc.status_code == 413 and name == "context_overflow":
-            return CallError("truncated", name)
-        return CallError("failed", name or f"http_{exc.status_code}")
-    return CallError("failed", type(exc).__name__)
-
-
-class ProxyClients(NamedTuple):
-    """The clients of one episode: chat calls through ``chat``; opening and finishing the session through
-    ``finish``. Both carry the runner's credential (an agent command gets only its session's key)."""
-
-    chat: openai.AsyncOpenAI
-    finish: httpx.AsyncClient
+    name = error_name(failure.body)
+    if failure.status == 409 and name != "session_busy":
+        # session_finalized: the proxy rejected (or closed) the session; it takes no more calls.
+        return CallError("rejected", name or "session_finalized")
+    if failure.status == 502 and name in STALENESS_ERRORS:
+        return CallError("rejected", name, on_record=True)
+    if failure.status == 413 and name == "context_overflow":
+        return CallError("truncated", name)
+    return CallError("failed", name or f"http_{failure.status}")
 
 
 class Agent:
-    """Plays episodes through one proxy; each episode borrows its own :class:`ProxyClients` from a
-    :class:`~shared.lender.Lender` (one connection each; the module says why)."""
+    """Plays episodes through one proxy; each episode borrows its own :class:`ProxyHttp` from a
+    :class:`~shared.lender.Lender` (one connection each; the lender says why)."""
 
     def __init__(
         self,
-        clients: Lender[ProxyClients],
+        clients: Lender[ProxyHttp],
         *,
         proxy_url: str,
         model: str,
@@ -166,23 +155,26 @@ class Agent:
             return await self._play(clients, episode, payload, ids)
 
     async def _play(
-        self, clients: ProxyClients, episode: Episode, payload: dict[str, Any], ids: SessionIds
+        self, http: ProxyHttp, episode: Episode, payload: dict[str, Any], ids: SessionIds
     ) -> EpisodeResult:
         logger = log.get(__name__).bind(session_id=ids.session_id, group_id=ids.group_id, prompt_id=ids.prompt_id)
         messages: list[Message] = episode.reset(payload)
         turn = 0
+        request: dict[str, Any] = {"model": self._model, "messages": messages, "max_tokens": self._max_tokens,
+                                   "temperature": self._temperature}
+        if episode.tools:
+            request["tools"] = episode.tools
         while True:
+            failure: Answer | Timeout | Unreachable | None = None
             try:
-                response = await clients.chat.chat.completions.create(
-                    model=self._model,
-                    messages=messages,  # type: ignore[arg-type]
-                    max_tokens=self._max_tokens,
-                    temperature=self._temperature,
-                    extra_headers=ids.headers(turn),
-                    tools=episode.tools or openai.omit,  # type: ignore[arg-type]
-                )
-            except openai.APIError as exc:
-                call = classify(exc)
+                response = await http.post("/v1/chat/completions", request, headers=ids.headers(turn))
+            except (Timeout, Unreachable) as exc:
+                failure = exc
+            else:
+                if response.status != 200 or not isinstance(response.body, dict):
+                    failure = response
+            if failure is not None:
+                call = classify(failure)
                 result = EpisodeResult(ids.session_id, call.outcome, turns=turn, error=call.error,
                                        unreachable=call.unreachable, on_record=call.on_record, messages=messages)
                 logger.info("episode_call_failed", turn=turn, outcome=call.outcome, error=call.error)
@@ -190,22 +182,22 @@ class Agent:
                     return result
                 if call.outcome == "truncated":
                     result.reward = episode.reward()
-                return await self._report(clients.finish, result, logger)
+                return await self._report(http, result, logger)
             turn += 1
-            message = response.choices[0].message if response.choices else None
-            text = (message.content or "") if message is not None else ""
+            message = _message(response.body)
+            text = str(message.get("content") or "")
             answer: dict[str, Any] = {"role": "assistant", "content": text}
-            if message is not None and message.tool_calls:  # sent back as answered: the turn continues token-exact
-                answer["tool_calls"] = [call.model_dump(exclude_none=True) for call in message.tool_calls]
+            if message.get("tool_calls"):  # sent back as answered: the turn continues token-exact
+                answer["tool_calls"] = message["tool_calls"]
             messages.append(answer)
             feedback = episode.step(text, answer.get("tool_calls", ()))
             if feedback is None:
                 break
             messages.extend(feedback)
         result = EpisodeResult(ids.session_id, episode.status, reward=episode.reward(), turns=turn, messages=messages)
-        return await self._report(clients.finish, result, logger)
+        return await self._report(http, result, logger)
 
-    async def _report(self, http: httpx.AsyncClient, result: EpisodeResult, logger: Any,
+    async def _report(self, http: ProxyHttp, result: EpisodeResult, logger: Any,
                       finish_as: str | None = None) -> EpisodeResult:
         """Finish the session (named ``finish_as``, its key, when given) and read what the proxy said."""
         status = "failed" if result.outcome == "failed" else result.outcome
@@ -222,7 +214,7 @@ class Agent:
         return result
 
     async def finish(
-        self, http: httpx.AsyncClient, session_id: str, reward: float, status: str, error: str = ""
+        self, http: ProxyHttp, session_id: str, reward: float, status: str, error: str = ""
     ) -> str:
         """POST the finish call; bounded retries while the proxy cannot take it yet.
 
@@ -234,7 +226,7 @@ class Agent:
         ``http_<status>``; or ``unreachable`` / ``busy`` / ``unavailable`` when the tries
         ran out.
         """
-        url = f"{self._proxy_url}/v1/sessions/{session_id}/finish"
+        path = f"/v1/sessions/{session_id}/finish"
         delay, last, sent = 0.2, "unreachable", False
         for attempt in range(self._finish_attempts):
             if attempt:
@@ -244,29 +236,32 @@ class Agent:
                 body: dict[str, Any] = {"reward": reward, "status": status}
                 if error:
                     body["error"] = error
-                response = await http.post(url, json=body)
-            except httpx.TransportError:
+                response = await http.post(path, body)
+            except (Timeout, Unreachable):
                 last, sent = "unreachable", True
                 continue
-            name = error_name(_json(response))
-            if response.status_code == 200:
+            name = error_name(response.body)
+            if response.status == 200:
                 return "ok"
-            if response.status_code == 409 and name == "session_busy":
+            if response.status == 409 and name == "session_busy":
                 last = "busy"
                 continue
-            if response.status_code == 409:
+            if response.status == 409:
                 return "conflict_retry" if sent else "conflict_first"
-            if response.status_code == 503:
+            if response.status == 503:
                 last = "unavailable"
                 continue
-            if response.status_code == 404:
+            if response.status == 404:
                 return "not_found"
-            return f"http_{response.status_code}"
+            return f"http_{response.status}"
         return last
 
 
-def _json(response: httpx.Response) -> object:
-    try:
-        return response.json()
-    except ValueError:
-        return None
+def _message(body: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message of a ``chat.completion`` body ({} when it has none)."""
+    choices = body.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        message = choices[0].get("message")
+        if isinstance(message, dict):
+            return message
+    return {}

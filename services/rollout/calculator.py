@@ -3,7 +3,7 @@
 Pure code like :mod:`services.rollout.arithmetic`: no I/O, randomness only from the seed. The user
 asks ``Compute 417 * 38.`` with operands large enough that a small model cannot do it in its
 head, and offers one tool, ``calculator(expression)``, through the request's ``tools`` (so the
-agent is the ``openai`` client's own tool loop: the proxy parses the model's calls into
+agent is an ordinary OpenAI tool loop: the proxy parses the model's calls into
 ``tool_calls``, the episode runs them and answers ``tool`` messages). The final reply is graded
 as in the arithmetic task (``Answer: <integer>``: 1 right, 0.2 wrong, 0 without the format); a
 reply with neither a call nor the format gets a reminder, and the grade is scaled by

@@ -31,9 +31,8 @@ import signal
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
-
-from services.rollout.agent import Agent, EpisodeResult, ProxyClients, SessionIds, error_name
+from services.rollout.agent import Agent, EpisodeResult, SessionIds, error_name
+from services.rollout.proxy_http import ProxyHttp, Timeout, Unreachable
 from services.rollout.task import Episode, Message
 from shared import log
 from shared.lender import Lender
@@ -71,7 +70,7 @@ def agent_env(proxy_url: str, api_key: str, prompt: str) -> dict[str, str]:
 class CommandAgent(Agent):
     """Plays episodes by running a black-box agent command through one proxy (the module says how)."""
 
-    def __init__(self, clients: Lender[ProxyClients], *, command: Sequence[str], timeout_s: float, proxy_url: str,
+    def __init__(self, clients: Lender[ProxyHttp], *, command: Sequence[str], timeout_s: float, proxy_url: str,
                  model: str, max_tokens: int, temperature: float, finish_attempts: int = 3) -> None:
         super().__init__(clients, proxy_url=proxy_url, model=model, max_tokens=max_tokens, temperature=temperature,
                          finish_attempts=finish_attempts)
@@ -81,12 +80,12 @@ class CommandAgent(Agent):
         self._timeout_s = timeout_s
 
     async def _play(
-        self, clients: ProxyClients, episode: Episode, payload: dict[str, Any], ids: SessionIds
+        self, http: ProxyHttp, episode: Episode, payload: dict[str, Any], ids: SessionIds
     ) -> EpisodeResult:
         logger = log.get(__name__).bind(session_id=ids.session_id, group_id=ids.group_id, prompt_id=ids.prompt_id)
         messages: list[Message] = episode.reset(payload)
         prompt = prompt_text(messages)
-        opened = await self._open(clients.finish, ids)
+        opened = await self._open(http, ids)
         if isinstance(opened, EpisodeResult):  # nothing recorded: the runner publishes the session's end
             logger.warning("agent_session_not_opened", error=opened.error)
             return opened
@@ -100,29 +99,26 @@ class CommandAgent(Agent):
             error = {None: "agent_timeout", -1: "agent_not_started"}.get(code, f"agent_exit_{code}")
             logger.info("agent_command_failed", error=error, stderr=stderr[-STDERR_TAIL:])
             result = EpisodeResult(ids.session_id, "failed", turns=1, error=error, messages=messages)
-            return await self._report(clients.finish, result, logger, finish_as=opened)
+            return await self._report(http, result, logger, finish_as=opened)
         answer = stdout.strip()
         messages.append({"role": "assistant", "content": answer})
         ended = episode.step(answer) is None
         result = EpisodeResult(ids.session_id, episode.status if ended else "truncated", reward=episode.reward(),
                                turns=1, messages=messages)
-        return await self._report(clients.finish, result, logger, finish_as=opened)
+        return await self._report(http, result, logger, finish_as=opened)
 
-    async def _open(self, http: httpx.AsyncClient, ids: SessionIds) -> str | EpisodeResult:
+    async def _open(self, http: ProxyHttp, ids: SessionIds) -> str | EpisodeResult:
         """The session's API key from ``POST /v1/sessions``, or the failed result when the proxy cannot give one."""
         body = {"session_id": ids.session_id, "group_id": ids.group_id, "prompt_id": ids.prompt_id,
                 "attempt": ids.attempt}
         try:
-            response = await http.post(f"{self._proxy_url}/v1/sessions", json=body)
-        except httpx.TransportError:
+            response = await http.post("/v1/sessions", body)
+        except (Timeout, Unreachable):
             return EpisodeResult(ids.session_id, "failed", error="unreachable", unreachable=True)
-        if response.status_code != 200:
-            try:
-                name = error_name(response.json())
-            except ValueError:
-                name = ""
-            return EpisodeResult(ids.session_id, "failed", error=name or f"http_{response.status_code}")
-        return str(response.json()["api_key"])
+        key = response.body.get("api_key") if isinstance(response.body, dict) else None
+        if response.status != 200 or not isinstance(key, str):
+            return EpisodeResult(ids.session_id, "failed", error=error_name(response.body) or f"http_{response.status}")
+        return key
 
     async def _run(self, argv: list[str], prompt: str, env: dict[str, str]) -> tuple[int | None, str, str]:
         """Run the command to its end or the timeout: (exit status or None when killed, stdout, stderr)."""

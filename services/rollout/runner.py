@@ -24,21 +24,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from typing import Any
 
-import httpx
-import openai
 import redis
 from kafka.errors import KafkaError
 from prometheus_client import CollectorRegistry
 
-from services.rollout.agent import Agent, ProxyClients
+from services.rollout.agent import Agent
 from services.rollout.command_agent import CommandAgent
 from services.rollout.feeds import Feeds
 from services.rollout.groups import Groups
 from services.rollout.observe import RolloutMetrics
 from services.rollout.pacing import Pacer
+from services.rollout.proxy_http import ProxyHttp, Timeout, Unreachable
 from services.rollout.scheduler import BackendGate, PromptStream, Scheduler, Work
 from services.rollout.settings import RolloutSettings
 from services.rollout.task import Task
@@ -57,6 +57,10 @@ PACING_READ_S = 0.5
 """How often a pacing runner re-reads the prompt cursor, the window's drops and its settings from Redis."""
 MAX_PUBLISH_FAILURES = 5
 """Consecutive GroupDispatched publish failures (each bounded by Kafka's request timeout) before giving up."""
+
+
+HEALTH_TIMEOUT_S = 2.0
+"""Bound on one ``GET /health`` of the proxy while waiting for it."""
 
 
 class ProxyUnavailable(RuntimeError):
@@ -139,23 +143,15 @@ class Runner:
         server = StatusServer(s.metrics_host, s.metrics_port, self.metrics.registry, self.health).start()
         self.status_port = server.port
         self.log.info("status_server_started", port=server.port)
-        timeout = httpx.Timeout(s.request_timeout_s, connect=min(5.0, s.request_timeout_s))
         producer: Producer | None = None
         try:
-            tls = httpx.create_ssl_context()  # one for every client: each would load the CA bundle (~50 ms)
-
+            # one for every client: each would load the CA bundle (~50 ms); only an https proxy needs it
+            tls = ssl.create_default_context() if s.proxy_url.startswith("https:") else None
             runner = {"Authorization": f"Bearer {s.runner_token}"} if s.runner_token else {}
-
-            def episode_clients() -> ProxyClients:
-                # the openai client needs some key; an open proxy checks none
-                chat = openai.AsyncOpenAI(base_url=f"{s.proxy_url}/v1", api_key=s.runner_token or "open",
-                                          max_retries=0, timeout=s.request_timeout_s,
-                                          http_client=openai.DefaultAsyncHttpxClient(verify=tls))
-                return ProxyClients(chat, httpx.AsyncClient(timeout=timeout, verify=tls, headers=runner))
-
-            clients = Lender(episode_clients)
+            clients = Lender(lambda: ProxyHttp(s.proxy_url, runner, s.request_timeout_s, tls))
             async with contextlib.AsyncExitStack() as opened:
-                http = await opened.enter_async_context(httpx.AsyncClient(timeout=timeout, verify=tls))
+                http = ProxyHttp(s.proxy_url, {}, HEALTH_TIMEOUT_S, tls)
+                opened.push_async_callback(http.aclose)
                 opened.push_async_callback(_close_all, clients)
                 agent = (CommandAgent(clients, command=s.agent_command, timeout_s=s.agent_timeout_s,
                                       proxy_url=s.proxy_url, model=s.model, max_tokens=s.max_tokens,
@@ -188,17 +184,17 @@ class Runner:
         if self._fatal is not None:
             raise self._fatal
 
-    async def _wait_proxy(self, http: httpx.AsyncClient) -> None:
+    async def _wait_proxy(self, http: ProxyHttp) -> None:
         url = f"{self.settings.proxy_url}/health"
         deadline = time.monotonic() + self.settings.startup_timeout_s
         delay, last = 0.1, "no attempt"
         while True:
             try:
-                response = await http.get(url, timeout=2.0)
-                if response.status_code == 200:
+                response = await http.get("/health")
+                if response.status == 200:
                     return
-                last = f"status {response.status_code}"
-            except httpx.TransportError as exc:
+                last = f"status {response.status}"
+            except (Timeout, Unreachable) as exc:
                 last = repr(exc)
             if time.monotonic() + delay > deadline:
                 raise ProxyUnavailable(
@@ -209,18 +205,17 @@ class Runner:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
-    async def _check_credential(self, clients: Lender[ProxyClients]) -> None:
+    async def _check_credential(self, clients: Lender[ProxyHttp]) -> None:
         """Open a session the way each episode will (minting a key changes no state): a proxy that refuses
         the runner's credential would otherwise fail every episode, one retry at a time."""
-        with clients.use() as pair:
+        with clients.use() as http:
             try:
-                response = await pair.finish.post(f"{self.settings.proxy_url}/v1/sessions",
-                                                  json={"group_id": "rein-credential-check"})
-            except httpx.TransportError:
+                response = await http.post("/v1/sessions", {"group_id": "rein-credential-check"})
+            except (Timeout, Unreachable):
                 return  # it answered /health just now: the episodes meet whatever this is, and report it
-        if response.status_code in (401, 403):
+        if response.status in (401, 403):
             raise CredentialRefused(
-                f"the proxy refused the runner's credential ({response.status_code}: {response.text[:200]}); set "
+                f"the proxy refused the runner's credential ({response.status}: {str(response.body)[:200]}); set "
                 "REIN_RUNNER_TOKEN to the proxies' value (or run the proxies with REIN_OPEN_SESSIONS=true)")
 
     def _connect_kafka(self) -> Producer:
@@ -230,7 +225,7 @@ class Runner:
 
     # ------------------------------------------------------------------ dispatch
 
-    async def _dispatch_loop(self, http: httpx.AsyncClient, producer: Producer, groups: Groups) -> None:
+    async def _dispatch_loop(self, http: ProxyHttp, producer: Producer, groups: Groups) -> None:
         s, sched = self.settings, self.scheduler
         wait_started: float | None = None
         while not self._stopping:
@@ -366,7 +361,6 @@ class Runner:
         groups.start(work, group_id, session_ids, probe)
 
 
-async def _close_all(clients: Lender[ProxyClients]) -> None:
-    for pair in clients.items:
-        await pair.chat.close()
-        await pair.finish.aclose()
+async def _close_all(clients: Lender[ProxyHttp]) -> None:
+    for client in clients.items:
+        await client.aclose()

@@ -56,7 +56,7 @@ class RolloutSettings(ServiceSettings):
     temperature: float = Field(default=1.0, ge=0.0)
     """Sampling temperature of every call (RL samples at 1.0)."""
     agent_command: list[str] = Field(default_factory=list)
-    """A black-box agent to run for each episode instead of rein's ``openai`` tool loop (JSON list, for example
+    """A black-box agent to run for each episode instead of rein's own tool loop (JSON list, for example
     ``["llm", "openai", "endpoint", "{base_url}", "{prompt}", "-m", "m", "--key", "{api_key}"]``): it gets the
     session's base URL and key (``OPENAI_*`` / ``ANTHROPIC_*``) and the prompt; its stdout is graded
     (``services/rollout/command_agent.py``, docs/agents.md). Empty: rein's own agent loop."""

@@ -13,13 +13,12 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
 
-from services.rollout.agent import EpisodeResult, ProxyClients, SessionIds
+from services.rollout.agent import EpisodeResult, SessionIds
 from services.rollout.calculator import CalculatorEpisode
 from services.rollout.command_agent import CommandAgent
+from services.rollout.proxy_http import ProxyHttp
 from shared.lender import Lender
 from shared.schemas import SessionFinished
 from tests.support.proxy import RUNNER, count_records, proxy_factory
@@ -41,13 +40,14 @@ def play(proxy_url: str, command: Sequence[str], timeout_s: float = 120) -> Epis
     episode = CalculatorEpisode()
 
     async def run() -> EpisodeResult:
-        runner = {"Authorization": f"Bearer {RUNNER}"}
-        async with openai.AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key=RUNNER, max_retries=0) as chat, \
-                httpx.AsyncClient(timeout=30, headers=runner) as http:
-            agent = CommandAgent(Lender(lambda: ProxyClients(chat, http)), command=command, timeout_s=timeout_s,
-                                 proxy_url=proxy_url, model="m", max_tokens=200, temperature=1.0)
+        http = ProxyHttp(proxy_url, {"Authorization": f"Bearer {RUNNER}"}, 30.0)
+        try:
+            agent = CommandAgent(Lender(lambda: http), command=command, timeout_s=timeout_s, proxy_url=proxy_url,
+                                 model="m", max_tokens=200, temperature=1.0)
             ids = SessionIds(f"s-{uuid.uuid4().hex}", f"g-{uuid.uuid4().hex}", "p-417", 0)
             return await agent.run(episode, dict(PAYLOAD), ids)
+        finally:
+            await http.aclose()
 
     return asyncio.run(run())
 

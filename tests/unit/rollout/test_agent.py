@@ -1,4 +1,4 @@
-"""The agent against a scripted in-process proxy (ASGI transport, no sockets).
+"""The agent against a scripted proxy served in this process (uvicorn in a thread, on 127.0.0.1).
 
 Checks the proxy contract the agent relies on: extended history each turn, the
 identity headers, finish with the task's reward, and the outcome of each error.
@@ -11,16 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-import httpx2
-import openai
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from services.rollout.agent import Agent, EpisodeResult, ProxyClients, SessionIds, classify, error_name
+from ops.local.ports import free_port
+from services.rollout.agent import Agent, EpisodeResult, SessionIds, classify, error_name
+from services.rollout.proxy_http import ProxyHttp, Timeout, Unreachable
 from services.rollout.task import GuessEpisode, binary_search_policy
 from shared.lender import Lender
+from tests.support.proxy import ServerThread
 
 Replier = Callable[[list[dict[str, str]], int], tuple[int, Any]]
 """(messages, call index) -> (status, body or assistant text)."""
@@ -63,17 +63,28 @@ IDS = SessionIds("s-1", "g-1", "p-1", 2)
 PAYLOAD = {"secret": 11, "low": 0, "high": 15, "max_turns": 5}
 
 
-def _run(proxy: FakeProxy, payload: dict[str, Any] = PAYLOAD) -> EpisodeResult:
-    async def go() -> EpisodeResult:
-        app = proxy.app()
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as http, \
-                openai.AsyncOpenAI(base_url="http://proxy/v1", api_key="k", max_retries=0, timeout=5.0,
-                                   http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app))) as client:
-            agent = Agent(Lender(lambda: ProxyClients(client, http)), proxy_url="http://proxy", model="rein-tiny",
-                          max_tokens=3, temperature=1.0, finish_attempts=2)
-            return await agent.run(GuessEpisode(), dict(payload), IDS)
+def _serve(proxy: FakeProxy) -> ServerThread:
+    server = ServerThread(proxy.app(), free_port())
+    server.start()
+    return server
 
-    return asyncio.run(asyncio.wait_for(go(), 30))
+
+def _run(proxy: FakeProxy, payload: dict[str, Any] = PAYLOAD) -> EpisodeResult:
+    server = _serve(proxy)
+
+    async def go() -> EpisodeResult:
+        http = ProxyHttp(server.url, {"Authorization": "Bearer k"}, 5.0)
+        try:
+            agent = Agent(Lender(lambda: http), proxy_url=server.url, model="rein-tiny", max_tokens=3,
+                          temperature=1.0, finish_attempts=2)
+            return await agent.run(GuessEpisode(), dict(payload), IDS)
+        finally:
+            await http.aclose()
+
+    try:
+        return asyncio.run(asyncio.wait_for(go(), 30))
+    finally:
+        server.stop()
 
 
 def _binary(messages: list[dict[str, str]], _i: int) -> tuple[int, Any]:
@@ -158,20 +169,16 @@ def test_finish_answers(replies: list[tuple[int, Any]], outcome: str, reported: 
 
 
 def test_unreachable_proxy_fails_fast_without_hanging() -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there: connections are refused
+
     async def go() -> EpisodeResult:
-        def refuse(request: httpx.Request) -> httpx.Response:
-            raise httpx.ConnectError("refused", request=request)
-
-        def refuse2(request: httpx2.Request) -> httpx2.Response:
-            raise httpx2.ConnectError("refused", request=request)
-
-        async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as http, openai.AsyncOpenAI(
-            base_url="http://proxy/v1", api_key="k", max_retries=0, timeout=5.0,
-            http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(refuse2)),
-        ) as client:
-            agent = Agent(Lender(lambda: ProxyClients(client, http)), proxy_url="http://proxy", model="m", max_tokens=3,
-                          temperature=1.0, finish_attempts=2)
+        http = ProxyHttp(url, {}, 5.0)
+        try:
+            agent = Agent(Lender(lambda: http), proxy_url=url, model="m", max_tokens=3, temperature=1.0,
+                          finish_attempts=2)
             return await agent.run(GuessEpisode(), dict(PAYLOAD), IDS)
+        finally:
+            await http.aclose()
 
     result = asyncio.run(asyncio.wait_for(go(), 30))
     assert (result.outcome, result.error, result.unreachable, result.reported) == ("failed", "unreachable", True,
@@ -188,38 +195,37 @@ def test_error_name(body: object, name: str) -> None:
     assert error_name(body) == name
 
 
-def test_classify_timeout() -> None:
-    request = httpx2.Request("POST", "http://proxy/v1/chat/completions")
-    assert classify(openai.APITimeoutError(request)).error == "timeout"
+def test_classify_timeout_and_unreachable() -> None:
+    assert classify(Timeout("read")).error == "timeout"
+    assert (classify(Unreachable("refused")).error, classify(Unreachable("refused")).unreachable) == (
+        "unreachable", True)
 
 
 def test_concurrent_episodes_borrow_their_own_clients_and_give_them_back() -> None:
     """Each episode in flight has its own client pair (one connection each); later episodes reuse them."""
     proxy = FakeProxy(_binary)
-    app = proxy.app()
-    made: list[ProxyClients] = []
+    server = _serve(proxy)
+    made: list[ProxyHttp] = []
 
-    def make() -> ProxyClients:
-        made.append(ProxyClients(
-            openai.AsyncOpenAI(base_url="http://proxy/v1", api_key="k", max_retries=0, timeout=5.0,
-                               http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app))),
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy"),
-        ))
+    def make() -> ProxyHttp:
+        made.append(ProxyHttp(server.url, {}, 5.0))
         return made[-1]
 
     async def go() -> list[EpisodeResult]:
         clients = Lender(make)
-        agent = Agent(clients, proxy_url="http://proxy", model="m", max_tokens=3, temperature=1.0)
+        agent = Agent(clients, proxy_url=server.url, model="m", max_tokens=3, temperature=1.0)
         ids = [SessionIds(f"s-{i}", "g-1", "p-1", 0) for i in range(3)]
         results = list(await asyncio.gather(*(agent.run(GuessEpisode(), dict(PAYLOAD), i) for i in ids)))
         assert (len(made), clients.lent) == (3, 0)
         results.append(await agent.run(GuessEpisode(), dict(PAYLOAD), SessionIds("s-3", "g-2", "p-2", 0)))
         assert len(made) == 3  # the fourth, alone, reused one
-        for pair in made:
-            await pair.chat.close()
-            await pair.finish.aclose()
+        for client in made:
+            await client.aclose()
         return results
 
-    results = asyncio.run(asyncio.wait_for(go(), 30))
+    try:
+        results = asyncio.run(asyncio.wait_for(go(), 30))
+    finally:
+        server.stop()
     assert [r.outcome for r in results] == ["completed"] * 4 and all(r.reported for r in results)
     assert sorted(sid for sid, _ in proxy.finishes) == ["s-0", "s-1", "s-2", "s-3"]
