@@ -43,6 +43,9 @@ class KafkaSettings(BaseModel):
     max_block_ms: int = Field(default=30_000, gt=0)
     """Bound on a producer's send waiting for a topic's metadata (a broker not reached yet, a topic
     that does not exist); the record fails after it."""
+    close_timeout_ms: int = Field(default=3_000, ge=0)
+    """Bound on a stopping service's last flush and its consumers' leaving their groups: past it, records
+    still unacked are dropped (the service exits; their sessions or groups end as lost, as after a crash)."""
 
 
 class RedisSettings(BaseModel):

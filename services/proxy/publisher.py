@@ -182,7 +182,8 @@ class Publisher:
             await asyncio.to_thread(self._sender.join)
         if self._producer is not None:
             producer, self._producer = self._producer, None
-            await asyncio.to_thread(producer.close)
+            if not await asyncio.to_thread(producer.close):
+                _log.warning("records_unacked_at_stop", note="Kafka did not take them within close_timeout_ms")
 
 
 def _retrieved(ack: Ack) -> None:

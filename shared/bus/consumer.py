@@ -194,7 +194,8 @@ class Consumer:
         return True
 
     def close(self) -> None:
-        self._consumer.close(autocommit=False)
+        """Leave the group (a best effort bounded by ``close_timeout_ms``) and close."""
+        self._consumer.close(autocommit=False, timeout_ms=self._settings.close_timeout_ms)
 
 
 def read_at(settings: KafkaSettings, topic: str, partition: int, offset: int, timeout_s: float = 10.0) -> Record:

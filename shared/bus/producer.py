@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from kafka import KafkaProducer
-from kafka.errors import KafkaError
+from kafka.errors import KafkaError, KafkaTimeoutError
 
 from shared.bus.client import BusUnavailable, Delivered, connect, servers
 from shared.schemas import DEFAULT_MAX_BYTES, Record, encode
@@ -78,5 +78,11 @@ class Producer:
     def flush(self) -> None:
         self._producer.flush(timeout=self._timeout_s)
 
-    def close(self) -> None:
-        self._producer.close(timeout=self._timeout_s)
+    def close(self) -> bool:
+        """Flush and close within ``close_timeout_ms``; False when records were still unacked (dropped: the
+        I/O thread is a daemon, the process can exit), so a stopping service never waits on a dead broker."""
+        try:
+            self._producer.close(timeout=self._settings.close_timeout_ms / 1000)
+        except KafkaTimeoutError:
+            return False
+        return True
