@@ -21,7 +21,8 @@ class ProxyMetrics:
         )
         self.tool_call_replies = metrics.counter(
             registry, "proxy/tool_call_replies",
-            "Replies with tool-call markup: calls (parsed into tool_calls) or malformed (answered as content)",
+            "Replies with tool-call markup: calls (parsed into tool_calls), malformed (answered as content) or "
+            "empty (an empty list of calls: the model's own \"no call\", answered as the text around it)",
             ("outcome",),
         )
         self.tokens = metrics.counter(registry, "proxy/generated_tokens", "Output tokens received from engines")

@@ -133,8 +133,8 @@ class ProxyService:
                 on_chunk=lambda outcome: self._on_chunk(session, engine, plan, outcome),
             )
             outcome = session.complete(gen, stop=sampling.stop, calls=calls)
-            if outcome.tool_calls or outcome.malformed_calls:
-                self.metrics.tool_call_replies.labels(outcome="calls" if outcome.tool_calls else "malformed").inc()
+            if outcome.call_markup is not None:
+                self.metrics.tool_call_replies.labels(outcome=outcome.call_markup).inc()
             return outcome
         except Exception as exc:
             if isinstance(exc, EngineUnavailable) and not isinstance(exc, EngineLost):

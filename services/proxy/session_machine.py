@@ -64,7 +64,7 @@ from shared.errors import (
 )
 from shared.model.base import ChatTokenizer
 from shared.model.tiny import TinyChatTokenizer
-from shared.model.tool_calls import ToolCallFormat, parse_reply
+from shared.model.tool_calls import ParsedReply, ToolCallFormat, parse_reply
 from shared.schemas import Chunk, Record, SessionFinished, SessionRejected, new_id
 from shared.staleness import check_span
 from shared.versions import distinct_real, encode_runs
@@ -106,8 +106,9 @@ class ChatOutcome:
     soft_rejected: bool = False
     tool_calls: tuple[dict[str, Any], ...] = ()
     """OpenAI ``tool_calls`` parsed from the reply (then ``finish_reason`` is ``tool_calls``)."""
-    malformed_calls: bool = False
-    """The reply had the model's call markup but it did not parse (answered as content)."""
+    call_markup: Literal["calls", "malformed", "empty"] | None = None
+    """What the reply's call markup was, if it had any: parsed ``calls``, ``malformed`` (answered whole as
+    content), or ``empty`` (an empty list of calls, the model's own "no call": answered as the text around it)."""
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ class Session(Transcript):
         reply = parse_reply(shown, self.tool_calls) if parse else None
         found = reply.calls[:1] if reply is not None and calls == "first" else reply.calls if reply else ()
         calls_out = tuple(c.openai(new_id("call")) for c in found)
-        content = reply.content if reply is not None and calls_out else shown
+        content = reply.content if reply is not None and (calls_out or reply.empty) else shown
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls_out:
             message["tool_calls"] = list(calls_out)
@@ -266,7 +267,7 @@ class Session(Transcript):
         }
         return ChatOutcome(content=content, finish_reason="tool_calls" if calls_out else gen.finish_reason,
                            prompt_tokens=len(plan.prompt_ids), completion_tokens=len(gen.output_ids), rein=rein,
-                           tool_calls=calls_out, malformed_calls=reply is not None and reply.malformed)
+                           tool_calls=calls_out, call_markup=_markup(reply))
 
     def fail(self, error: Exception, *, soft: bool = False) -> Step:
         """The call stopped on ``error``. A staleness rule rejects the session (softly when asked);
@@ -390,6 +391,12 @@ class Session(Transcript):
             "and partial rollout is off",
             previous_versions=recorded, new_versions=new, session_id=self.session_id,
         )
+
+
+def _markup(reply: ParsedReply | None) -> Literal["calls", "malformed", "empty"] | None:
+    if reply is None:
+        return None
+    return "calls" if reply.calls else "malformed" if reply.malformed else "empty" if reply.empty else None
 
 
 def _jsonable(value: Any) -> Any:

@@ -16,6 +16,9 @@ small open models are trained on:
 A call is ``{"name": str, "arguments" | "parameters": object}`` (a JSON string of an object is
 taken too). A reply whose call markup does not parse, or holds anything but such calls, is
 returned whole as content with no calls: the model's mistake is training data, never an error.
+An empty list of calls (``<tool_call>[]</tool_call>``, what SmolLM2's tools prompt asks for when no
+call is needed; ``[TOOL_CALLS][]``) is the model's own "no call": an answer without calls, its text
+around the markup the content.
 
 Why not a library: ``transformers``' ``parse_response`` (5.x) parses these forms from a declarative
 response template, but rein would write one per family anyway (a tokenizer converted from GGUF
@@ -65,6 +68,8 @@ class ParsedReply:
     calls: tuple[ToolCall, ...] = ()
     malformed: bool = False
     """The reply has the convention's call markup, but it does not parse into calls (then it is all content)."""
+    empty: bool = False
+    """The markup held only empty lists of calls: the model said it calls nothing (not malformed)."""
 
 
 class _NotCalls(ValueError):
@@ -113,13 +118,14 @@ def _hermes(text: str) -> ParsedReply:
     for match in _HERMES.finditer(text):
         rest.append(text[pos : match.start()])
         body = json.loads(match.group(1))
-        calls.extend(_calls(body if isinstance(body, list) else [body]))
+        if body != []:  # SmolLM2's "no call"
+            calls.extend(_calls(body if isinstance(body, list) else [body]))
         pos = match.end()
     rest.append(text[pos:])
     content = "".join(rest)
     if "<tool_call>" in content or "</tool_call>" in content:
         raise _NotCalls("an unclosed or stray <tool_call> tag")
-    return ParsedReply(_joined(rest), tuple(calls))
+    return ParsedReply(_joined(rest), tuple(calls), empty=not calls)
 
 
 def _llama3_json(text: str) -> ParsedReply:
@@ -144,6 +150,8 @@ def _mistral(text: str) -> ParsedReply:
     if not marker:
         return ParsedReply(text)
     body = json.loads(tail)
+    if body == []:
+        return ParsedReply(head.strip(), empty=True)
     return ParsedReply(head.strip(), tuple(_calls(body if isinstance(body, list) else [body])))
 
 
