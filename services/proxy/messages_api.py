@@ -176,8 +176,23 @@ def events(chat: dict[str, Any]) -> Iterator[str]:
     yield event("message_stop")
 
 
-def error_event(detail: dict[str, Any]) -> str:
+def error_type(status: int) -> str:
+    """Anthropic's ``error.type`` for an HTTP status (its error codes page); a prompt too long is a 400."""
+    if status == 503:
+        return "overloaded_error"
+    if status >= 500:
+        return "api_error"
+    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            413: "request_too_large", 429: "rate_limit_error"}.get(status, "invalid_request_error")
+
+
+def error_body(detail: dict[str, Any], status: int) -> dict[str, Any]:
+    """An error in Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, with rein's own body
+    under ``detail`` beside ``error`` and inside it (the anthropic client keeps only ``error`` as the body)."""
+    return {"type": "error", "error": {"type": error_type(status), "message": str(detail.get("message", "")),
+                                       "detail": detail}, "detail": detail}
+
+
+def error_event(detail: dict[str, Any], status: int) -> str:
     """A failure after the stream began, as the Messages API streams one (rein's detail under ``detail``)."""
-    payload = {"type": "error", "error": {"type": detail.get("error"), "message": detail.get("message", "")},
-               "detail": detail}
-    return f"event: error\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return f"event: error\ndata: {json.dumps(error_body(detail, status), separators=(',', ':'))}\n\n"

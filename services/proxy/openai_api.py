@@ -292,9 +292,40 @@ def sse_frames(body: dict[str, Any]) -> Iterator[str]:
     yield "data: [DONE]\n\n"
 
 
-def sse_error_frame(detail: dict[str, Any]) -> str:
-    """A failure after the stream began: OpenAI's streamed ``{"error": ...}`` frame (rein's detail under
-    ``error.detail``), then ``[DONE]``."""
-    body = {"error": {"message": detail.get("message", ""), "type": detail.get("error"), "code": detail.get("error"),
-                      "detail": detail}}
+OPENAI_CODES = {"context_overflow": "context_length_exceeded"}
+"""rein's error names that OpenAI's API spells otherwise (``error.code``); agents catch
+``context_length_exceeded`` to compact their history. Every other name is its own code."""
+
+
+def error_type(status: int) -> str:
+    """OpenAI's ``error.type`` for an HTTP status."""
+    if status >= 500:
+        return "server_error"
+    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(
+        status, "invalid_request_error")
+
+
+def param_of(detail: dict[str, Any]) -> str | None:
+    """The request field an error is about, if it names one (the first of ``fields``, or ``field``)."""
+    fields = detail.get("fields")
+    if isinstance(fields, list) and fields and isinstance(fields[0], dict):
+        return str(fields[0].get("field")) if fields[0].get("field") is not None else None
+    field = detail.get("field")
+    return field if isinstance(field, str) else None
+
+
+def error_body(detail: dict[str, Any], status: int) -> dict[str, Any]:
+    """An error in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with rein's own body
+    under ``detail`` twice: beside ``error`` (what rein's runner reads over plain HTTP: ``detail.error`` is
+    rein's name) and inside it (the official clients keep only ``error`` as the exception's ``body``)."""
+    name = str(detail.get("error", ""))
+    error = {"message": str(detail.get("message", "")), "type": error_type(status), "param": param_of(detail),
+             "code": OPENAI_CODES.get(name, name), "detail": detail}
+    return {"error": error, "detail": detail}
+
+
+def sse_error_frame(detail: dict[str, Any], status: int) -> str:
+    """A failure after the stream began: OpenAI's streamed ``{"error": ...}`` frame (which the openai client
+    raises), as :func:`error_body`, then ``[DONE]``."""
+    body = error_body(detail, status)
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\ndata: [DONE]\n\n"

@@ -21,11 +21,13 @@ recorded ids whichever wire an agent speaks. The mapping:
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.proxy.openai_api import OPENAI_CODES
 from shared.errors import UnsupportedContent, UnsupportedParameter
 from shared.schemas import new_id
 
@@ -196,8 +198,23 @@ def events(chat: dict[str, Any], request: ResponsesRequest) -> Iterator[str]:
     yield event(f"response.{final['status']}", response=final)
 
 
-def error_event(detail: dict[str, Any]) -> str:
-    """A failure after the stream began, as the Responses API streams one (rein's detail under ``detail``)."""
-    payload = {"type": "error", "sequence_number": 0, "code": detail.get("error"),
-               "message": detail.get("message", ""), "param": None, "detail": detail}
-    return f"event: error\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+def failed_events(detail: dict[str, Any], request: ResponsesRequest) -> str:
+    """A failure after the stream began (only keep-alive comments were sent), as the Responses API ends a
+    failed response: ``response.created``, then ``response.failed`` whose ``response.error`` holds the code
+    and message (rein's detail beside them, and under the event's ``detail``), so a client reads rein's error
+    where it reads OpenAI's, not a stream that ended without ``response.completed``."""
+    name = str(detail.get("error", ""))
+    response: dict[str, Any] = {
+        "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "model": request.model, "output": [], "error": None, "incomplete_details": None,
+        "instructions": request.instructions, "parallel_tool_calls": request.parallel_tool_calls is not False,
+        "tool_choice": request.tool_choice or "auto", "tools": request.tools or [], "temperature": request.temperature,
+        "top_p": request.top_p, "max_output_tokens": request.max_output_tokens, "usage": None,
+    }
+    failed = {**response, "status": "failed",
+              "error": {"code": OPENAI_CODES.get(name, name), "message": str(detail.get("message", "")),
+                        "detail": detail}}
+    events = [("response.created", {"response": response}), ("response.failed", {"response": failed, "detail": detail})]
+    return "".join(
+        f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': n, **data}, separators=(',', ':'))}\n\n"
+        for n, (kind, data) in enumerate(events))

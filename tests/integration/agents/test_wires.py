@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -14,9 +15,10 @@ import openai
 import pytest
 
 from services.rollout.calculator import TOOLS
-from tests.support.proxy import proxy_factory
+from tests.support.proxy import ProxyFactory, in_background, proxy_factory
 from tests.support.scripted_agent import ANSWER_TEXT, QUESTION, Scripted, calculator, scripted
-from tests.support.sglang_engine import sglang
+from tests.support.sglang_engine import ScriptedServers, sglang
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration]
 __all__ = ["proxy_factory", "scripted", "sglang"]
@@ -103,3 +105,52 @@ def test_the_wires_refuse_what_they_cannot_honour(scripted: Scripted) -> None:
     assert image.value.body["detail"]["error"] == "unsupported_content"  # type: ignore[index]
     claude.close()
     assert scripted.engine.generate_bodies == [], "nothing refused reached the engine"
+
+
+# --------------------------------------------------------------------------- each wire's own errors
+
+
+def test_each_wire_answers_a_context_overflow_in_its_own_shape(sglang: ScriptedServers, proxy_factory: ProxyFactory,
+                                                               tiny_llama_dir: Path) -> None:
+    """What agents catch to compact their history: OpenAI's 400 ``context_length_exceeded`` and Anthropic's 400
+    ``invalid_request_error``, each client raising its own error with rein's detail inside."""
+    engine, url = sglang(max_req_input_len=40)
+    proxy = proxy_factory([url], model=str(tiny_llama_dir))
+    opened = proxy.open(f"g-{uuid.uuid4().hex}")
+    long = "guess " * 60
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=opened["api_key"], max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": long}], max_tokens=5)
+    assert chat.value.code == "context_length_exceeded" and chat.value.type == "invalid_request_error"
+    assert chat.value.body["detail"]["error"] == "context_overflow"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as responses:
+        client.responses.create(model="m", input=long, max_output_tokens=5)
+    assert responses.value.code == "context_length_exceeded"
+    client.close()
+    claude = anthropic.Anthropic(base_url=opened["anthropic_base_url"], api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.BadRequestError) as messages:
+        claude.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": long}])
+    assert messages.value.status_code == 400 and messages.value.type == "invalid_request_error"  # type: ignore[attr-defined]
+    assert messages.value.body["detail"]["error"] == "context_overflow"  # type: ignore[index]
+    claude.close()
+    assert engine.generate_bodies == [], "refused before the engine"
+
+
+def test_a_streamed_responses_failure_ends_with_response_failed(sglang: ScriptedServers, proxy_factory: ProxyFactory,
+                                                                tiny_llama_dir: Path) -> None:
+    """A weight update preempts a streamed Responses call already answered 200 (partial rollout off): the
+    stream ends with ``response.failed`` carrying rein's error, not a stream without ``response.completed``."""
+    engine, url = sglang(max_req_input_len=4000, token_delay_s=0.01, stall_after=1)
+    proxy = proxy_factory([url], model=str(tiny_llama_dir), partial_rollout=False, stream_heartbeat_s=0.05)
+    opened = proxy.open(f"g-{uuid.uuid4().hex}")
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=opened["api_key"], max_retries=0, timeout=60)
+    join = in_background(lambda: list(client.responses.create(model="m", input="hi", max_output_tokens=20,
+                                                              stream=True)))
+    wait_until(lambda: any(r.output_ids for r in engine.running.values()), what="a generation in flight")
+    proxy.pause()
+    events = join()
+    proxy.resume()
+    assert events[-1].type == "response.failed", [e.type for e in events]
+    assert events[-1].response.status == "failed"
+    assert events[-1].response.error.code == "generation_preempted"  # type: ignore[union-attr]
+    client.close()
