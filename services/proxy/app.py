@@ -179,7 +179,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
         )
         chat = service.chat(
             ids, body.template_messages(), tools=body.template_tools(), budget=body.budget(settings.default_max_tokens),
-            sampling=sampling, soft_reject=soft, calls=body.tool_calls(),
+            sampling=sampling, soft_reject=soft, calls=body.tool_calls(), force=body.force_call(),
         )
         model = body.model or settings.model_name
         if not body.stream:

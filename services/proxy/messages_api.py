@@ -9,8 +9,8 @@ the one session machine and transcript. The mapping:
   blocks: ``text``; an assistant's ``tool_use`` blocks are its ``tool_calls`` (``input`` as the JSON
   arguments: an echoed answer continues token-exact); a user's ``tool_result`` blocks are ``tool``
   messages, before the user's own text.
-- ``tools`` (``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``, ``none``; ``any``
-  and ``tool`` are refused as on the chat route: forcing a call needs constrained decoding;
+- ``tools`` (``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``, ``none``, ``any`` and
+  ``tool``: the chat route's ``required`` and named function, served by forcing the call's opener;
   ``disable_parallel_tool_use``), ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``,
   ``top_k`` and ``stream`` map one to one.
 - Refused with 400, never ignored: Anthropic's server tools (a ``type`` other than ``custom``), image,

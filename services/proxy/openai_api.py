@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from services.proxy.session_machine import ToolCalls
+from services.proxy.session_machine import ForceCall, ToolCalls
 from shared.errors import InvalidRequest, UnsupportedContent, UnsupportedParameter
 from shared.schemas import new_id
 
@@ -128,7 +128,9 @@ class ChatRequest(BaseModel):
         return value
 
     tool_choice: str | dict[str, Any] | None = None
-    """``auto`` (the default) and ``none`` (the reply is content, never calls) are honoured."""
+    """``auto`` (the default), ``none`` (the reply is content, never calls), ``required`` and a named function
+    (``{"type": "function", "function": {"name": ...}}``: the reply opens with the family's call opener, see
+    :class:`~services.proxy.session_machine.ForceCall`) are honoured."""
     parallel_tool_calls: bool | None = None
     """``false``: the answer carries the reply's first call only (the recorded ids keep every token)."""
     response_format: dict[str, Any] | None = None
@@ -142,6 +144,23 @@ class ChatRequest(BaseModel):
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    def force_call(self) -> ForceCall | None:
+        """The call ``tool_choice`` forces, if any; 422 naming ``tool_choice`` when it names no offered tool."""
+        if self.tool_choice in (None, "auto", "none"):
+            return None
+        names = [t.function.name for t in self.tools or ()]
+        if not names:
+            raise InvalidRequest("tool_choice: forcing a call needs tools",
+                                 fields=[{"field": "tool_choice", "message": "forcing a call needs tools"}])
+        if self.tool_choice == "required":
+            return ForceCall()
+        assert isinstance(self.tool_choice, dict)  # refuse_unsupported let only a named function through
+        name = (self.tool_choice.get("function") or {}).get("name")
+        if name not in names:
+            message = f"names {name!r}, which is not among the tools offered ({', '.join(names)})"
+            raise InvalidRequest(f"tool_choice {message}", fields=[{"field": "tool_choice", "message": message}])
+        return ForceCall(str(name))
+
     def tool_calls(self) -> ToolCalls:
         """Which calls of the reply the answer carries."""
         if self.tool_choice == "none":
@@ -152,8 +171,8 @@ class ChatRequest(BaseModel):
         """400 ``unsupported_parameter`` naming each parameter that would change what is sampled or answered
         in a way this proxy does not do (constrained decoding, penalties, biases): refused, never ignored."""
         why = {
-            "tool_choice": "only 'auto' and 'none': forcing a call needs constrained decoding"
-            if self.tool_choice not in (None, "auto", "none") else None,
+            "tool_choice": "only 'auto', 'none', 'required' and a named function"
+            if not _known_tool_choice(self.tool_choice) else None,
             "response_format": "structured output needs constrained decoding"
             if self.response_format and self.response_format.get("type") != "text" else None,
             "logit_bias": "would sample from another distribution than the one trained" if self.logit_bias else None,
@@ -182,6 +201,13 @@ class ChatRequest(BaseModel):
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template takes them; None when the request offers none."""
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+def _known_tool_choice(choice: str | dict[str, Any] | None) -> bool:
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        return choice.get("type") == "function" and isinstance(function, dict) and isinstance(function.get("name"), str)
+    return choice in (None, "auto", "none", "required")
 
 
 class OpenSessionBody(BaseModel):

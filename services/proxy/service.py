@@ -45,7 +45,7 @@ from services.proxy.generation import (
 )
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.publisher import Ack, Publisher
-from services.proxy.session_machine import ChatOutcome, Step, ToolCalls, TurnPlan, VersionRules
+from services.proxy.session_machine import ChatOutcome, ForceCall, Step, ToolCalls, TurnPlan, VersionRules
 from services.proxy.sessions import Session, SessionStore
 from services.proxy.settings import ProxySettings
 from shared import log
@@ -111,6 +111,7 @@ class ProxyService:
         sampling: Sampling,
         soft_reject: bool,
         calls: ToolCalls = "all",
+        force: ForceCall | None = None,
     ) -> ChatOutcome:
         """Acquire the session, plan the turn, generate (submitting each chunk), answer.
 
@@ -121,7 +122,7 @@ class ProxyService:
         self.metrics.sessions.set(len(self.sessions))
         try:
             self._look(session)
-            plan = session.begin(messages, ids.turn_id, tools)
+            plan = session.begin(messages, ids.turn_id, tools, force)
             engine = self.engines.route(session)
             request = self._request(plan, await engine.window(), ids, budget, sampling)
             gen = await generate_preemptible(

@@ -61,6 +61,7 @@ from shared.errors import (
     SessionFinalized,
     SessionIdle,
     TrajectoryVersionChanged,
+    UnsupportedParameter,
 )
 from shared.model.base import ChatTokenizer
 from shared.model.tiny import TinyChatTokenizer
@@ -72,7 +73,8 @@ from shared.versions import distinct_real, encode_runs
 if TYPE_CHECKING:
     from services.proxy.generation import ChunkOutcome, Generation
 
-__all__ = ["ChatOutcome", "NewSegmentReason", "SegmentState", "Session", "Step", "TurnPlan", "VersionRules"]
+__all__ = ["ChatOutcome", "ForceCall", "NewSegmentReason", "SegmentState", "Session", "Step", "TurnPlan",
+           "VersionRules"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,17 @@ class VersionRules:
 
 ToolCalls = Literal["all", "none", "first"]
 """Which tool calls of a reply an answer carries (the request's ``tool_choice`` and ``parallel_tool_calls``)."""
+
+
+@dataclass(frozen=True)
+class ForceCall:
+    """``tool_choice`` ``required`` (``name`` None) or a named function: the reply opens with a call.
+
+    Served without constrained decoding: the family's call opener (and the function's name) follows the
+    generation prompt as context the engine did not sample, never trained; everything after it is sampled
+    from the policy's own distribution, and the chunk's ``forced_ids`` say what was forced."""
+
+    name: str | None = None
 
 
 def until_stop(text: str, stops: Sequence[str]) -> str:
@@ -181,14 +194,23 @@ class Session(Transcript):
         """Chunks a rejection counts: all submitted ones, or those before the first lost one."""
         return self.num_chunks if self.lost is None else self.lost
 
-    def begin(self, messages: Messages, turn_id: str = "", tools: Tools = None) -> TurnPlan:
+    def begin(self, messages: Messages, turn_id: str = "", tools: Tools = None, force: ForceCall | None = None
+              ) -> TurnPlan:
         """Turn planned: the session is in a call until ``complete``, ``fail`` or ``cancel``.
-        Refused (``kafka_unavailable``, to be fed to ``fail``) once a chunk was lost."""
+        Refused (``kafka_unavailable``, to be fed to ``fail``) once a chunk was lost; 400 when ``force``
+        asks for a call the served family cannot open."""
         self._require("open")
         if self._lost_error is not None:
             raise self._lost_error
+        forced: list[int] = []
+        if force is not None:
+            opener = self.tokenizer.call_opener(self.tool_calls, force.name)
+            if opener is None:
+                why = f"the served model writes no tool calls the proxy parses ({self.tool_calls.value})"
+                raise UnsupportedParameter(f"tool_choice: {why}", fields=[{"field": "tool_choice", "message": why}])
+            forced = opener
         try:
-            plan = self.plan(messages, self.tokenizer, tools)
+            plan = self.plan(messages, self.tokenizer, tools, forced)
         except ValueError as exc:  # UnrenderableMessages names the field
             field = getattr(exc, "field", "messages")
             raise InvalidRequest(str(exc), fields=[{"field": field, "message": str(exc)}]) from None
@@ -212,6 +234,7 @@ class Session(Transcript):
                 logprobs=list(out.logprobs), version=out.version, token_versions=encode_runs(out.token_versions),
                 finish_reason=out.finish_reason, rid=out.rid, engine=engine,
                 sampling=None if outcome.sampling is None else outcome.sampling.params(),
+                forced_ids=list(plan.forced) if outcome.chunk_index == 0 else [],
             )
         self._pending = outcome
         return () if record is None else (record,)
@@ -246,7 +269,7 @@ class Session(Transcript):
         its calls may be cut too). ``calls``: ``none`` (``tool_choice: none``) answers the text as
         content, ``first`` (``parallel_tool_calls: false``) only the first call."""
         plan = self._call()
-        text = self.tokenizer.decode(gen.output_ids)
+        text = self.tokenizer.decode([*plan.forced, *gen.output_ids])  # a forced opener is the reply's start
         shown = until_stop(text, stop) if gen.finish_reason == "stop" else text
         parse = gen.finish_reason == "stop" and calls != "none"
         reply = parse_reply(shown, self.tool_calls) if parse else None
@@ -261,7 +284,7 @@ class Session(Transcript):
         rein = {
             "session_id": self.session_id, "engine": self.engine, "segment_index": plan.segment_index,
             "new_segment": plan.new_segment,
-            "output_ids": gen.output_ids, "versions": gen.versions,
+            "output_ids": gen.output_ids, "versions": gen.versions, "forced_ids": list(plan.forced),
             "chunks": [{"rid": c.output.rid, "version": c.output.version, "finish_reason": c.output.finish_reason,
                         "num_tokens": len(c.output.output_ids)} for c in gen.chunks],
         }

@@ -117,7 +117,9 @@ class SegmentState:
     versions: list[str | None] = field(default_factory=list)
     """One entry per token: the normalised version for output tokens, None for context tokens."""
     turns: list[tuple[list[int], list[int]]] = field(default_factory=list)
-    """The same ids cut by call: (context ids, every id sampled in that call's chunks)."""
+    """The same ids cut by call: (context ids, every id sampled in that call's chunks). Ids the proxy forced
+    after the generation prompt (a call's opener, ``tool_choice``) count with the sampled ones here: they are
+    the assistant's text the answer stands for (their records keep them as context, never trained)."""
     open: bool = True
     """False once a call failed after publishing: the next call starts a new segment."""
     last_call: Call = field(default_factory=Call)
@@ -146,6 +148,9 @@ class TurnPlan:
     """Why a new segment (None when the call extends the current one)."""
     call: Call = field(default_factory=Call)
     """The call itself: the segment keeps it once the call records a chunk."""
+    forced: tuple[int, ...] = ()
+    """Ids the proxy appended after the generation prompt that the engine did not sample (the opener of a
+    call ``tool_choice`` asks for): the tail of ``context_ids``."""
 
 
 def new_segment_reason(seg: SegmentState | None, call: Call) -> NewSegmentReason:
@@ -189,21 +194,24 @@ class Transcript:
         """Distinct real versions of every output token of every segment, in first-seen order."""
         return distinct_real(v for seg in self.segments for v in seg.versions)
 
-    def plan(self, messages: Messages, tokenizer: ChatTokenizer, tools: Tools = None) -> TurnPlan:
-        """How the call with ``messages`` extends the session (TITO) or starts a new segment.
+    def plan(
+        self, messages: Messages, tokenizer: ChatTokenizer, tools: Tools = None, forced: Sequence[int] = (),
+    ) -> TurnPlan:
+        """How the call with ``messages`` extends the session (TITO) or starts a new segment; ``forced`` ids
+        follow the generation prompt.
 
         Raises ValueError for messages the chat template cannot render.
         """
-        seg, call = self.current, Call.of(messages, tools)
+        seg, call, forced = self.current, Call.of(messages, tools), tuple(forced)
         if seg is not None and seg.open and seg.turns:
             delta = tokenizer.continue_chat(seg.turns, as_sampled(messages, seg.answers), tools=tools)
             if delta is not None:
-                return TurnPlan(segment_index=seg.index, new_segment=False, context_ids=tuple(delta),
-                                prompt_ids=(*seg.token_ids, *delta), call=call)
-        template = tuple(tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools))
+                return TurnPlan(segment_index=seg.index, new_segment=False, context_ids=(*delta, *forced),
+                                prompt_ids=(*seg.token_ids, *delta, *forced), call=call, forced=forced)
+        template = (*tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools), *forced)
         index = 0 if seg is None else seg.index + 1
         return TurnPlan(segment_index=index, new_segment=True, context_ids=template, prompt_ids=template,
-                        reason=new_segment_reason(seg, call), call=call)
+                        reason=new_segment_reason(seg, call), call=call, forced=forced)
 
     def record_chunk(
         self, plan: TurnPlan, context_ids: Sequence[int], output_ids: Sequence[int], versions: Sequence[str | None],
@@ -224,7 +232,8 @@ class Transcript:
         seg.token_ids.extend([*context_ids, *output_ids])
         seg.versions.extend([*([None] * len(context_ids)), *versions])
         if context_ids or not seg.turns:  # a call's first chunk: its context is never empty (a template
-            seg.turns.append((list(context_ids), list(output_ids)))  # or delta ends with the generation prompt)
+            cut = len(context_ids) - len(plan.forced)  # or delta ends with the generation prompt)
+            seg.turns.append((list(context_ids[:cut]), [*context_ids[cut:], *output_ids]))
             seg.last_call = plan.call
         else:  # a continuation chunk (after a preempt) samples on in the same turn
             seg.turns[-1][1].extend(output_ids)

@@ -93,6 +93,13 @@ class ChatTokenizer(Protocol):
         """
         ...
 
+    def call_opener(self, fmt: ToolCallFormat, name: str | None = None) -> list[int] | None:
+        """Ids that open a tool call in ``fmt`` as this family writes it (:func:`~shared.model.tool_calls.call_opener`;
+        with ``name``, that function's call up to its arguments), to be appended after the generation prompt
+        as context the engine did not sample; None when the family writes no calls in ``fmt``. A special
+        token spelled in ``name`` is text."""
+        ...
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` without special tokens: what an agent is answered for sampled ids."""
         ...

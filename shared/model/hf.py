@@ -33,7 +33,7 @@ from shared.checkpoint import CheckpointError
 from shared.durable import fsync_path, fsync_tree
 from shared.model.base import ChatTokenizer, Loaded, ModelError, Turn, UnrenderableMessages, state_digest
 from shared.model.literals import Literals, Spellings, strings_in
-from shared.model.tool_calls import ToolCallFormat, detect_format
+from shared.model.tool_calls import ToolCallFormat, call_opener, detect_format
 
 hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # services log JSON lines; tqdm bars on every load are noise
 
@@ -212,6 +212,13 @@ class HFChatTokenizer:
         literals = self._literals(plain, tools)
         return self._encode_marked(self._render(plain, tools, literals, add_generation_prompt=add_generation_prompt),
                                    literals)
+
+    def call_opener(self, fmt: ToolCallFormat, name: str | None = None) -> list[int] | None:
+        """The convention's opener (SmolLM2's array form where rein's tools prompt asked for it), its markers as
+        the template's ids (``<tool_call>`` is one added token in Qwen-family tokenizers) and ``name`` as text."""
+        literals = Literals(self._special, [name or ""], [self._template])
+        text = call_opener(fmt, None if name is None else literals.hide(name), array=not self.template_knows_tools)
+        return None if text is None else self._encode_marked(text, literals)
 
     def continue_chat(
         self,

@@ -90,6 +90,10 @@ class TinyChatTokenizer:
         words = [i for i in sampled if not self.inner.is_special(i)]
         return [*words, end] if stopped else words
 
+    def call_opener(self, fmt: ToolCallFormat, name: str | None = None) -> list[int] | None:
+        """The tiny policy writes no calls: nothing can open one."""
+        return None
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.inner.decode(ids)
 

@@ -90,6 +90,26 @@ def detect_format(chat_template: str) -> ToolCallFormat:
     return ToolCallFormat.HERMES
 
 
+def call_opener(fmt: ToolCallFormat, name: str | None = None, *, array: bool = False) -> str | None:
+    """The text that opens a call in ``fmt`` (the function's name and the start of its arguments too when
+    ``name`` is given): what the proxy appends after the generation prompt to serve ``tool_choice``
+    ``required`` or a named function without constrained decoding. ``array``: the hermes form as a JSON
+    array inside one tag (SmolLM2's tools prompt). None where ``fmt`` writes no calls."""
+    quoted = json.dumps(name, ensure_ascii=False) if name is not None else ""
+    if fmt is ToolCallFormat.HERMES:
+        if name is None:
+            return "<tool_call>"
+        return f'<tool_call>[\n{{"name": {quoted}, "arguments": ' if array else \
+            f'<tool_call>\n{{"name": {quoted}, "arguments": '
+    if fmt is ToolCallFormat.MISTRAL:
+        return "[TOOL_CALLS]" if name is None else f'[TOOL_CALLS][{{"name": {quoted}, "arguments": '
+    if fmt is ToolCallFormat.LLAMA3_JSON:
+        return '{"name": "' if name is None else f'{{"name": {quoted}, "parameters": '
+    if fmt is ToolCallFormat.PYTHONIC:
+        return "[" if name is None else f"[{name}("
+    return None
+
+
 def parse_reply(text: str, fmt: ToolCallFormat) -> ParsedReply:
     """``text`` (a finished reply, special tokens already dropped) as content and tool calls."""
     try:

@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.proxy.openai_api import ChatRequest
+from services.proxy.session_machine import ForceCall
 from shared.errors import InvalidRequest, UnsupportedContent
 
 
@@ -104,8 +105,8 @@ def test_a_reply_with_tool_calls_has_openais_shape_whole_and_streamed() -> None:
 @pytest.mark.parametrize(
     ("extra", "refused"),
     [
-        ({"tool_choice": "required"}, ["tool_choice"]),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, ["tool_choice"]),
+        ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}}, ["tool_choice"]),
+        ({"tool_choice": {"type": "custom", "custom": {"name": "f"}}}, ["tool_choice"]),
         ({"response_format": {"type": "json_object"}, "logit_bias": {"1": 5}}, ["response_format", "logit_bias"]),
         ({"presence_penalty": 0.5, "frequency_penalty": 0.1, "logprobs": True},
          ["presence_penalty", "frequency_penalty", "logprobs"]),
@@ -137,6 +138,29 @@ def test_what_is_honoured(extra: dict[str, Any], calls: str) -> None:
     body = request([{"role": "user", "content": "hi"}], **extra)
     body.refuse_unsupported()
     assert body.tool_calls() == calls
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(("choice", "forced"), [
+    ("auto", None), ("none", None), ("required", ForceCall()),
+    ({"type": "function", "function": {"name": "f"}}, ForceCall("f")),
+])
+def test_required_and_a_named_function_force_a_call(choice: Any, forced: ForceCall | None) -> None:
+    body = request([{"role": "user", "content": "hi"}], tools=[TOOL], tool_choice=choice)
+    body.refuse_unsupported()
+    assert body.force_call() == forced
+
+
+@pytest.mark.parametrize(("extra", "why"), [
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [TOOL]}, "not among the tools"),
+])
+def test_forcing_a_call_that_cannot_be_made_is_refused(extra: dict[str, Any], why: str) -> None:
+    with pytest.raises(InvalidRequest, match=why) as err:
+        request([{"role": "user", "content": "hi"}], **extra).force_call()
+    assert err.value.fields["fields"][0]["field"] == "tool_choice"
 
 
 def test_stop_is_a_string_or_up_to_four() -> None:

@@ -11,7 +11,8 @@ import pytest
 
 from services.proxy.engine_client import EngineOutput
 from services.proxy.generation import ChunkOutcome, Generation
-from services.proxy.session_machine import ChatOutcome, Session, ToolCalls
+from services.proxy.session_machine import ChatOutcome, ForceCall, Session, ToolCalls
+from shared.errors import UnsupportedParameter
 from shared.model.hf import HFChatTokenizer, HFFamily
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
@@ -51,3 +52,38 @@ def test_smollm2s_empty_call_list_is_an_answer_without_calls(smollm2: HFChatToke
     assert answer.call_markup == "empty", "counted as the model's own 'no call', not as malformed"
     echoed = [QUESTION, {"role": "assistant", "content": answer.content}, {"role": "user", "content": "thanks"}]
     assert not session.begin(echoed, "t2", tools=TOOLS).new_segment, "echoed back, it stands for the sampled ids"
+
+
+def test_a_forced_call_opener_is_context_and_the_reply_a_call(smollm2: HFChatTokenizer) -> None:
+    """``tool_choice: required`` / a named function: the family's opener follows the generation prompt as ids the
+    engine did not sample; the sampled rest completes the call, which is answered as ``tool_calls``; echoed back
+    it continues the segment (the opener reads as the start of the assistant's text)."""
+    opener = smollm2.call_opener(smollm2.tool_call_format, "add")
+    assert opener is not None and smollm2._text(opener) == '<tool_call>[\n{"name": "add", "arguments": '
+    session, answer = answered(smollm2, '{"a": 2, "b": 3}}\n]</tool_call>', force=ForceCall("add"))
+    seg = session.current
+    assert seg is not None
+    [(context, sampled)] = seg.turns
+    assert answer.rein["forced_ids"] == opener and seg.token_ids[len(context):len(context) + len(opener)] == opener
+    assert seg.versions[len(context):len(context) + len(opener)] == [None] * len(opener), "context: never trained"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in answer.tool_calls] == [
+        ("add", '{"a": 2, "b": 3}')]
+    assert answer.finish_reason == "tool_calls" and answer.completion_tokens == len(sampled) - len(opener)
+    echoed = [QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "x", "type": "function", "function": c["function"]} for c in answer.tool_calls]},
+        {"role": "tool", "tool_call_id": "x", "content": "5"}]
+    second = session.begin(echoed, "t2", tools=TOOLS)
+    assert not second.new_segment and second.prompt_ids[:len(seg.token_ids)] == tuple(seg.token_ids)
+
+
+def test_a_forced_call_that_does_not_parse_is_content(smollm2: HFChatTokenizer) -> None:
+    _, answer = answered(smollm2, "I would rather not.", force=ForceCall())
+    assert answer.tool_calls == () and answer.content == "<tool_call>I would rather not."
+    assert answer.call_markup == "malformed"
+
+
+def test_a_family_without_a_call_convention_refuses_to_force_one() -> None:
+    session = Session("s", "g")  # the tiny policy writes no calls
+    with pytest.raises(UnsupportedParameter):
+        session.begin([QUESTION], "t1", force=ForceCall())
+    assert session.phase == "open"

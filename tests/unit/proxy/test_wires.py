@@ -16,6 +16,7 @@ from services.proxy import messages_api, responses_api
 from services.proxy.messages_api import MessagesRequest
 from services.proxy.openai_api import ChatRequest, completion
 from services.proxy.responses_api import ResponsesRequest
+from services.proxy.session_machine import ForceCall
 from shared.errors import UnsupportedContent, UnsupportedParameter
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 * 3"}'}}
@@ -169,17 +170,17 @@ def test_messages_parameters_the_proxy_cannot_honour_are_refused(request_body: d
     assert [f["field"] for f in refused.value.fields["fields"]] == [field]
 
 
-@pytest.mark.parametrize(("choice", "refused"), [({"type": "any"}, True), ({"type": "tool", "name": "f"}, True),
-                                                 ({"type": "none"}, False)])
-def test_forcing_a_call_is_refused_as_on_the_chat_route(choice: dict[str, Any], refused: bool) -> None:
+@pytest.mark.parametrize(("choice", "forced", "calls"), [
+    ({"type": "any"}, ForceCall(), "all"), ({"type": "tool", "name": "calculator"}, ForceCall("calculator"), "all"),
+    ({"type": "none"}, None, "none"), ({"type": "auto"}, None, "all"),
+])
+def test_forcing_a_call_is_served_as_on_the_chat_route(choice: dict[str, Any], forced: ForceCall | None,
+                                                       calls: str) -> None:
     chat = ChatRequest.model_validate(messages_api.to_chat(MessagesRequest.model_validate(
-        {"messages": [{"role": "user", "content": "hi"}], "tool_choice": choice})))
-    if refused:
-        with pytest.raises(UnsupportedParameter):
-            chat.refuse_unsupported()
-    else:
-        chat.refuse_unsupported()
-        assert chat.tool_calls() == "none"
+        {"messages": [{"role": "user", "content": "hi"}], "tool_choice": choice,
+         "tools": [{"name": "calculator", "input_schema": {"type": "object"}}]})))
+    chat.refuse_unsupported()
+    assert (chat.force_call(), chat.tool_calls()) == (forced, calls)
 
 
 def test_blocks_a_text_model_cannot_take_are_refused() -> None:
