@@ -315,7 +315,9 @@ class _Call(NamedTuple):
 
 
 def _chat_wire(raw: bytes) -> _Call:
-    return _Call(_parse(ChatRequest, raw), lambda body: body, sse_frames, sse_error_frame)
+    request = _parse(ChatRequest, raw)
+    usage = bool((request.stream_options or {}).get("include_usage"))
+    return _Call(request, lambda body: body, lambda body: sse_frames(body, usage), sse_error_frame)
 
 
 def _responses_wire(raw: bytes) -> _Call:
@@ -362,7 +364,7 @@ def _payload(model: str, outcome: ChatOutcome) -> dict[str, Any]:
     return completion(
         model=model, content=outcome.content, finish_reason=outcome.finish_reason,
         prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens, rein=outcome.rein,
-        tool_calls=outcome.tool_calls,
+        tool_calls=outcome.tool_calls, stop_sequence=outcome.stop_sequence,
     )
 
 

@@ -15,7 +15,8 @@ the one session machine and transcript. The mapping:
   ``top_k`` and ``stream`` map one to one.
 - Refused with 400, never ignored: Anthropic's server tools (a ``type`` other than ``custom``), image,
   document and thinking blocks, and ``thinking`` enabled (the proxy serves no reasoning mode).
-- ``stop_reason``: ``tool_use`` for calls, ``max_tokens`` when cut, else ``end_turn``.
+- ``stop_reason``: ``tool_use`` for calls, ``max_tokens`` when cut, ``stop_sequence`` (with the matched
+  ``stop_sequence``) when the reply ended at one of ``stop_sequences``, else ``end_turn``.
 """
 
 from __future__ import annotations
@@ -26,16 +27,29 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.proxy.fields import ANTHROPIC_HARMLESS, refused_fields
 from shared.errors import UnsupportedContent, UnsupportedParameter
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 """A chat completion's finish reason -> Anthropic's ``stop_reason`` (anything else: ``end_turn``)."""
 
 
-class MessagesRequest(BaseModel):
-    """The fields the adapter reads; the rest (``metadata``, ...) are accepted and ignored."""
+REFUSED = {
+    "container": "no code-execution container is served",
+    "mcp_servers": "no MCP servers are served: offer their tools as tools",
+    "context_management": "the proxy does not edit a context",
+    "output_config": "structured output and effort are not served",
+    "speed": "not served",
+    "diagnostics": "not served",
+}
+"""Messages fields the proxy knows and cannot honour, refused whenever they are set."""
 
-    model_config = ConfigDict(extra="ignore")
+
+class MessagesRequest(BaseModel):
+    """The fields the adapter reads; every other one is harmless
+    (:data:`~services.proxy.fields.ANTHROPIC_HARMLESS`) or refused by name."""
+
+    model_config = ConfigDict(extra="allow")
     model: str = ""
     messages: list[dict[str, Any]] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
@@ -52,7 +66,7 @@ class MessagesRequest(BaseModel):
 
 def to_chat(body: MessagesRequest) -> dict[str, Any]:
     """The chat-completions request (as JSON data) that asks for the same turn."""
-    refused: dict[str, str] = {}
+    refused: dict[str, str] = refused_fields(body.model_extra, ANTHROPIC_HARMLESS, REFUSED)
     if body.thinking and body.thinking.get("type") != "disabled":
         refused["thinking"] = "the proxy serves no reasoning mode"
     tools: list[dict[str, Any]] = []
@@ -140,10 +154,13 @@ def answer(chat: dict[str, Any]) -> dict[str, Any]:
     for call in choice["message"].get("tool_calls", ()):
         content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                         "input": json.loads(call["function"]["arguments"] or "{}")})
+    stop_sequence = choice.get("stop_reason") if choice["finish_reason"] == "stop" else None
+    stop_reason = "stop_sequence" if isinstance(stop_sequence, str) else STOP_REASONS.get(choice["finish_reason"],
+                                                                                          "end_turn")
     body: dict[str, Any] = {
         "id": chat["id"].replace("chatcmpl", "msg", 1), "type": "message", "role": "assistant",
-        "model": chat["model"], "content": content,
-        "stop_reason": STOP_REASONS.get(choice["finish_reason"], "end_turn"), "stop_sequence": None,
+        "model": chat["model"], "content": content, "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence if isinstance(stop_sequence, str) else None,
         "usage": {"input_tokens": chat["usage"]["prompt_tokens"], "output_tokens": chat["usage"]["completion_tokens"]},
     }
     if "rein" in chat:
@@ -171,7 +188,7 @@ def events(chat: dict[str, Any]) -> Iterator[str]:
             yield event("content_block_delta", index=index,
                         delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
         yield event("content_block_stop", index=index)
-    yield event("message_delta", delta={"stop_reason": final["stop_reason"], "stop_sequence": None},
+    yield event("message_delta", delta={"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]},
                 usage={"output_tokens": usage["output_tokens"]})
     yield event("message_stop")
 

@@ -3,11 +3,12 @@
 Pure functions of their inputs. Messages reach the model's chat template as plain
 dicts in OpenAI's shape (roles system, user, assistant, tool; an assistant's
 ``tool_calls``; a tool message's ``tool_call_id``), and ``tools`` go to the template
-too; what the template does with them is the model family's business. Content is text:
+too; what the template does with them is the model family's business. A ``developer`` message
+(OpenAI's name for the system message of its newer models) is a system message. Content is text:
 a string or a list of text parts (joined by newlines); any other part (images, audio)
-is a 400 ``unsupported_content``, as the proxy serves text models. Unknown request
-fields (``stop``, ...) are accepted and ignored; fields the proxy does use are validated
-and a bad one is a 422 naming it. ``n`` must be 1 (one session is one trajectory).
+is a 400 ``unsupported_content``, as the proxy serves text models. Every request field is honoured,
+accepted as harmless or refused by name (:mod:`services.proxy.fields`); fields the proxy does use
+are validated and a bad one is a 422 naming it. ``n`` must be 1 (one session is one trajectory).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from services.proxy.fields import OPENAI_HARMLESS, refused_fields
 from services.proxy.session_machine import ForceCall, ToolCalls
 from shared.errors import InvalidRequest, UnsupportedContent, UnsupportedParameter
 from shared.schemas import new_id
@@ -48,7 +50,7 @@ class ToolCall(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -59,7 +61,8 @@ class ChatMessage(BaseModel):
     def template(self, index: int) -> dict[str, Any]:
         """This message as the chat template takes it: content as one string (None is empty), the
         other fields as OpenAI spells them. 400 ``unsupported_content`` for a part that is not text."""
-        out: dict[str, Any] = {"role": self.role, "content": self._text(index)}
+        role = "system" if self.role == "developer" else self.role  # templates know system, not developer
+        out: dict[str, Any] = {"role": role, "content": self._text(index)}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
@@ -101,8 +104,19 @@ class ToolSpec(BaseModel):
     function: FunctionSpec
 
 
+REFUSED = {
+    "seed": "a per-request seed is not served: the engine samples with its own generator",
+    "reasoning_effort": "the served model's reasoning is not steered by an effort",
+    "verbosity": "the served model's length is not steered by a verbosity",
+    "audio": "this proxy serves a text model",
+    "web_search_options": "no hosted tools are served",
+    "moderation": "no moderation is served",
+}
+"""Chat-completions fields the proxy knows and cannot honour, refused whenever they are set."""
+
+
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     model: str = ""
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolSpec] | None = None
@@ -140,6 +154,10 @@ class ChatRequest(BaseModel):
     frequency_penalty: float | None = None
     functions: list[Any] | None = None
     function_call: Any = None
+    top_logprobs: int | None = None
+    modalities: list[str] | None = None
+    stream_options: dict[str, Any] | None = None
+    """``include_usage``: a chunk with the usage and no choices before ``[DONE]`` (the others carry none)."""
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -183,6 +201,10 @@ class ChatRequest(BaseModel):
             "logprobs": "not answered; the response's rein field carries the sampled ids" if self.logprobs else None,
             "functions": "the legacy functions API: send tools" if self.functions else None,
             "function_call": "the legacy functions API: send tool_choice" if self.function_call is not None else None,
+            "top_logprobs": "not answered; the response's rein field carries the sampled ids"
+            if self.top_logprobs else None,
+            "modalities": "this proxy serves a text model" if set(self.modalities or ()) - {"text"} else None,
+            **refused_fields(self.model_extra, OPENAI_HARMLESS, REFUSED),
         }
         fields = [{"field": name, "message": message} for name, message in why.items() if message]
         if fields:
@@ -262,9 +284,11 @@ def completion(
     completion_tokens: int,
     rein: dict[str, Any] | None = None,
     tool_calls: Sequence[dict[str, Any]] = (),
+    stop_sequence: str | None = None,
 ) -> dict[str, Any]:
     """A ``chat.completion`` body; ``rein`` carries token ids and versions for tools that want them.
-    With ``tool_calls`` the message carries them and an empty content is null, as OpenAI's."""
+    With ``tool_calls`` the message carries them and an empty content is null, as OpenAI's. The ``stop``
+    string the reply ended at is the choice's ``stop_reason``, as vLLM's (Messages answers it)."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         message = {"role": "assistant", "content": content or None, "tool_calls": list(tool_calls)}
@@ -273,7 +297,8 @@ def completion(
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
+                     **({"stop_reason": stop_sequence} if stop_sequence is not None else {})}],
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -290,13 +315,14 @@ def empty_completion(model: str, rein: dict[str, Any]) -> dict[str, Any]:
     return completion(model=model, content="", finish_reason="stop", prompt_tokens=0, completion_tokens=0, rein=rein)
 
 
-def sse_frames(body: dict[str, Any]) -> Iterator[str]:
+def sse_frames(body: dict[str, Any], include_usage: bool = False) -> Iterator[str]:
     """A finished ``chat.completion`` as ``chat.completion.chunk`` SSE frames, then ``[DONE]``.
 
     The proxy streams only after the generation is complete and published (a chunk
     must be on Kafka before the agent sees its tokens, and a rejection must be able
     to answer with a real status), so the frames carry role, content, each tool call whole
-    (OpenAI's delta shape: ``index``, ``id``, ``type``, ``function`` name and arguments), finish.
+    (OpenAI's delta shape: ``index``, ``id``, ``type``, ``function`` name and arguments), finish, and with
+    ``include_usage`` a usage chunk of its own (else the usage rides on the finish chunk).
     """
     choice = body["choices"][0]
     base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
@@ -311,10 +337,12 @@ def sse_frames(body: dict[str, Any]) -> Iterator[str]:
         yield frame({"content": content}, None)
     for index, call in enumerate(choice["message"].get("tool_calls", ())):
         yield frame({"tool_calls": [{"index": index, **call}]}, None)
-    extra: dict[str, Any] = {"usage": body["usage"]}
+    extra: dict[str, Any] = {"usage": None if include_usage else body["usage"]}
     if "rein" in body:
         extra["rein"] = body["rein"]
     yield frame({}, choice["finish_reason"], **extra)
+    if include_usage:  # OpenAI's stream_options.include_usage: the usage in a chunk of its own, no choices
+        yield f"data: {json.dumps({**base, 'choices': [], 'usage': body['usage']}, separators=(',', ':'))}\n\n"
     yield "data: [DONE]\n\n"
 
 

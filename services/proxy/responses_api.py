@@ -27,6 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.proxy.fields import OPENAI_HARMLESS, refused_fields
 from services.proxy.openai_api import OPENAI_CODES
 from shared.errors import UnsupportedContent, UnsupportedParameter
 from shared.schemas import new_id
@@ -34,10 +35,24 @@ from shared.schemas import new_id
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
-class ResponsesRequest(BaseModel):
-    """The fields the adapter reads; the rest are accepted and ignored as on the chat route."""
+REFUSED = {
+    "prompt": "no stored prompt templates are served: send instructions and input",
+    "background": "no background responses are served",
+    "background_options": "no background responses are served",
+    "context_management": "the proxy does not compact a context",
+    "max_tool_calls": "the proxy does not cap a response's tool calls",
+    "moderation": "no moderation is served",
+    "image": "this proxy serves a text model",
+    "access_programs": "not served",
+}
+"""Responses fields the proxy knows and cannot honour, refused whenever they are set."""
 
-    model_config = ConfigDict(extra="ignore")
+
+class ResponsesRequest(BaseModel):
+    """The fields the adapter reads; every other one is harmless (:data:`~services.proxy.fields.OPENAI_HARMLESS`)
+    or refused by name."""
+
+    model_config = ConfigDict(extra="allow")
     model: str = ""
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -51,6 +66,11 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    """``effort`` cannot be honoured (refused when set); ``summary`` is harmless."""
+    truncation: str | None = None
+    """``disabled`` (the default) is what the proxy does; ``auto`` (drop input to fit) is refused."""
+    top_logprobs: int | None = None
 
 
 def to_chat(body: ResponsesRequest) -> dict[str, Any]:
@@ -63,6 +83,15 @@ def to_chat(body: ResponsesRequest) -> dict[str, Any]:
         "text.format": "structured output needs constrained decoding"
         if text_format is not None and not (isinstance(text_format, dict) and text_format.get("type", "text") == "text")
         else None,
+        "text.verbosity": "the served model's length is not steered by a verbosity"
+        if (body.text or {}).get("verbosity") is not None else None,
+        "reasoning.effort": "the served model's reasoning is not steered by an effort"
+        if (body.reasoning or {}).get("effort") is not None else None,
+        "truncation": "the proxy never drops input to fit: a prompt too long is context_length_exceeded"
+        if body.truncation not in (None, "disabled") else None,
+        "top_logprobs": "not answered; the response's rein field carries the sampled ids" if body.top_logprobs
+        else None,
+        **refused_fields(body.model_extra, OPENAI_HARMLESS, REFUSED),
     }
     tools: list[dict[str, Any]] = []
     for i, tool in enumerate(body.tools or ()):

@@ -65,8 +65,8 @@ from shared.errors import (
 )
 from shared.model.base import ChatTokenizer
 from shared.model.tiny import TinyChatTokenizer
-from shared.model.tool_calls import ParsedReply, ToolCallFormat, parse_reply
-from shared.schemas import Chunk, Record, SessionFinished, SessionRejected, new_id
+from shared.model.tool_calls import ParsedReply, ToolCallFormat, new_call_id, parse_reply
+from shared.schemas import Chunk, Record, SessionFinished, SessionRejected
 from shared.staleness import check_span
 from shared.versions import distinct_real, encode_runs
 
@@ -101,10 +101,13 @@ class ForceCall:
     name: str | None = None
 
 
-def until_stop(text: str, stops: Sequence[str]) -> str:
-    """``text`` before the earliest of ``stops`` in it (all of it when none occurs)."""
-    found = [at for at in (text.find(s) for s in stops if s) if at != -1]
-    return text[: min(found)] if found else text
+def until_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
+    """``text`` before the earliest of ``stops`` in it (all of it when none occurs), and that stop string."""
+    found = [(at, -len(s), s) for s in stops if s and (at := text.find(s)) != -1]
+    if not found:
+        return text, None
+    at, _, stop = min(found)  # the earliest; at one position, the longest
+    return text[:at], stop
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,8 @@ class ChatOutcome:
     soft_rejected: bool = False
     tool_calls: tuple[dict[str, Any], ...] = ()
     """OpenAI ``tool_calls`` parsed from the reply (then ``finish_reason`` is ``tool_calls``)."""
+    stop_sequence: str | None = None
+    """The request's ``stop`` string the reply ended at (left out of the content), if one."""
     call_markup: Literal["calls", "malformed", "empty"] | None = None
     """What the reply's call markup was, if it had any: parsed ``calls``, ``malformed`` (answered whole as
     content), or ``empty`` (an empty list of calls, the model's own "no call": answered as the text around it)."""
@@ -270,11 +275,11 @@ class Session(Transcript):
         content, ``first`` (``parallel_tool_calls: false``) only the first call."""
         plan = self._call()
         text = self.tokenizer.decode([*plan.forced, *gen.output_ids])  # a forced opener is the reply's start
-        shown = until_stop(text, stop) if gen.finish_reason == "stop" else text
+        shown, matched = until_stop(text, stop) if gen.finish_reason == "stop" else (text, None)
         parse = gen.finish_reason == "stop" and calls != "none"
         reply = parse_reply(shown, self.tool_calls) if parse else None
         found = reply.calls[:1] if reply is not None and calls == "first" else reply.calls if reply else ()
-        calls_out = tuple(c.openai(new_id("call")) for c in found)
+        calls_out = tuple(c.openai(new_call_id(self.tool_calls)) for c in found)
         content = reply.content if reply is not None and (calls_out or reply.empty) else shown
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls_out:
@@ -290,7 +295,7 @@ class Session(Transcript):
         }
         return ChatOutcome(content=content, finish_reason="tool_calls" if calls_out else gen.finish_reason,
                            prompt_tokens=len(plan.prompt_ids), completion_tokens=len(gen.output_ids), rein=rein,
-                           tool_calls=calls_out, call_markup=_markup(reply))
+                           tool_calls=calls_out, call_markup=_markup(reply), stop_sequence=matched)
 
     def fail(self, error: Exception, *, soft: bool = False) -> Step:
         """The call stopped on ``error``. A staleness rule rejects the session (softly when asked);

@@ -33,6 +33,8 @@ import ast
 import enum
 import json
 import re
+import secrets
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +90,18 @@ def detect_format(chat_template: str) -> ToolCallFormat:
     if "<|python_tag|>" in chat_template or "ipython" in chat_template:
         return ToolCallFormat.LLAMA3_JSON
     return ToolCallFormat.HERMES
+
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def new_call_id(fmt: ToolCallFormat) -> str:
+    """A fresh id for a parsed call, in the form the family's template takes back: Mistral's templates raise
+    unless an id is 9 alphanumerics (as vLLM's and SGLang's Mistral parsers make them); others take
+    OpenAI's ``call_`` and 24 alphanumerics."""
+    if fmt is ToolCallFormat.MISTRAL:
+        return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+    return "call_" + "".join(secrets.choice(_ALPHANUMERIC) for _ in range(24))
 
 
 def call_opener(fmt: ToolCallFormat, name: str | None = None, *, array: bool = False) -> str | None:

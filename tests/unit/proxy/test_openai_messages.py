@@ -67,7 +67,7 @@ def test_text_part_without_text_is_invalid() -> None:
 
 
 @pytest.mark.parametrize("bad", [
-    {"messages": [{"role": "developer", "content": "x"}]},
+    {"messages": [{"role": "function", "content": "x"}]},
     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
     {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
 ])
@@ -161,6 +161,37 @@ def test_forcing_a_call_that_cannot_be_made_is_refused(extra: dict[str, Any], wh
     with pytest.raises(InvalidRequest, match=why) as err:
         request([{"role": "user", "content": "hi"}], **extra).force_call()
     assert err.value.fields["fields"][0]["field"] == "tool_choice"
+
+
+def test_a_developer_message_is_a_system_message() -> None:
+    """OpenAI's newer models take ``developer`` where older ones took ``system`` (422 before)."""
+    body = request([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert body.template_messages()[0] == {"role": "system", "content": "Be brief."}
+
+
+@pytest.mark.parametrize("harmless", [
+    {"store": False}, {"metadata": {"k": "v"}}, {"user": "u-1"}, {"service_tier": "auto"},
+    {"prompt_cache_key": "k"}, {"safety_identifier": "s"}, {"stream_options": {"include_usage": True}},
+    {"modalities": ["text"]}, {"seed": None}, {"top_logprobs": 0},
+])
+def test_harmless_fields_are_accepted(harmless: dict[str, Any]) -> None:
+    request([{"role": "user", "content": "hi"}], **harmless).refuse_unsupported()
+
+
+@pytest.mark.parametrize(("extra", "refused"), [
+    ({"seed": 7}, ["seed"]),  # changes sampling: never dropped silently
+    ({"reasoning_effort": "low", "verbosity": "low"}, ["reasoning_effort", "verbosity"]),
+    ({"modalities": ["text", "audio"], "audio": {"voice": "x"}}, ["modalities", "audio"]),
+    ({"top_logprobs": 3}, ["top_logprobs"]),
+    ({"chat_template_kwargs": {"enable_thinking": False}, "min_p": 0.1}, ["chat_template_kwargs", "min_p"]),
+])
+def test_fields_that_cannot_be_honoured_or_are_unknown_are_refused_by_name(extra: dict[str, Any],
+                                                                           refused: list[str]) -> None:
+    from shared.errors import UnsupportedParameter
+
+    with pytest.raises(UnsupportedParameter) as err:
+        request([{"role": "user", "content": "hi"}], **extra).refuse_unsupported()
+    assert [f["field"] for f in err.value.fields["fields"]] == refused
 
 
 def test_stop_is_a_string_or_up_to_four() -> None:

@@ -99,6 +99,24 @@ def test_responses_items_a_text_model_cannot_take_are_refused(item: dict[str, An
         responses_api.to_chat(ResponsesRequest.model_validate({"input": [item]}))
 
 
+@pytest.mark.parametrize(("extra", "refused"), [
+    ({"store": False, "metadata": {"k": "v"}, "include": ["reasoning.encrypted_content"], "user": "u",
+      "truncation": "disabled", "reasoning": {"summary": "auto"}, "prompt_cache_key": "k"}, []),
+    ({"reasoning": {"effort": "high"}}, ["reasoning.effort"]),
+    ({"text": {"format": {"type": "text"}, "verbosity": "low"}}, ["text.verbosity"]),
+    ({"truncation": "auto", "background": True}, ["truncation", "background"]),
+    ({"prompt": {"id": "pmpt_1"}, "safety_identifier": "s", "top_k": 5}, ["prompt", "top_k"]),
+])
+def test_responses_fields_are_honoured_harmless_or_refused_by_name(extra: dict[str, Any], refused: list[str]) -> None:
+    body = ResponsesRequest.model_validate({"input": "hi", **extra})
+    if not refused:
+        responses_api.to_chat(body)
+        return
+    with pytest.raises(UnsupportedParameter) as err:
+        responses_api.to_chat(body)
+    assert [f["field"] for f in err.value.fields["fields"]] == refused
+
+
 def test_a_chat_completion_is_answered_as_a_response() -> None:
     request = ResponsesRequest.model_validate({"input": "x", "tools": [{"type": "function", **TOOL}]})
     body = responses_api.answer(chat_body("Computing.", (CALL,), "tool_calls"), request)
@@ -132,6 +150,7 @@ def test_a_response_streams_as_the_responses_events() -> None:
 
 def test_a_messages_request_is_the_chat_request_of_the_same_turn() -> None:
     body = MessagesRequest.model_validate({
+        "metadata": {"user_id": "u"}, "service_tier": "auto", "cache_control": {"type": "ephemeral"},  # harmless
         "model": "m", "max_tokens": 64, "system": [{"type": "text", "text": "Be brief."}], "stop_sequences": ["\n\n"],
         "tools": [{"name": "calculator", "description": "evaluate", "input_schema": {"type": "object"}}],
         "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
@@ -160,6 +179,9 @@ def test_a_messages_request_is_the_chat_request_of_the_same_turn() -> None:
 
 
 @pytest.mark.parametrize(("request_body", "field"), [
+    ({"container": "c-1"}, "container"),
+    ({"output_config": {"effort": "low"}}, "output_config"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),  # not Anthropic's: unknown, refused by name
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools.0"),
 ])
@@ -181,6 +203,16 @@ def test_forcing_a_call_is_served_as_on_the_chat_route(choice: dict[str, Any], f
          "tools": [{"name": "calculator", "input_schema": {"type": "object"}}]})))
     chat.refuse_unsupported()
     assert (chat.force_call(), chat.tool_calls()) == (forced, calls)
+
+
+def test_a_reply_that_ended_at_a_stop_sequence_says_which() -> None:
+    body = completion(model="m", content="Done", finish_reason="stop", prompt_tokens=1, completion_tokens=2,
+                      stop_sequence="\n\nHuman:")
+    message = messages_api.answer(body)
+    assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "\n\nHuman:")
+    [delta] = [data for kind, data in sse(messages_api.events(body)) if kind == "message_delta"]
+    assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "\n\nHuman:"}
+    assert messages_api.answer(chat_body("Done"))["stop_reason"] == "end_turn"
 
 
 def test_blocks_a_text_model_cannot_take_are_refused() -> None:
