@@ -364,7 +364,7 @@ def _payload(model: str, outcome: ChatOutcome) -> dict[str, Any]:
     return completion(
         model=model, content=outcome.content, finish_reason=outcome.finish_reason,
         prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens, rein=outcome.rein,
-        tool_calls=outcome.tool_calls, stop_sequence=outcome.stop_sequence,
+        tool_calls=outcome.tool_calls, stop_sequence=outcome.stop_sequence, reasoning=outcome.reasoning,
     )
 
 

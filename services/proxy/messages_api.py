@@ -13,8 +13,11 @@ the one session machine and transcript. The mapping:
   ``tool``: the chat route's ``required`` and named function, served by forcing the call's opener;
   ``disable_parallel_tool_use``), ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``,
   ``top_k`` and ``stream`` map one to one.
+- A reasoning model's thinking is a ``thinking`` block before the answer's text (``thinking`` enabled is
+  accepted: whether the model thinks is its template's); sent back in an assistant message, it is the
+  message's ``reasoning_content``, so the turn continues token-exact.
 - Refused with 400, never ignored: Anthropic's server tools (a ``type`` other than ``custom``), image,
-  document and thinking blocks, and ``thinking`` enabled (the proxy serves no reasoning mode).
+  document and ``redacted_thinking`` blocks.
 - ``stop_reason``: ``tool_use`` for calls, ``max_tokens`` when cut, ``stop_sequence`` (with the matched
   ``stop_sequence``) when the reply ended at one of ``stop_sequences``, else ``end_turn``.
 """
@@ -67,8 +70,8 @@ class MessagesRequest(BaseModel):
 def to_chat(body: MessagesRequest) -> dict[str, Any]:
     """The chat-completions request (as JSON data) that asks for the same turn."""
     refused: dict[str, str] = refused_fields(body.model_extra, ANTHROPIC_HARMLESS, REFUSED)
-    if body.thinking and body.thinking.get("type") != "disabled":
-        refused["thinking"] = "the proxy serves no reasoning mode"
+    if body.thinking and body.thinking.get("type") not in ("enabled", "adaptive", "disabled"):
+        refused["thinking"] = f"unknown thinking type {body.thinking.get('type')!r}"
     tools: list[dict[str, Any]] = []
     for i, tool in enumerate(body.tools or ()):
         if tool.get("type", "custom") != "custom":
@@ -107,12 +110,15 @@ def _message(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
         return [{"role": role, "content": content or ""}]
     blocks = content if isinstance(content, list) else [content]
     texts: list[str] = []
+    thinking: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+        elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+            thinking.append(block["thinking"])
         elif kind == "tool_use" and role == "assistant":
             calls.append({"id": block.get("id", ""), "type": "function", "function": {
                 "name": block.get("name", ""), "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
@@ -125,6 +131,8 @@ def _message(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
                                      field=f"{where}.{j}", part_type=kind)
     if role == "assistant":
         out: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts or not calls else None}
+        if thinking:
+            out["reasoning_content"] = "\n".join(thinking)
         if calls:
             out["tool_calls"] = calls
         return [out]
@@ -149,6 +157,8 @@ def answer(chat: dict[str, Any]) -> dict[str, Any]:
     """The ``message`` for a finished ``chat.completion`` body (its ``rein`` field carried over)."""
     choice = chat["choices"][0]
     content: list[dict[str, Any]] = []
+    if choice["message"].get("reasoning_content") is not None:  # no signature: nothing to verify it by
+        content.append({"type": "thinking", "thinking": choice["message"]["reasoning_content"], "signature": ""})
     if choice["message"].get("content"):
         content.append({"type": "text", "text": choice["message"]["content"]})
     for call in choice["message"].get("tool_calls", ()):
@@ -183,6 +193,11 @@ def events(chat: dict[str, Any]) -> Iterator[str]:
         if block["type"] == "text":
             yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
             yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": block["text"]})
+        elif block["type"] == "thinking":
+            yield event("content_block_start", index=index,
+                        content_block={"type": "thinking", "thinking": "", "signature": ""})
+            yield event("content_block_delta", index=index,
+                        delta={"type": "thinking_delta", "thinking": block["thinking"]})
         else:
             yield event("content_block_start", index=index, content_block={**block, "input": {}})
             yield event("content_block_delta", index=index,

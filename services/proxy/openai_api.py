@@ -57,6 +57,8 @@ class ChatMessage(BaseModel):
     """Assistant messages only."""
     tool_call_id: str | None = None
     """Tool messages: the call this is the result of."""
+    reasoning_content: str | None = None
+    """Assistant messages: a reasoning model's thinking as the proxy answered it (optional when sent back)."""
 
     def template(self, index: int) -> dict[str, Any]:
         """This message as the chat template takes it: content as one string (None is empty), the
@@ -69,6 +71,8 @@ class ChatMessage(BaseModel):
             out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
     def _text(self, index: int) -> str:
@@ -285,13 +289,17 @@ def completion(
     rein: dict[str, Any] | None = None,
     tool_calls: Sequence[dict[str, Any]] = (),
     stop_sequence: str | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     """A ``chat.completion`` body; ``rein`` carries token ids and versions for tools that want them.
     With ``tool_calls`` the message carries them and an empty content is null, as OpenAI's. The ``stop``
-    string the reply ended at is the choice's ``stop_reason``, as vLLM's (Messages answers it)."""
+    string the reply ended at is the choice's ``stop_reason``, as vLLM's (Messages answers it). A reasoning
+    model's thinking is the message's ``reasoning_content``, as SGLang's and vLLM's reasoning parsers answer it."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         message = {"role": "assistant", "content": content or None, "tool_calls": list(tool_calls)}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     body: dict[str, Any] = {
         "id": new_id("chatcmpl"),
         "object": "chat.completion",
@@ -332,6 +340,8 @@ def sse_frames(body: dict[str, Any], include_usage: bool = False) -> Iterator[st
         return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
     yield frame({"role": "assistant", "content": ""}, None)
+    if choice["message"].get("reasoning_content"):
+        yield frame({"reasoning_content": choice["message"]["reasoning_content"]}, None)
     content = choice["message"]["content"]
     if content:
         yield frame({"content": content}, None)

@@ -8,8 +8,9 @@ recorded ids whichever wire an agent speaks. The mapping:
 - ``instructions`` is a leading system message; ``input`` is a user message (a string) or a list of
   items: messages (roles ``user``, ``system``, ``developer`` as system, ``assistant``; text parts
   ``input_text`` / ``output_text``), ``function_call`` items (folded into the assistant message before
-  them, as its ``tool_calls``, so an echoed answer continues token-exact) and ``function_call_output``
-  items (``tool`` messages).
+  them, as its ``tool_calls``, so an echoed answer continues token-exact), ``function_call_output``
+  items (``tool`` messages) and ``reasoning`` items (the thinking of the assistant message after them,
+  its ``reasoning_content``; a reasoning model's answer carries one before its message).
 - ``tools`` of type ``function`` (flat: ``name``, ``description``, ``parameters``), ``tool_choice``,
   ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p`` and ``stream`` map one to one.
 - Refused with 400, never ignored: ``previous_response_id`` and ``conversation`` (the proxy keeps no
@@ -120,19 +121,27 @@ def to_chat(body: ResponsesRequest) -> dict[str, Any]:
 
 def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    thinking: str | None = None
+    """A reasoning item's text, for the assistant message it comes before."""
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
             role = {"developer": "system"}.get(item.get("role", ""), item.get("role", ""))
             out.append({"role": role, "content": _text(item.get("content"), f"input.{i}.content")})
+            if role == "assistant" and thinking is not None:
+                out[-1]["reasoning_content"], thinking = thinking, None
+        elif kind == "reasoning":
+            thinking = _reasoning_text(item, f"input.{i}")
         elif kind == "function_call":
             call = {"id": item.get("call_id", ""), "type": "function",
                     "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "")}}
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and thinking is None:
                 last.setdefault("tool_calls", []).append(call)  # the answer's calls follow its message item
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if thinking is not None:
+                    out[-1]["reasoning_content"], thinking = thinking, None
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
                         "content": _text(item.get("output"), f"input.{i}.output")})
@@ -140,6 +149,15 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise UnsupportedContent(f"input.{i}: an item of type {kind!r} is not supported; this proxy serves "
                                      "messages and function calls of a text model", field=f"input.{i}", part_type=kind)
     return out
+
+
+def _reasoning_text(item: dict[str, Any], field: str) -> str:
+    """A reasoning item's thinking: its ``reasoning_text`` parts (what the proxy answers), else its summary."""
+    if item.get("encrypted_content") and not item.get("content"):
+        raise UnsupportedContent(f"{field}: an encrypted reasoning item is not this proxy's: send back the "
+                                 "reasoning item it answered", field=field, part_type="reasoning")
+    parts = item.get("content") or item.get("summary") or []
+    return "\n".join(str(p.get("text", "")) for p in parts if isinstance(p, dict))
 
 
 def _text(content: Any, field: str) -> str | None:
@@ -168,6 +186,9 @@ def _cut(chat: dict[str, Any]) -> bool:
 def _output(chat: dict[str, Any]) -> list[dict[str, Any]]:
     message = chat["choices"][0]["message"]
     output: list[dict[str, Any]] = []
+    if message.get("reasoning_content") is not None:
+        output.append({"type": "reasoning", "id": new_id("rs"), "status": "completed", "summary": [],
+                       "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
     if message.get("content") or not message.get("tool_calls"):  # an empty reply is an empty message, echoed back
         output.append({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
                        "content": [{"type": "output_text", "text": message["content"] or "", "annotations": []}]})
@@ -210,7 +231,13 @@ def events(chat: dict[str, Any], request: ResponsesRequest) -> Iterator[str]:
     yield event("response.in_progress", response={**final, "status": "in_progress", "output": [], "usage": None})
     for index, item in enumerate(final["output"]):
         ids = {"item_id": item["id"], "output_index": index}
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            yield event("response.output_item.added", output_index=index,
+                        item={**item, "status": "in_progress", "content": []})
+            yield event("response.reasoning_text.delta", **ids, content_index=0, delta=text)
+            yield event("response.reasoning_text.done", **ids, content_index=0, text=text)
+        elif item["type"] == "message":
             part = item["content"][0]
             yield event("response.output_item.added", output_index=index,
                         item={**item, "status": "in_progress", "content": []})

@@ -124,6 +124,8 @@ class ChatOutcome:
     """OpenAI ``tool_calls`` parsed from the reply (then ``finish_reason`` is ``tool_calls``)."""
     stop_sequence: str | None = None
     """The request's ``stop`` string the reply ended at (left out of the content), if one."""
+    reasoning: str | None = None
+    """A reasoning model's thinking (``<think>…</think>``), answered apart from the content; None without."""
     call_markup: Literal["calls", "malformed", "empty"] | None = None
     """What the reply's call markup was, if it had any: parsed ``calls``, ``malformed`` (answered whole as
     content), or ``empty`` (an empty list of calls, the model's own "no call": answered as the text around it)."""
@@ -272,16 +274,23 @@ class Session(Transcript):
         up to the first of the request's ``stop`` strings (OpenAI leaves it out; the ids keep it), split
         into content and tool calls when the model ended its turn (a reply cut by its budget is content:
         its calls may be cut too). ``calls``: ``none`` (``tool_choice: none``) answers the text as
-        content, ``first`` (``parallel_tool_calls: false``) only the first call."""
+        content, ``first`` (``parallel_tool_calls: false``) only the first call. A reasoning model's
+        thinking (:mod:`shared.model.reasoning`) is answered apart, as ``reasoning``; the calls and the
+        content are read from the text after it."""
         plan = self._call()
         text = self.tokenizer.decode([*plan.forced, *gen.output_ids])  # a forced opener is the reply's start
         shown, matched = until_stop(text, stop) if gen.finish_reason == "stop" else (text, None)
+        thinking, shown = (None, shown) if self.tokenizer.reasoning is None else self.tokenizer.reasoning.split(shown)
+        if thinking is not None:
+            thinking, shown = thinking.strip(), shown.lstrip()
         parse = gen.finish_reason == "stop" and calls != "none"
         reply = parse_reply(shown, self.tool_calls) if parse else None
         found = reply.calls[:1] if reply is not None and calls == "first" else reply.calls if reply else ()
         calls_out = tuple(c.openai(new_call_id(self.tool_calls)) for c in found)
         content = reply.content if reply is not None and (calls_out or reply.empty) else shown
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if thinking is not None:
+            message["reasoning_content"] = thinking
         if calls_out:
             message["tool_calls"] = list(calls_out)
         self.answered(plan, Answer(message, text))
@@ -295,7 +304,8 @@ class Session(Transcript):
         }
         return ChatOutcome(content=content, finish_reason="tool_calls" if calls_out else gen.finish_reason,
                            prompt_tokens=len(plan.prompt_ids), completion_tokens=len(gen.output_ids), rein=rein,
-                           tool_calls=calls_out, call_markup=_markup(reply), stop_sequence=matched)
+                           tool_calls=calls_out, call_markup=_markup(reply), stop_sequence=matched,
+                           reasoning=thinking)
 
     def fail(self, error: Exception, *, soft: bool = False) -> Step:
         """The call stopped on ``error``. A staleness rule rejects the session (softly when asked);

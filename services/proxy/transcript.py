@@ -70,11 +70,14 @@ class Answer:
 
     def echoed_by(self, message: Mapping[str, Any]) -> bool:
         """Whether ``message`` is this answer sent back: an assistant message with the same content (None
-        is empty) and the same calls, by name and arguments (as JSON values: re-serialized is the same)."""
+        is empty) and the same calls, by name and arguments (as JSON values: re-serialized is the same). Its
+        thinking (``reasoning_content``) may be left out, as most clients do; sent back, it is the same."""
+        thinking = message.get("reasoning_content")
         return (
             message.get("role") == "assistant"
             and (message.get("content") or "") == (self.message.get("content") or "")
             and _calls_key(message.get("tool_calls")) == _calls_key(self.message.get("tool_calls"))
+            and (thinking is None or thinking == self.message.get("reasoning_content"))
         )
 
 

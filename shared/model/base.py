@@ -17,6 +17,7 @@ from torch import nn
 
 from shared.checkpoint import CheckpointError
 from shared.checkpoint import digest as checkpoint_digest
+from shared.model.reasoning import Reasoning
 from shared.model.tool_calls import ToolCallFormat
 
 __all__ = [
@@ -59,6 +60,12 @@ class ChatTokenizer(Protocol):
     @property
     def tool_call_format(self) -> ToolCallFormat:
         """How the model writes tool calls, as its chat template shows (:mod:`shared.model.tool_calls`)."""
+        ...
+
+    @property
+    def reasoning(self) -> Reasoning | None:
+        """How the model marks its thinking, as its chat template shows (:mod:`shared.model.reasoning`);
+        None for a model that does not think aloud."""
         ...
 
     def encode_chat(

@@ -12,6 +12,7 @@ from torch import nn
 
 from shared import checkpoint
 from shared.model.base import ChatTokenizer, Loaded, Turn, UnrenderableMessages
+from shared.model.reasoning import Reasoning
 from shared.model.tool_calls import ToolCallFormat
 from shared.policy import PolicyConfig, TinyPolicy, init_policy
 from shared.tokenizer import ROLE_TOKENS, TOKENIZER, Tokenizer
@@ -43,6 +44,11 @@ class TinyChatTokenizer:
     def tool_call_format(self) -> ToolCallFormat:
         """The tiny policy writes no tool calls."""
         return ToolCallFormat.NONE
+
+    @property
+    def reasoning(self) -> Reasoning | None:
+        """The tiny policy does not think aloud."""
+        return None
 
     def encode_chat(
         self,
