@@ -88,7 +88,7 @@ class ProxyService:
         rules = VersionRules(partial_rollout=settings.partial_rollout, max_preempts=settings.max_preempts)
         tool_calls = None if settings.tool_call_parser == "auto" else ToolCallFormat(settings.tool_call_parser)
         self.sessions = SessionStore(settings.finalized_memory, clock, tokenizer=tokenizer, rules=rules,
-                                     tool_calls=tool_calls)
+                                     tool_calls=tool_calls, rewritten_history=settings.rewritten_history)
         self._stop_ids = tuple(sorted(tokenizer.stop_ids))
         """The model's EOS and end-of-turn ids, sent on every ``/generate``: an engine that knows only its
         EOS (SGLang reads the model's config) would run past an end of turn that is not the EOS."""
@@ -184,6 +184,8 @@ class ProxyService:
         rejection = session.chunk_sent()
         if plan.new_segment and outcome.chunk_index == 0:  # the segment exists from its first chunk on
             self._segment_opened(session, plan)
+        elif plan.kept_rewrite and outcome.chunk_index == 0:
+            self.metrics.kept_rewrites.inc()
         _raise(rejection)
 
     def _segment_opened(self, session: Session, plan: TurnPlan) -> None:

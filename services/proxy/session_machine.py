@@ -49,7 +49,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from services.proxy.transcript import Answer, Messages, NewSegmentReason, SegmentState, Tools, Transcript, TurnPlan
+from services.proxy.transcript import (
+    Answer,
+    Messages,
+    NewSegmentReason,
+    RewrittenHistory,
+    SegmentState,
+    Tools,
+    Transcript,
+    TurnPlan,
+)
 from shared.errors import (
     EngineLost,
     InvalidRequest,
@@ -168,6 +177,8 @@ class Session(Transcript):
     rules: VersionRules = field(default_factory=VersionRules)
     tool_calls: ToolCallFormat = ToolCallFormat.NONE
     """How replies are parsed into tool calls (the proxy's ``REIN_TOOL_CALL_PARSER``, or the model's)."""
+    rewritten_history: RewrittenHistory = "keep"
+    """What a call gets when the chat template rewrote the earlier turns (``REIN_REWRITTEN_HISTORY``)."""
     segments: list[SegmentState] = field(default_factory=list)
     num_chunks: int = 0
     """Chunk records submitted for this session (the next chunk's ``seq``)."""
@@ -217,7 +228,7 @@ class Session(Transcript):
                 raise UnsupportedParameter(f"tool_choice: {why}", fields=[{"field": "tool_choice", "message": why}])
             forced = opener
         try:
-            plan = self.plan(messages, self.tokenizer, tools, forced)
+            plan = self.plan(messages, self.tokenizer, tools, forced, self.rewritten_history)
         except ValueError as exc:  # UnrenderableMessages names the field
             field = getattr(exc, "field", "messages")
             raise InvalidRequest(str(exc), fields=[{"field": field, "message": str(exc)}]) from None

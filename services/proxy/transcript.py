@@ -14,6 +14,12 @@ parsed, perhaps with the arguments re-serialized: a message that echoes an answe
 (:meth:`Answer.echoed_by`) stands for the text that was sampled when the segment is continued,
 so the engine sees its own call text again, not the template's rendering of the parsed call.
 
+A chat template that rewrites history (Qwen3's drops earlier turns' thinking once a new user message
+arrives) cannot be continued that way: what it renders for the earlier turns is no longer what the engine
+saw. :data:`RewrittenHistory` says what happens then: ``keep`` the session one segment (the engine is given
+its own earlier ids verbatim and each new message's delta as the template renders it after them), or
+``follow`` the template (a new segment, ``template_mismatch``, its prompt the template's rewritten history).
+
 A new segment re-tokenizes the whole history, so each one carries a
 :data:`NewSegmentReason` (:func:`new_segment_reason`) that the proxy counts: an agent that
 keeps editing its history shows up there instead of silently losing token exactness.
@@ -38,6 +44,11 @@ if TYPE_CHECKING:
 Messages = Sequence[Mapping[str, Any]]
 """OpenAI chat messages as plain dicts (role, content, tool_calls, tool_call_id), passed to the template."""
 Tools = Sequence[Mapping[str, Any]] | None
+
+RewrittenHistory = Literal["keep", "follow"]
+"""What a call does when the chat template renders the session's earlier turns otherwise than the engine
+saw them (every other check of :func:`new_segment_reason` passed): ``keep`` the segment, or ``follow`` the
+template into a new one (docs/agents.md, "Templates that rewrite history")."""
 
 NewSegmentReason = Literal[
     "first", "publish_failed", "tools_changed", "history_diverged", "assistant_dropped", "assistant_edited",
@@ -154,6 +165,8 @@ class TurnPlan:
     forced: tuple[int, ...] = ()
     """Ids the proxy appended after the generation prompt that the engine did not sample (the opener of a
     call ``tool_choice`` asks for): the tail of ``context_ids``."""
+    kept_rewrite: bool = False
+    """The template rewrote the earlier turns and the segment was kept (``keep``): the engine sees its own ids."""
 
 
 def new_segment_reason(seg: SegmentState | None, call: Call) -> NewSegmentReason:
@@ -199,18 +212,24 @@ class Transcript:
 
     def plan(
         self, messages: Messages, tokenizer: ChatTokenizer, tools: Tools = None, forced: Sequence[int] = (),
+        rewritten: RewrittenHistory = "keep",
     ) -> TurnPlan:
         """How the call with ``messages`` extends the session (TITO) or starts a new segment; ``forced`` ids
-        follow the generation prompt.
+        follow the generation prompt; ``rewritten`` says what a template that rewrote the history gets.
 
         Raises ValueError for messages the chat template cannot render.
         """
         seg, call, forced = self.current, Call.of(messages, tools), tuple(forced)
         if seg is not None and seg.open and seg.turns:
-            delta = tokenizer.continue_chat(seg.turns, as_sampled(messages, seg.answers), tools=tools)
+            sampled, kept = as_sampled(messages, seg.answers), False
+            delta = tokenizer.continue_chat(seg.turns, sampled, tools=tools)
+            if delta is None and rewritten == "keep" and new_segment_reason(seg, call) == "template_mismatch":
+                delta = tokenizer.append_chat(seg.turns, sampled, len(seg.last_call.messages) + 1, tools=tools)
+                kept = delta is not None
             if delta is not None:
                 return TurnPlan(segment_index=seg.index, new_segment=False, context_ids=(*delta, *forced),
-                                prompt_ids=(*seg.token_ids, *delta, *forced), call=call, forced=forced)
+                                prompt_ids=(*seg.token_ids, *delta, *forced), call=call, forced=forced,
+                                kept_rewrite=kept)
         template = (*tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools), *forced)
         index = 0 if seg is None else seg.index + 1
         return TurnPlan(segment_index=index, new_segment=True, context_ids=template, prompt_ids=template,

@@ -100,6 +100,22 @@ class ChatTokenizer(Protocol):
         """
         ...
 
+    def append_chat(
+        self,
+        turns: Sequence[Turn],
+        messages: Sequence[Mapping[str, Any]],
+        new_from: int,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int] | None:
+        """The ids of ``messages[new_from:]`` and the generation prompt as the template renders them after the
+        earlier messages, to append to ``turns`` whatever the template now renders for those (a template that
+        rewrites history, as Qwen3's drops earlier turns' thinking): the engine keeps seeing its own ids
+        verbatim. The delta starts where the last turn ends (after its end-of-turn marker when its sampled
+        ids end with a stop id, at the marker otherwise). None when the new messages' rendering cannot be
+        told apart. Raises as :meth:`encode_chat` does."""
+        ...
+
     def call_opener(self, fmt: ToolCallFormat, name: str | None = None) -> list[int] | None:
         """Ids that open a tool call in ``fmt`` as this family writes it (:func:`~shared.model.tool_calls.call_opener`;
         with ``name``, that function's call up to its arguments), to be appended after the generation prompt

@@ -32,7 +32,7 @@ from transformers.utils import logging as hf_logging
 from shared.checkpoint import CheckpointError
 from shared.durable import fsync_path, fsync_tree
 from shared.model.base import ChatTokenizer, Loaded, ModelError, Turn, UnrenderableMessages, state_digest
-from shared.model.literals import Literals, Spellings, strings_in
+from shared.model.literals import PRIVATE_USE, Literals, Spellings, strings_in
 from shared.model.reasoning import Reasoning, detect_reasoning
 from shared.model.tool_calls import ToolCallFormat, call_opener, detect_format
 
@@ -233,6 +233,35 @@ class HFChatTokenizer:
         literals = self._literals(plain, tools)
         return self._encode_marked(self._render(plain, tools, literals, add_generation_prompt=add_generation_prompt),
                                    literals)
+
+    def append_chat(
+        self,
+        turns: Sequence[Turn],
+        messages: Sequence[Mapping[str, Any]],
+        new_from: int,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int] | None:
+        """Found with a sentinel: the first new message's content is marked with a private-use character no
+        string holds, the whole conversation rendered, and the delta runs from the last end-of-turn marker
+        before the mark (the end of the turn before the new messages) to the end, the mark left out."""
+        if not turns or not 0 < new_from < len(messages):
+            return None
+        plain = self._plain(messages)
+        used = set().union(*strings_in(plain), *strings_in(tools), self._template)
+        mark = next(chr(c) for block in PRIVATE_USE for c in block if chr(c) not in used)
+        plain[new_from] = {**plain[new_from], "content": mark + plain[new_from]["content"]}
+        literals = self._literals(plain, tools)
+        full = self._render(plain, tools, literals, add_generation_prompt=True)
+        at = full.find(mark)
+        if at < 0 or full.count(mark) != 1:
+            return None
+        pos, end = max(((full.rfind(t, 0, at), t) for t in self._stop_texts), default=(-1, ""))
+        if pos < 0:
+            return None
+        sampled = turns[-1][1]
+        start = pos + len(end) if sampled and sampled[-1] in self._stop_ids else pos
+        return self._encode_marked(full[start:at] + full[at + 1:], literals)
 
     def call_opener(self, fmt: ToolCallFormat, name: str | None = None) -> list[int] | None:
         """The convention's opener (SmolLM2's array form where rein's tools prompt asked for it), its markers as

@@ -96,6 +96,18 @@ class TinyChatTokenizer:
         words = [i for i in sampled if not self.inner.is_special(i)]
         return [*words, end] if stopped else words
 
+    def append_chat(
+        self,
+        turns: Sequence[Turn],
+        messages: Sequence[Mapping[str, Any]],
+        new_from: int,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int] | None:
+        """The tiny template never rewrites history: whatever :meth:`continue_chat` could not continue, this
+        cannot either."""
+        return None
+
     def call_opener(self, fmt: ToolCallFormat, name: str | None = None) -> list[int] | None:
         """The tiny policy writes no calls: nothing can open one."""
         return None
