@@ -130,6 +130,9 @@ def test_smolagents_tool_calling_agent_sends_required_and_gets_a_forced_call(
     chunks = [r for r in proxy.records("chunks", 2) if isinstance(r, Chunk)]
     assert [c.output_ids for c in chunks] == script, "the engine's ids, verbatim: only these are trained"
     assert [c.forced_ids for c in chunks] == [opener, opener], "the record says what was forced"
+    # smolagents sends its calls back as text ("Calling tools:\n[...]") and the results as user turns: an edited
+    # history, so each call starts a segment of its own (docs/agents.md)
+    assert [c.segment_index for c in chunks] == [0, 1]
 
 
 @pytest.fixture

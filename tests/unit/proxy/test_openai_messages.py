@@ -200,3 +200,18 @@ def test_stop_is_a_string_or_up_to_four() -> None:
     for bad in (["a"] * 5, [""], ""):
         with pytest.raises(ValidationError):
             request([{"role": "user", "content": "hi"}], stop=bad)
+
+
+def test_include_usage_streams_the_usage_in_a_chunk_of_its_own() -> None:
+    """``stream_options.include_usage`` (smolagents' and many clients' streaming): a last chunk with no choices
+    and the usage, as OpenAI's; the others carry none."""
+    from openai.types.chat import ChatCompletionChunk
+
+    from services.proxy.openai_api import completion, sse_frames
+
+    body = completion(model="m", content="hi", finish_reason="stop", prompt_tokens=3, completion_tokens=1)
+    frames = [f.removeprefix("data: ").strip() for f in sse_frames(body, include_usage=True)]
+    assert frames[-1] == "[DONE]"
+    chunks = [ChatCompletionChunk.model_validate_json(f) for f in frames[:-1]]
+    assert [c.usage is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 4
