@@ -1,7 +1,8 @@
 """rein's error hierarchy: one root, each class carrying its HTTP status and detail.
 
 Services raise these deep in their logic and map them to HTTP in exactly one
-exception handler (``{"detail": err.detail()}`` with ``err.status``); nothing
+exception handler (``err.status``, and ``{"detail": err.detail()}`` in the body, beside the wire's own
+error shape on the proxy's agent routes); nothing
 below a route builds an ``HTTPException``. ``code`` is the stable machine name
 agents and the rollout runner match on (DESIGN: ``partial_rollout_staleness_exceeded``,
 ``trajectory_version_changed``, ``generation_preempted``, ...).
@@ -143,10 +144,11 @@ class PayloadTooLarge(ReinError):
     code = "request_too_large"
 
 
-class ContextOverflow(ReinError):
-    """The prompt leaves no room for one generated token in the context window."""
+class ContextOverflow(BadRequest):
+    """The prompt leaves no room for one generated token in the context window (400, as OpenAI's
+    ``context_length_exceeded`` and Anthropic's prompt too long: what agents catch to compact their history)."""
 
-    status = 413
+    status = 400
     code = "context_overflow"
 
 

@@ -19,14 +19,16 @@ KEEP_ALIVE_S = 75
 client always closes first; equal timeouts race and a reused connection dies mid-request."""
 
 
-def default_reject(max_bytes: int) -> Response:
+def default_reject(max_bytes: int, path: str) -> Response:
     return JSONResponse({"detail": f"request body exceeds {max_bytes} bytes"}, status_code=413)
 
 
 class BodyLimit:
-    """413 (from ``reject(max_bytes)``) for bodies over ``max_bytes``."""
+    """413 (from ``reject(max_bytes, path)``: the path picks the body's shape) for bodies over ``max_bytes``."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, reject: Callable[[int], Response] = default_reject) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, reject: Callable[[int, str], Response] = default_reject
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.reject = reject
@@ -37,7 +39,7 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self.reject(self.max_bytes)(scope, receive, send)
+            await self.reject(self.max_bytes, scope.get("path", ""))(scope, receive, send)
             return
         parts: list[bytes] = []
         total = 0
@@ -48,7 +50,7 @@ class BodyLimit:
             body = message.get("body", b"")
             total += len(body)
             if total > self.max_bytes:
-                await self.reject(self.max_bytes)(scope, receive, send)
+                await self.reject(self.max_bytes, scope.get("path", ""))(scope, receive, send)
                 return
             parts.append(body)
             if not message.get("more_body", False):

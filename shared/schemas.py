@@ -106,6 +106,9 @@ class Chunk(Record):
     sampling: SamplingParams | None = None
     """The sampling parameters of the engine call (None: not recorded; the trainer assumes its
     ``REIN_TEMPERATURE`` and no filtering, as before this field existed)."""
+    forced_ids: list[int] = Field(default_factory=list)
+    """The tail of ``context_ids`` the proxy forced after the generation prompt, not the engine (the opener of
+    a tool call that ``tool_choice`` asked for): context like the rest of it, never trained."""
 
     @model_validator(mode="after")
     def _runs_cover_the_output(self) -> Chunk:

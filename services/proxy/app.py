@@ -6,7 +6,9 @@ and the :class:`ProxyService` (no module globals; each app instance owns its own
 the service; the chat route, the hot one, is answered by a :class:`~shared.http_server.DirectRoute`
 past FastAPI's per-route layers. Errors are mapped to HTTP in one place (:func:`_install_error_handlers`,
 whose ``ReinError`` handler the direct route uses too):
-every :class:`shared.errors.ReinError` becomes ``{"detail": {...}}`` with its status,
+every :class:`shared.errors.ReinError` becomes its status and a body in the shape of the route's wire
+(OpenAI's ``{"error": {...}}`` on chat, Responses and models, Anthropic's ``{"type": "error", ...}`` on
+Messages, rein's ``{"detail": {...}}`` on its own routes; rein's detail is under ``detail`` on every one),
 validation errors become 422 naming the field, anything else a logged 500.
 """
 
@@ -46,6 +48,7 @@ from services.proxy.openai_api import (
     sse_error_frame,
     sse_frames,
 )
+from services.proxy.openai_api import error_body as openai_error_body
 from services.proxy.publisher import Publisher
 from services.proxy.service import ProxyService
 from services.proxy.session_keys import KeySigner, SessionKey, is_key
@@ -176,7 +179,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
         )
         chat = service.chat(
             ids, body.template_messages(), tools=body.template_tools(), budget=body.budget(settings.default_max_tokens),
-            sampling=sampling, soft_reject=soft, calls=body.tool_calls(),
+            sampling=sampling, soft_reject=soft, calls=body.tool_calls(), force=body.force_call(),
         )
         model = body.model or settings.model_name
         if not body.stream:
@@ -307,18 +310,21 @@ class _Call(NamedTuple):
     chat: ChatRequest
     answer: Callable[[dict[str, Any]], dict[str, Any]]
     frames: Callable[[dict[str, Any]], Iterator[str]]
-    error_frame: Callable[[dict[str, Any]], str]
+    error_frame: Callable[[dict[str, Any], int], str]
+    """rein's detail of the error and its HTTP status (which the stream, already 200, can no longer carry)."""
 
 
 def _chat_wire(raw: bytes) -> _Call:
-    return _Call(_parse(ChatRequest, raw), lambda body: body, sse_frames, sse_error_frame)
+    request = _parse(ChatRequest, raw)
+    usage = bool((request.stream_options or {}).get("include_usage"))
+    return _Call(request, lambda body: body, lambda body: sse_frames(body, usage), sse_error_frame)
 
 
 def _responses_wire(raw: bytes) -> _Call:
     request = _parse(responses_api.ResponsesRequest, raw)
     return _Call(_validate(ChatRequest, responses_api.to_chat(request)),
                  lambda body: responses_api.answer(body, request), lambda body: responses_api.events(body, request),
-                 responses_api.error_event)
+                 lambda detail, _status: responses_api.failed_events(detail, request))
 
 
 def _messages_wire(raw: bytes) -> _Call:
@@ -358,7 +364,7 @@ def _payload(model: str, outcome: ChatOutcome) -> dict[str, Any]:
     return completion(
         model=model, content=outcome.content, finish_reason=outcome.finish_reason,
         prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens, rein=outcome.rein,
-        tool_calls=outcome.tool_calls,
+        tool_calls=outcome.tool_calls, stop_sequence=outcome.stop_sequence, reasoning=outcome.reasoning,
     )
 
 
@@ -378,7 +384,7 @@ async def _heartbeats(running: asyncio.Future[ChatOutcome], model: str, every_s:
     detail = error.detail() if isinstance(error, ReinError) else {"error": "internal", "message": type(error).__name__}
     if not isinstance(error, ReinError):
         _log.error("unhandled_error", path="chat", error=f"{type(error).__name__}: {error}", exc_info=error)
-    yield call.error_frame(detail)
+    yield call.error_frame(detail, error.status if isinstance(error, ReinError) else 500)
 
 
 async def _rein_error(request: Request, exc: Exception) -> Response:
@@ -386,28 +392,43 @@ async def _rein_error(request: Request, exc: Exception) -> Response:
     if exc.status >= 500:
         _log.warning("request_failed", path=_route_label(request.url.path), status=exc.status, error=exc.code,
                      message=exc.message)
-    return JSONResponse(http_body(exc), status_code=exc.status)
+    return _error(request.url.path, exc)
+
+
+_OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/models"})
+
+
+def _error(path: str, error: ReinError, status: int | None = None) -> JSONResponse:
+    """``error`` as the route at ``path`` answers one: in its wire's shape, rein's detail under ``detail``."""
+    status = status or error.status
+    route = _route_label(path)
+    if route == "/v1/messages":
+        body = messages_api.error_body(error.detail(), status)
+    elif route in _OPENAI_ROUTES:
+        body = openai_error_body(error.detail(), status)
+    else:
+        body = http_body(error)
+    return JSONResponse(body, status_code=status)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         fields = [{"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]} for err in exc.errors()]
-        return JSONResponse(http_body(InvalidRequest("invalid request", fields=fields)), status_code=422)
+        return _error(request.url.path, InvalidRequest("invalid request", fields=fields))
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         _log.error("unhandled_error", path=_route_label(request.url.path), error=f"{type(exc).__name__}: {exc}",
                    exc_info=exc)
-        return JSONResponse(http_body(ReinError(f"internal error: {type(exc).__name__}")), status_code=500)
+        return _error(request.url.path, ReinError(f"internal error: {type(exc).__name__}"), 500)
 
     app.add_exception_handler(ReinError, _rein_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, unexpected)
 
 
-def _too_large(max_bytes: int) -> Response:
-    error = PayloadTooLarge(f"request body exceeds {max_bytes} bytes", max_bytes=max_bytes)
-    return JSONResponse(http_body(error), status_code=error.status)
+def _too_large(max_bytes: int, path: str) -> Response:
+    return _error(path, PayloadTooLarge(f"request body exceeds {max_bytes} bytes", max_bytes=max_bytes))
 
 
 _ROUTES = frozenset({

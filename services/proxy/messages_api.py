@@ -9,13 +9,17 @@ the one session machine and transcript. The mapping:
   blocks: ``text``; an assistant's ``tool_use`` blocks are its ``tool_calls`` (``input`` as the JSON
   arguments: an echoed answer continues token-exact); a user's ``tool_result`` blocks are ``tool``
   messages, before the user's own text.
-- ``tools`` (``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``, ``none``; ``any``
-  and ``tool`` are refused as on the chat route: forcing a call needs constrained decoding;
+- ``tools`` (``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``, ``none``, ``any`` and
+  ``tool``: the chat route's ``required`` and named function, served by forcing the call's opener;
   ``disable_parallel_tool_use``), ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``,
   ``top_k`` and ``stream`` map one to one.
+- A reasoning model's thinking is a ``thinking`` block before the answer's text (``thinking`` enabled is
+  accepted: whether the model thinks is its template's); sent back in an assistant message, it is the
+  message's ``reasoning_content``, so the turn continues token-exact.
 - Refused with 400, never ignored: Anthropic's server tools (a ``type`` other than ``custom``), image,
-  document and thinking blocks, and ``thinking`` enabled (the proxy serves no reasoning mode).
-- ``stop_reason``: ``tool_use`` for calls, ``max_tokens`` when cut, else ``end_turn``.
+  document and ``redacted_thinking`` blocks.
+- ``stop_reason``: ``tool_use`` for calls, ``max_tokens`` when cut, ``stop_sequence`` (with the matched
+  ``stop_sequence``) when the reply ended at one of ``stop_sequences``, else ``end_turn``.
 """
 
 from __future__ import annotations
@@ -26,16 +30,29 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.proxy.fields import ANTHROPIC_HARMLESS, refused_fields
 from shared.errors import UnsupportedContent, UnsupportedParameter
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 """A chat completion's finish reason -> Anthropic's ``stop_reason`` (anything else: ``end_turn``)."""
 
 
-class MessagesRequest(BaseModel):
-    """The fields the adapter reads; the rest (``metadata``, ...) are accepted and ignored."""
+REFUSED = {
+    "container": "no code-execution container is served",
+    "mcp_servers": "no MCP servers are served: offer their tools as tools",
+    "context_management": "the proxy does not edit a context",
+    "output_config": "structured output and effort are not served",
+    "speed": "not served",
+    "diagnostics": "not served",
+}
+"""Messages fields the proxy knows and cannot honour, refused whenever they are set."""
 
-    model_config = ConfigDict(extra="ignore")
+
+class MessagesRequest(BaseModel):
+    """The fields the adapter reads; every other one is harmless
+    (:data:`~services.proxy.fields.ANTHROPIC_HARMLESS`) or refused by name."""
+
+    model_config = ConfigDict(extra="allow")
     model: str = ""
     messages: list[dict[str, Any]] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
@@ -52,9 +69,9 @@ class MessagesRequest(BaseModel):
 
 def to_chat(body: MessagesRequest) -> dict[str, Any]:
     """The chat-completions request (as JSON data) that asks for the same turn."""
-    refused: dict[str, str] = {}
-    if body.thinking and body.thinking.get("type") != "disabled":
-        refused["thinking"] = "the proxy serves no reasoning mode"
+    refused: dict[str, str] = refused_fields(body.model_extra, ANTHROPIC_HARMLESS, REFUSED)
+    if body.thinking and body.thinking.get("type") not in ("enabled", "adaptive", "disabled"):
+        refused["thinking"] = f"unknown thinking type {body.thinking.get('type')!r}"
     tools: list[dict[str, Any]] = []
     for i, tool in enumerate(body.tools or ()):
         if tool.get("type", "custom") != "custom":
@@ -93,12 +110,15 @@ def _message(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
         return [{"role": role, "content": content or ""}]
     blocks = content if isinstance(content, list) else [content]
     texts: list[str] = []
+    thinking: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+        elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+            thinking.append(block["thinking"])
         elif kind == "tool_use" and role == "assistant":
             calls.append({"id": block.get("id", ""), "type": "function", "function": {
                 "name": block.get("name", ""), "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
@@ -111,6 +131,8 @@ def _message(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
                                      field=f"{where}.{j}", part_type=kind)
     if role == "assistant":
         out: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts or not calls else None}
+        if thinking:
+            out["reasoning_content"] = "\n".join(thinking)
         if calls:
             out["tool_calls"] = calls
         return [out]
@@ -135,15 +157,20 @@ def answer(chat: dict[str, Any]) -> dict[str, Any]:
     """The ``message`` for a finished ``chat.completion`` body (its ``rein`` field carried over)."""
     choice = chat["choices"][0]
     content: list[dict[str, Any]] = []
+    if choice["message"].get("reasoning_content") is not None:  # no signature: nothing to verify it by
+        content.append({"type": "thinking", "thinking": choice["message"]["reasoning_content"], "signature": ""})
     if choice["message"].get("content"):
         content.append({"type": "text", "text": choice["message"]["content"]})
     for call in choice["message"].get("tool_calls", ()):
         content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                         "input": json.loads(call["function"]["arguments"] or "{}")})
+    stop_sequence = choice.get("stop_reason") if choice["finish_reason"] == "stop" else None
+    stop_reason = "stop_sequence" if isinstance(stop_sequence, str) else STOP_REASONS.get(choice["finish_reason"],
+                                                                                          "end_turn")
     body: dict[str, Any] = {
         "id": chat["id"].replace("chatcmpl", "msg", 1), "type": "message", "role": "assistant",
-        "model": chat["model"], "content": content,
-        "stop_reason": STOP_REASONS.get(choice["finish_reason"], "end_turn"), "stop_sequence": None,
+        "model": chat["model"], "content": content, "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence if isinstance(stop_sequence, str) else None,
         "usage": {"input_tokens": chat["usage"]["prompt_tokens"], "output_tokens": chat["usage"]["completion_tokens"]},
     }
     if "rein" in chat:
@@ -166,18 +193,38 @@ def events(chat: dict[str, Any]) -> Iterator[str]:
         if block["type"] == "text":
             yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
             yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": block["text"]})
+        elif block["type"] == "thinking":
+            yield event("content_block_start", index=index,
+                        content_block={"type": "thinking", "thinking": "", "signature": ""})
+            yield event("content_block_delta", index=index,
+                        delta={"type": "thinking_delta", "thinking": block["thinking"]})
         else:
             yield event("content_block_start", index=index, content_block={**block, "input": {}})
             yield event("content_block_delta", index=index,
                         delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
         yield event("content_block_stop", index=index)
-    yield event("message_delta", delta={"stop_reason": final["stop_reason"], "stop_sequence": None},
+    yield event("message_delta", delta={"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]},
                 usage={"output_tokens": usage["output_tokens"]})
     yield event("message_stop")
 
 
-def error_event(detail: dict[str, Any]) -> str:
+def error_type(status: int) -> str:
+    """Anthropic's ``error.type`` for an HTTP status (its error codes page); a prompt too long is a 400."""
+    if status == 503:
+        return "overloaded_error"
+    if status >= 500:
+        return "api_error"
+    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            413: "request_too_large", 429: "rate_limit_error"}.get(status, "invalid_request_error")
+
+
+def error_body(detail: dict[str, Any], status: int) -> dict[str, Any]:
+    """An error in Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, with rein's own body
+    under ``detail`` beside ``error`` and inside it (the anthropic client keeps only ``error`` as the body)."""
+    return {"type": "error", "error": {"type": error_type(status), "message": str(detail.get("message", "")),
+                                       "detail": detail}, "detail": detail}
+
+
+def error_event(detail: dict[str, Any], status: int) -> str:
     """A failure after the stream began, as the Messages API streams one (rein's detail under ``detail``)."""
-    payload = {"type": "error", "error": {"type": detail.get("error"), "message": detail.get("message", "")},
-               "detail": detail}
-    return f"event: error\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return f"event: error\ndata: {json.dumps(error_body(detail, status), separators=(',', ':'))}\n\n"

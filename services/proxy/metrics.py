@@ -19,9 +19,16 @@ class ProxyMetrics:
             "Segments started, by reason: first (a session's first), else why the call could not extend the "
             "last segment token-exact and re-tokenized its whole history", ("reason",),
         )
+        self.kept_rewrites = metrics.counter(
+            registry, "proxy/kept_rewritten_history",
+            "Calls whose chat template rewrote the session's earlier turns (Qwen3 drops earlier thinking) that kept "
+            "the segment (REIN_REWRITTEN_HISTORY=keep): the engine saw its own ids; with follow they are "
+            "new_segments{reason=template_mismatch}",
+        )
         self.tool_call_replies = metrics.counter(
             registry, "proxy/tool_call_replies",
-            "Replies with tool-call markup: calls (parsed into tool_calls) or malformed (answered as content)",
+            "Replies with tool-call markup: calls (parsed into tool_calls), malformed (answered as content) or "
+            "empty (an empty list of calls: the model's own \"no call\", answered as the text around it)",
             ("outcome",),
         )
         self.tokens = metrics.counter(registry, "proxy/generated_tokens", "Output tokens received from engines")

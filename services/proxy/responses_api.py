@@ -8,8 +8,9 @@ recorded ids whichever wire an agent speaks. The mapping:
 - ``instructions`` is a leading system message; ``input`` is a user message (a string) or a list of
   items: messages (roles ``user``, ``system``, ``developer`` as system, ``assistant``; text parts
   ``input_text`` / ``output_text``), ``function_call`` items (folded into the assistant message before
-  them, as its ``tool_calls``, so an echoed answer continues token-exact) and ``function_call_output``
-  items (``tool`` messages).
+  them, as its ``tool_calls``, so an echoed answer continues token-exact), ``function_call_output``
+  items (``tool`` messages) and ``reasoning`` items (the thinking of the assistant message after them,
+  its ``reasoning_content``; a reasoning model's answer carries one before its message).
 - ``tools`` of type ``function`` (flat: ``name``, ``description``, ``parameters``), ``tool_choice``,
   ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p`` and ``stream`` map one to one.
 - Refused with 400, never ignored: ``previous_response_id`` and ``conversation`` (the proxy keeps no
@@ -21,21 +22,38 @@ recorded ids whichever wire an agent speaks. The mapping:
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.proxy.fields import OPENAI_HARMLESS, refused_fields
+from services.proxy.openai_api import OPENAI_CODES
 from shared.errors import UnsupportedContent, UnsupportedParameter
 from shared.schemas import new_id
 
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
-class ResponsesRequest(BaseModel):
-    """The fields the adapter reads; the rest are accepted and ignored as on the chat route."""
+REFUSED = {
+    "prompt": "no stored prompt templates are served: send instructions and input",
+    "background": "no background responses are served",
+    "background_options": "no background responses are served",
+    "context_management": "the proxy does not compact a context",
+    "max_tool_calls": "the proxy does not cap a response's tool calls",
+    "moderation": "no moderation is served",
+    "image": "this proxy serves a text model",
+    "access_programs": "not served",
+}
+"""Responses fields the proxy knows and cannot honour, refused whenever they are set."""
 
-    model_config = ConfigDict(extra="ignore")
+
+class ResponsesRequest(BaseModel):
+    """The fields the adapter reads; every other one is harmless (:data:`~services.proxy.fields.OPENAI_HARMLESS`)
+    or refused by name."""
+
+    model_config = ConfigDict(extra="allow")
     model: str = ""
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -49,6 +67,11 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    """``effort`` cannot be honoured (refused when set); ``summary`` is harmless."""
+    truncation: str | None = None
+    """``disabled`` (the default) is what the proxy does; ``auto`` (drop input to fit) is refused."""
+    top_logprobs: int | None = None
 
 
 def to_chat(body: ResponsesRequest) -> dict[str, Any]:
@@ -61,6 +84,15 @@ def to_chat(body: ResponsesRequest) -> dict[str, Any]:
         "text.format": "structured output needs constrained decoding"
         if text_format is not None and not (isinstance(text_format, dict) and text_format.get("type", "text") == "text")
         else None,
+        "text.verbosity": "the served model's length is not steered by a verbosity"
+        if (body.text or {}).get("verbosity") is not None else None,
+        "reasoning.effort": "the served model's reasoning is not steered by an effort"
+        if (body.reasoning or {}).get("effort") is not None else None,
+        "truncation": "the proxy never drops input to fit: a prompt too long is context_length_exceeded"
+        if body.truncation not in (None, "disabled") else None,
+        "top_logprobs": "not answered; the response's rein field carries the sampled ids" if body.top_logprobs
+        else None,
+        **refused_fields(body.model_extra, OPENAI_HARMLESS, REFUSED),
     }
     tools: list[dict[str, Any]] = []
     for i, tool in enumerate(body.tools or ()):
@@ -89,19 +121,27 @@ def to_chat(body: ResponsesRequest) -> dict[str, Any]:
 
 def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    thinking: str | None = None
+    """A reasoning item's text, for the assistant message it comes before."""
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
             role = {"developer": "system"}.get(item.get("role", ""), item.get("role", ""))
             out.append({"role": role, "content": _text(item.get("content"), f"input.{i}.content")})
+            if role == "assistant" and thinking is not None:
+                out[-1]["reasoning_content"], thinking = thinking, None
+        elif kind == "reasoning":
+            thinking = _reasoning_text(item, f"input.{i}")
         elif kind == "function_call":
             call = {"id": item.get("call_id", ""), "type": "function",
                     "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "")}}
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and thinking is None:
                 last.setdefault("tool_calls", []).append(call)  # the answer's calls follow its message item
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if thinking is not None:
+                    out[-1]["reasoning_content"], thinking = thinking, None
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
                         "content": _text(item.get("output"), f"input.{i}.output")})
@@ -109,6 +149,15 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise UnsupportedContent(f"input.{i}: an item of type {kind!r} is not supported; this proxy serves "
                                      "messages and function calls of a text model", field=f"input.{i}", part_type=kind)
     return out
+
+
+def _reasoning_text(item: dict[str, Any], field: str) -> str:
+    """A reasoning item's thinking: its ``reasoning_text`` parts (what the proxy answers), else its summary."""
+    if item.get("encrypted_content") and not item.get("content"):
+        raise UnsupportedContent(f"{field}: an encrypted reasoning item is not this proxy's: send back the "
+                                 "reasoning item it answered", field=field, part_type="reasoning")
+    parts = item.get("content") or item.get("summary") or []
+    return "\n".join(str(p.get("text", "")) for p in parts if isinstance(p, dict))
 
 
 def _text(content: Any, field: str) -> str | None:
@@ -137,6 +186,9 @@ def _cut(chat: dict[str, Any]) -> bool:
 def _output(chat: dict[str, Any]) -> list[dict[str, Any]]:
     message = chat["choices"][0]["message"]
     output: list[dict[str, Any]] = []
+    if message.get("reasoning_content") is not None:
+        output.append({"type": "reasoning", "id": new_id("rs"), "status": "completed", "summary": [],
+                       "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
     if message.get("content") or not message.get("tool_calls"):  # an empty reply is an empty message, echoed back
         output.append({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
                        "content": [{"type": "output_text", "text": message["content"] or "", "annotations": []}]})
@@ -179,7 +231,13 @@ def events(chat: dict[str, Any], request: ResponsesRequest) -> Iterator[str]:
     yield event("response.in_progress", response={**final, "status": "in_progress", "output": [], "usage": None})
     for index, item in enumerate(final["output"]):
         ids = {"item_id": item["id"], "output_index": index}
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            yield event("response.output_item.added", output_index=index,
+                        item={**item, "status": "in_progress", "content": []})
+            yield event("response.reasoning_text.delta", **ids, content_index=0, delta=text)
+            yield event("response.reasoning_text.done", **ids, content_index=0, text=text)
+        elif item["type"] == "message":
             part = item["content"][0]
             yield event("response.output_item.added", output_index=index,
                         item={**item, "status": "in_progress", "content": []})
@@ -196,8 +254,23 @@ def events(chat: dict[str, Any], request: ResponsesRequest) -> Iterator[str]:
     yield event(f"response.{final['status']}", response=final)
 
 
-def error_event(detail: dict[str, Any]) -> str:
-    """A failure after the stream began, as the Responses API streams one (rein's detail under ``detail``)."""
-    payload = {"type": "error", "sequence_number": 0, "code": detail.get("error"),
-               "message": detail.get("message", ""), "param": None, "detail": detail}
-    return f"event: error\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+def failed_events(detail: dict[str, Any], request: ResponsesRequest) -> str:
+    """A failure after the stream began (only keep-alive comments were sent), as the Responses API ends a
+    failed response: ``response.created``, then ``response.failed`` whose ``response.error`` holds the code
+    and message (rein's detail beside them, and under the event's ``detail``), so a client reads rein's error
+    where it reads OpenAI's, not a stream that ended without ``response.completed``."""
+    name = str(detail.get("error", ""))
+    response: dict[str, Any] = {
+        "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "model": request.model, "output": [], "error": None, "incomplete_details": None,
+        "instructions": request.instructions, "parallel_tool_calls": request.parallel_tool_calls is not False,
+        "tool_choice": request.tool_choice or "auto", "tools": request.tools or [], "temperature": request.temperature,
+        "top_p": request.top_p, "max_output_tokens": request.max_output_tokens, "usage": None,
+    }
+    failed = {**response, "status": "failed",
+              "error": {"code": OPENAI_CODES.get(name, name), "message": str(detail.get("message", "")),
+                        "detail": detail}}
+    events = [("response.created", {"response": response}), ("response.failed", {"response": failed, "detail": detail})]
+    return "".join(
+        f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': n, **data}, separators=(',', ':'))}\n\n"
+        for n, (kind, data) in enumerate(events))

@@ -45,7 +45,7 @@ from services.proxy.generation import (
 )
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.publisher import Ack, Publisher
-from services.proxy.session_machine import ChatOutcome, Step, ToolCalls, TurnPlan, VersionRules
+from services.proxy.session_machine import ChatOutcome, ForceCall, Step, ToolCalls, TurnPlan, VersionRules
 from services.proxy.sessions import Session, SessionStore
 from services.proxy.settings import ProxySettings
 from shared import log
@@ -88,7 +88,7 @@ class ProxyService:
         rules = VersionRules(partial_rollout=settings.partial_rollout, max_preempts=settings.max_preempts)
         tool_calls = None if settings.tool_call_parser == "auto" else ToolCallFormat(settings.tool_call_parser)
         self.sessions = SessionStore(settings.finalized_memory, clock, tokenizer=tokenizer, rules=rules,
-                                     tool_calls=tool_calls)
+                                     tool_calls=tool_calls, rewritten_history=settings.rewritten_history)
         self._stop_ids = tuple(sorted(tokenizer.stop_ids))
         """The model's EOS and end-of-turn ids, sent on every ``/generate``: an engine that knows only its
         EOS (SGLang reads the model's config) would run past an end of turn that is not the EOS."""
@@ -111,6 +111,7 @@ class ProxyService:
         sampling: Sampling,
         soft_reject: bool,
         calls: ToolCalls = "all",
+        force: ForceCall | None = None,
     ) -> ChatOutcome:
         """Acquire the session, plan the turn, generate (submitting each chunk), answer.
 
@@ -121,7 +122,7 @@ class ProxyService:
         self.metrics.sessions.set(len(self.sessions))
         try:
             self._look(session)
-            plan = session.begin(messages, ids.turn_id, tools)
+            plan = session.begin(messages, ids.turn_id, tools, force)
             engine = self.engines.route(session)
             request = self._request(plan, await engine.window(), ids, budget, sampling)
             gen = await generate_preemptible(
@@ -133,8 +134,8 @@ class ProxyService:
                 on_chunk=lambda outcome: self._on_chunk(session, engine, plan, outcome),
             )
             outcome = session.complete(gen, stop=sampling.stop, calls=calls)
-            if outcome.tool_calls or outcome.malformed_calls:
-                self.metrics.tool_call_replies.labels(outcome="calls" if outcome.tool_calls else "malformed").inc()
+            if outcome.call_markup is not None:
+                self.metrics.tool_call_replies.labels(outcome=outcome.call_markup).inc()
             return outcome
         except Exception as exc:
             if isinstance(exc, EngineUnavailable) and not isinstance(exc, EngineLost):
@@ -183,6 +184,8 @@ class ProxyService:
         rejection = session.chunk_sent()
         if plan.new_segment and outcome.chunk_index == 0:  # the segment exists from its first chunk on
             self._segment_opened(session, plan)
+        elif plan.kept_rewrite and outcome.chunk_index == 0:
+            self.metrics.kept_rewrites.inc()
         _raise(rejection)
 
     def _segment_opened(self, session: Session, plan: TurnPlan) -> None:

@@ -49,7 +49,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from services.proxy.transcript import Answer, Messages, NewSegmentReason, SegmentState, Tools, Transcript, TurnPlan
+from services.proxy.transcript import (
+    Answer,
+    Messages,
+    NewSegmentReason,
+    RewrittenHistory,
+    SegmentState,
+    Tools,
+    Transcript,
+    TurnPlan,
+)
 from shared.errors import (
     EngineLost,
     InvalidRequest,
@@ -61,18 +70,20 @@ from shared.errors import (
     SessionFinalized,
     SessionIdle,
     TrajectoryVersionChanged,
+    UnsupportedParameter,
 )
 from shared.model.base import ChatTokenizer
 from shared.model.tiny import TinyChatTokenizer
-from shared.model.tool_calls import ToolCallFormat, parse_reply
-from shared.schemas import Chunk, Record, SessionFinished, SessionRejected, new_id
+from shared.model.tool_calls import ParsedReply, ToolCallFormat, new_call_id, parse_reply
+from shared.schemas import Chunk, Record, SessionFinished, SessionRejected
 from shared.staleness import check_span
 from shared.versions import distinct_real, encode_runs
 
 if TYPE_CHECKING:
     from services.proxy.generation import ChunkOutcome, Generation
 
-__all__ = ["ChatOutcome", "NewSegmentReason", "SegmentState", "Session", "Step", "TurnPlan", "VersionRules"]
+__all__ = ["ChatOutcome", "ForceCall", "NewSegmentReason", "SegmentState", "Session", "Step", "TurnPlan",
+           "VersionRules"]
 
 
 @dataclass(frozen=True)
@@ -88,10 +99,24 @@ ToolCalls = Literal["all", "none", "first"]
 """Which tool calls of a reply an answer carries (the request's ``tool_choice`` and ``parallel_tool_calls``)."""
 
 
-def until_stop(text: str, stops: Sequence[str]) -> str:
-    """``text`` before the earliest of ``stops`` in it (all of it when none occurs)."""
-    found = [at for at in (text.find(s) for s in stops if s) if at != -1]
-    return text[: min(found)] if found else text
+@dataclass(frozen=True)
+class ForceCall:
+    """``tool_choice`` ``required`` (``name`` None) or a named function: the reply opens with a call.
+
+    Served without constrained decoding: the family's call opener (and the function's name) follows the
+    generation prompt as context the engine did not sample, never trained; everything after it is sampled
+    from the policy's own distribution, and the chunk's ``forced_ids`` say what was forced."""
+
+    name: str | None = None
+
+
+def until_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
+    """``text`` before the earliest of ``stops`` in it (all of it when none occurs), and that stop string."""
+    found = [(at, -len(s), s) for s in stops if s and (at := text.find(s)) != -1]
+    if not found:
+        return text, None
+    at, _, stop = min(found)  # the earliest; at one position, the longest
+    return text[:at], stop
 
 
 @dataclass(frozen=True)
@@ -106,8 +131,13 @@ class ChatOutcome:
     soft_rejected: bool = False
     tool_calls: tuple[dict[str, Any], ...] = ()
     """OpenAI ``tool_calls`` parsed from the reply (then ``finish_reason`` is ``tool_calls``)."""
-    malformed_calls: bool = False
-    """The reply had the model's call markup but it did not parse (answered as content)."""
+    stop_sequence: str | None = None
+    """The request's ``stop`` string the reply ended at (left out of the content), if one."""
+    reasoning: str | None = None
+    """A reasoning model's thinking (``<think>…</think>``), answered apart from the content; None without."""
+    call_markup: Literal["calls", "malformed", "empty"] | None = None
+    """What the reply's call markup was, if it had any: parsed ``calls``, ``malformed`` (answered whole as
+    content), or ``empty`` (an empty list of calls, the model's own "no call": answered as the text around it)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +177,8 @@ class Session(Transcript):
     rules: VersionRules = field(default_factory=VersionRules)
     tool_calls: ToolCallFormat = ToolCallFormat.NONE
     """How replies are parsed into tool calls (the proxy's ``REIN_TOOL_CALL_PARSER``, or the model's)."""
+    rewritten_history: RewrittenHistory = "keep"
+    """What a call gets when the chat template rewrote the earlier turns (``REIN_REWRITTEN_HISTORY``)."""
     segments: list[SegmentState] = field(default_factory=list)
     num_chunks: int = 0
     """Chunk records submitted for this session (the next chunk's ``seq``)."""
@@ -180,14 +212,23 @@ class Session(Transcript):
         """Chunks a rejection counts: all submitted ones, or those before the first lost one."""
         return self.num_chunks if self.lost is None else self.lost
 
-    def begin(self, messages: Messages, turn_id: str = "", tools: Tools = None) -> TurnPlan:
+    def begin(self, messages: Messages, turn_id: str = "", tools: Tools = None, force: ForceCall | None = None
+              ) -> TurnPlan:
         """Turn planned: the session is in a call until ``complete``, ``fail`` or ``cancel``.
-        Refused (``kafka_unavailable``, to be fed to ``fail``) once a chunk was lost."""
+        Refused (``kafka_unavailable``, to be fed to ``fail``) once a chunk was lost; 400 when ``force``
+        asks for a call the served family cannot open."""
         self._require("open")
         if self._lost_error is not None:
             raise self._lost_error
+        forced: list[int] = []
+        if force is not None:
+            opener = self.tokenizer.call_opener(self.tool_calls, force.name)
+            if opener is None:
+                why = f"the served model writes no tool calls the proxy parses ({self.tool_calls.value})"
+                raise UnsupportedParameter(f"tool_choice: {why}", fields=[{"field": "tool_choice", "message": why}])
+            forced = opener
         try:
-            plan = self.plan(messages, self.tokenizer, tools)
+            plan = self.plan(messages, self.tokenizer, tools, forced, self.rewritten_history)
         except ValueError as exc:  # UnrenderableMessages names the field
             field = getattr(exc, "field", "messages")
             raise InvalidRequest(str(exc), fields=[{"field": field, "message": str(exc)}]) from None
@@ -211,6 +252,7 @@ class Session(Transcript):
                 logprobs=list(out.logprobs), version=out.version, token_versions=encode_runs(out.token_versions),
                 finish_reason=out.finish_reason, rid=out.rid, engine=engine,
                 sampling=None if outcome.sampling is None else outcome.sampling.params(),
+                forced_ids=list(plan.forced) if outcome.chunk_index == 0 else [],
             )
         self._pending = outcome
         return () if record is None else (record,)
@@ -243,16 +285,23 @@ class Session(Transcript):
         up to the first of the request's ``stop`` strings (OpenAI leaves it out; the ids keep it), split
         into content and tool calls when the model ended its turn (a reply cut by its budget is content:
         its calls may be cut too). ``calls``: ``none`` (``tool_choice: none``) answers the text as
-        content, ``first`` (``parallel_tool_calls: false``) only the first call."""
+        content, ``first`` (``parallel_tool_calls: false``) only the first call. A reasoning model's
+        thinking (:mod:`shared.model.reasoning`) is answered apart, as ``reasoning``; the calls and the
+        content are read from the text after it."""
         plan = self._call()
-        text = self.tokenizer.decode(gen.output_ids)
-        shown = until_stop(text, stop) if gen.finish_reason == "stop" else text
+        text = self.tokenizer.decode([*plan.forced, *gen.output_ids])  # a forced opener is the reply's start
+        shown, matched = until_stop(text, stop) if gen.finish_reason == "stop" else (text, None)
+        thinking, shown = (None, shown) if self.tokenizer.reasoning is None else self.tokenizer.reasoning.split(shown)
+        if thinking is not None:
+            thinking, shown = thinking.strip(), shown.lstrip()
         parse = gen.finish_reason == "stop" and calls != "none"
         reply = parse_reply(shown, self.tool_calls) if parse else None
         found = reply.calls[:1] if reply is not None and calls == "first" else reply.calls if reply else ()
-        calls_out = tuple(c.openai(new_id("call")) for c in found)
-        content = reply.content if reply is not None and calls_out else shown
+        calls_out = tuple(c.openai(new_call_id(self.tool_calls)) for c in found)
+        content = reply.content if reply is not None and (calls_out or reply.empty) else shown
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if thinking is not None:
+            message["reasoning_content"] = thinking
         if calls_out:
             message["tool_calls"] = list(calls_out)
         self.answered(plan, Answer(message, text))
@@ -260,13 +309,14 @@ class Session(Transcript):
         rein = {
             "session_id": self.session_id, "engine": self.engine, "segment_index": plan.segment_index,
             "new_segment": plan.new_segment,
-            "output_ids": gen.output_ids, "versions": gen.versions,
+            "output_ids": gen.output_ids, "versions": gen.versions, "forced_ids": list(plan.forced),
             "chunks": [{"rid": c.output.rid, "version": c.output.version, "finish_reason": c.output.finish_reason,
                         "num_tokens": len(c.output.output_ids)} for c in gen.chunks],
         }
         return ChatOutcome(content=content, finish_reason="tool_calls" if calls_out else gen.finish_reason,
                            prompt_tokens=len(plan.prompt_ids), completion_tokens=len(gen.output_ids), rein=rein,
-                           tool_calls=calls_out, malformed_calls=reply is not None and reply.malformed)
+                           tool_calls=calls_out, call_markup=_markup(reply), stop_sequence=matched,
+                           reasoning=thinking)
 
     def fail(self, error: Exception, *, soft: bool = False) -> Step:
         """The call stopped on ``error``. A staleness rule rejects the session (softly when asked);
@@ -390,6 +440,12 @@ class Session(Transcript):
             "and partial rollout is off",
             previous_versions=recorded, new_versions=new, session_id=self.session_id,
         )
+
+
+def _markup(reply: ParsedReply | None) -> Literal["calls", "malformed", "empty"] | None:
+    if reply is None:
+        return None
+    return "calls" if reply.calls else "malformed" if reply.malformed else "empty" if reply.empty else None
 
 
 def _jsonable(value: Any) -> Any:

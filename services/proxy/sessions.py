@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from services.proxy.session_machine import Session, VersionRules
-from services.proxy.transcript import SegmentState, TurnPlan
+from services.proxy.transcript import RewrittenHistory, SegmentState, TurnPlan
 from shared.errors import BadRequest, SessionBusy, SessionFinalized, SessionNotFound
 from shared.model.base import ChatTokenizer
 from shared.model.tiny import TinyChatTokenizer
@@ -31,11 +31,12 @@ class SessionStore:
     def __init__(
         self, finalized_memory: int = 100_000, clock: Callable[[], float] = time.monotonic, *,
         tokenizer: ChatTokenizer | None = None, rules: VersionRules | None = None,
-        tool_calls: ToolCallFormat | None = None,
+        tool_calls: ToolCallFormat | None = None, rewritten_history: RewrittenHistory = "keep",
     ) -> None:
         self._tokenizer = tokenizer or TinyChatTokenizer()
         self._rules = rules or VersionRules()
         self._tool_calls = self._tokenizer.tool_call_format if tool_calls is None else tool_calls
+        self._rewritten_history: RewrittenHistory = rewritten_history
         self._live: dict[str, Session] = {}
         self._final: OrderedDict[str, str] = OrderedDict()
         self._memory = finalized_memory
@@ -54,7 +55,8 @@ class SessionStore:
         session = self._live.get(session_id)
         if session is None:
             session = Session(session_id=session_id, group_id=group_id, prompt_id=prompt_id, attempt=attempt,
-                              tokenizer=self._tokenizer, rules=self._rules, tool_calls=self._tool_calls)
+                              tokenizer=self._tokenizer, rules=self._rules, tool_calls=self._tool_calls,
+                              rewritten_history=self._rewritten_history)
             self._live[session_id] = session
         elif session.group_id != group_id:
             raise BadRequest(

@@ -14,6 +14,12 @@ parsed, perhaps with the arguments re-serialized: a message that echoes an answe
 (:meth:`Answer.echoed_by`) stands for the text that was sampled when the segment is continued,
 so the engine sees its own call text again, not the template's rendering of the parsed call.
 
+A chat template that rewrites history (Qwen3's drops earlier turns' thinking once a new user message
+arrives) cannot be continued that way: what it renders for the earlier turns is no longer what the engine
+saw. :data:`RewrittenHistory` says what happens then: ``keep`` the session one segment (the engine is given
+its own earlier ids verbatim and each new message's delta as the template renders it after them), or
+``follow`` the template (a new segment, ``template_mismatch``, its prompt the template's rewritten history).
+
 A new segment re-tokenizes the whole history, so each one carries a
 :data:`NewSegmentReason` (:func:`new_segment_reason`) that the proxy counts: an agent that
 keeps editing its history shows up there instead of silently losing token exactness.
@@ -38,6 +44,11 @@ if TYPE_CHECKING:
 Messages = Sequence[Mapping[str, Any]]
 """OpenAI chat messages as plain dicts (role, content, tool_calls, tool_call_id), passed to the template."""
 Tools = Sequence[Mapping[str, Any]] | None
+
+RewrittenHistory = Literal["keep", "follow"]
+"""What a call does when the chat template renders the session's earlier turns otherwise than the engine
+saw them (every other check of :func:`new_segment_reason` passed): ``keep`` the segment, or ``follow`` the
+template into a new one (docs/agents.md, "Templates that rewrite history")."""
 
 NewSegmentReason = Literal[
     "first", "publish_failed", "tools_changed", "history_diverged", "assistant_dropped", "assistant_edited",
@@ -70,11 +81,14 @@ class Answer:
 
     def echoed_by(self, message: Mapping[str, Any]) -> bool:
         """Whether ``message`` is this answer sent back: an assistant message with the same content (None
-        is empty) and the same calls, by name and arguments (as JSON values: re-serialized is the same)."""
+        is empty) and the same calls, by name and arguments (as JSON values: re-serialized is the same). Its
+        thinking (``reasoning_content``) may be left out, as most clients do; sent back, it is the same."""
+        thinking = message.get("reasoning_content")
         return (
             message.get("role") == "assistant"
             and (message.get("content") or "") == (self.message.get("content") or "")
             and _calls_key(message.get("tool_calls")) == _calls_key(self.message.get("tool_calls"))
+            and (thinking is None or thinking == self.message.get("reasoning_content"))
         )
 
 
@@ -117,7 +131,9 @@ class SegmentState:
     versions: list[str | None] = field(default_factory=list)
     """One entry per token: the normalised version for output tokens, None for context tokens."""
     turns: list[tuple[list[int], list[int]]] = field(default_factory=list)
-    """The same ids cut by call: (context ids, every id sampled in that call's chunks)."""
+    """The same ids cut by call: (context ids, every id sampled in that call's chunks). Ids the proxy forced
+    after the generation prompt (a call's opener, ``tool_choice``) count with the sampled ones here: they are
+    the assistant's text the answer stands for (their records keep them as context, never trained)."""
     open: bool = True
     """False once a call failed after publishing: the next call starts a new segment."""
     last_call: Call = field(default_factory=Call)
@@ -146,6 +162,11 @@ class TurnPlan:
     """Why a new segment (None when the call extends the current one)."""
     call: Call = field(default_factory=Call)
     """The call itself: the segment keeps it once the call records a chunk."""
+    forced: tuple[int, ...] = ()
+    """Ids the proxy appended after the generation prompt that the engine did not sample (the opener of a
+    call ``tool_choice`` asks for): the tail of ``context_ids``."""
+    kept_rewrite: bool = False
+    """The template rewrote the earlier turns and the segment was kept (``keep``): the engine sees its own ids."""
 
 
 def new_segment_reason(seg: SegmentState | None, call: Call) -> NewSegmentReason:
@@ -189,21 +210,30 @@ class Transcript:
         """Distinct real versions of every output token of every segment, in first-seen order."""
         return distinct_real(v for seg in self.segments for v in seg.versions)
 
-    def plan(self, messages: Messages, tokenizer: ChatTokenizer, tools: Tools = None) -> TurnPlan:
-        """How the call with ``messages`` extends the session (TITO) or starts a new segment.
+    def plan(
+        self, messages: Messages, tokenizer: ChatTokenizer, tools: Tools = None, forced: Sequence[int] = (),
+        rewritten: RewrittenHistory = "keep",
+    ) -> TurnPlan:
+        """How the call with ``messages`` extends the session (TITO) or starts a new segment; ``forced`` ids
+        follow the generation prompt; ``rewritten`` says what a template that rewrote the history gets.
 
         Raises ValueError for messages the chat template cannot render.
         """
-        seg, call = self.current, Call.of(messages, tools)
+        seg, call, forced = self.current, Call.of(messages, tools), tuple(forced)
         if seg is not None and seg.open and seg.turns:
-            delta = tokenizer.continue_chat(seg.turns, as_sampled(messages, seg.answers), tools=tools)
+            sampled, kept = as_sampled(messages, seg.answers), False
+            delta = tokenizer.continue_chat(seg.turns, sampled, tools=tools)
+            if delta is None and rewritten == "keep" and new_segment_reason(seg, call) == "template_mismatch":
+                delta = tokenizer.append_chat(seg.turns, sampled, len(seg.last_call.messages) + 1, tools=tools)
+                kept = delta is not None
             if delta is not None:
-                return TurnPlan(segment_index=seg.index, new_segment=False, context_ids=tuple(delta),
-                                prompt_ids=(*seg.token_ids, *delta), call=call)
-        template = tuple(tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools))
+                return TurnPlan(segment_index=seg.index, new_segment=False, context_ids=(*delta, *forced),
+                                prompt_ids=(*seg.token_ids, *delta, *forced), call=call, forced=forced,
+                                kept_rewrite=kept)
+        template = (*tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools), *forced)
         index = 0 if seg is None else seg.index + 1
         return TurnPlan(segment_index=index, new_segment=True, context_ids=template, prompt_ids=template,
-                        reason=new_segment_reason(seg, call), call=call)
+                        reason=new_segment_reason(seg, call), call=call, forced=forced)
 
     def record_chunk(
         self, plan: TurnPlan, context_ids: Sequence[int], output_ids: Sequence[int], versions: Sequence[str | None],
@@ -224,7 +254,8 @@ class Transcript:
         seg.token_ids.extend([*context_ids, *output_ids])
         seg.versions.extend([*([None] * len(context_ids)), *versions])
         if context_ids or not seg.turns:  # a call's first chunk: its context is never empty (a template
-            seg.turns.append((list(context_ids), list(output_ids)))  # or delta ends with the generation prompt)
+            cut = len(context_ids) - len(plan.forced)  # or delta ends with the generation prompt)
+            seg.turns.append((list(context_ids[:cut]), [*context_ids[cut:], *output_ids]))
             seg.last_call = plan.call
         else:  # a continuation chunk (after a preempt) samples on in the same turn
             seg.turns[-1][1].extend(output_ids)

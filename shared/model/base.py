@@ -17,6 +17,7 @@ from torch import nn
 
 from shared.checkpoint import CheckpointError
 from shared.checkpoint import digest as checkpoint_digest
+from shared.model.reasoning import Reasoning
 from shared.model.tool_calls import ToolCallFormat
 
 __all__ = [
@@ -61,6 +62,12 @@ class ChatTokenizer(Protocol):
         """How the model writes tool calls, as its chat template shows (:mod:`shared.model.tool_calls`)."""
         ...
 
+    @property
+    def reasoning(self) -> Reasoning | None:
+        """How the model marks its thinking, as its chat template shows (:mod:`shared.model.reasoning`);
+        None for a model that does not think aloud."""
+        ...
+
     def encode_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -91,6 +98,29 @@ class ChatTokenizer(Protocol):
         None (the agent edited or dropped history, or the template now renders the earlier messages
         differently) means: start over with :meth:`encode_chat`. Raises as :meth:`encode_chat` does.
         """
+        ...
+
+    def append_chat(
+        self,
+        turns: Sequence[Turn],
+        messages: Sequence[Mapping[str, Any]],
+        new_from: int,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int] | None:
+        """The ids of ``messages[new_from:]`` and the generation prompt as the template renders them after the
+        earlier messages, to append to ``turns`` whatever the template now renders for those (a template that
+        rewrites history, as Qwen3's drops earlier turns' thinking): the engine keeps seeing its own ids
+        verbatim. The delta starts where the last turn ends (after its end-of-turn marker when its sampled
+        ids end with a stop id, at the marker otherwise). None when the new messages' rendering cannot be
+        told apart. Raises as :meth:`encode_chat` does."""
+        ...
+
+    def call_opener(self, fmt: ToolCallFormat, name: str | None = None) -> list[int] | None:
+        """Ids that open a tool call in ``fmt`` as this family writes it (:func:`~shared.model.tool_calls.call_opener`;
+        with ``name``, that function's call up to its arguments), to be appended after the generation prompt
+        as context the engine did not sample; None when the family writes no calls in ``fmt``. A special
+        token spelled in ``name`` is text."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str:

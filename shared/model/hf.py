@@ -32,8 +32,9 @@ from transformers.utils import logging as hf_logging
 from shared.checkpoint import CheckpointError
 from shared.durable import fsync_path, fsync_tree
 from shared.model.base import ChatTokenizer, Loaded, ModelError, Turn, UnrenderableMessages, state_digest
-from shared.model.literals import Literals, Spellings, strings_in
-from shared.model.tool_calls import ToolCallFormat, detect_format
+from shared.model.literals import PRIVATE_USE, Literals, Spellings, strings_in
+from shared.model.reasoning import Reasoning, detect_reasoning
+from shared.model.tool_calls import ToolCallFormat, call_opener, detect_format
 
 hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # services log JSON lines; tqdm bars on every load are noise
 
@@ -124,6 +125,8 @@ class HFChatTokenizer:
         self._template = template
         self.template_knows_tools = "tool_calls" in template
         self._tool_call_format = detect_format(template)
+        self._reasoning = detect_reasoning(template)
+        self._template_reads_reasoning = "reasoning_content" in template
         added = tokenizer.added_tokens_decoder
         self._spellings = {i: t.content for i, t in added.items()}
         """Added ids and their spellings: what the tokenizer parses as one token wherever it reads it."""
@@ -168,6 +171,10 @@ class HFChatTokenizer:
     def tool_call_format(self) -> ToolCallFormat:
         return self._tool_call_format
 
+    @property
+    def reasoning(self) -> Reasoning | None:
+        return self._reasoning
+
     def _plain(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         out = []
         for i, message in enumerate(messages):
@@ -175,6 +182,8 @@ class HFChatTokenizer:
                 raise UnrenderableMessages(f"message {i} lacks field 'role'", f"messages.{i}.role")
             plain: dict[str, Any] = dict(message)
             plain["content"] = _text_of(message.get("content"))
+            if plain.get("role") == "assistant" and self._reasoning is not None and self._template_reads_reasoning:
+                self._split_reasoning(plain)
             calls = message.get("tool_calls")
             if calls and not self.template_knows_tools:
                 texts = [_tool_call_text(c) for c in calls if isinstance(c, Mapping)]
@@ -184,6 +193,18 @@ class HFChatTokenizer:
                 plain["tool_calls"] = [_with_parsed_arguments(c) for c in calls if isinstance(c, Mapping)]
             out.append(plain)
         return out
+
+    def _split_reasoning(self, plain: dict[str, Any]) -> None:
+        """An assistant's thinking as the template's ``reasoning_content`` (given, or split off the content's
+        ``<think>…</think>``): a template like Qwen3's splits the content itself, but the content's markers
+        are hidden from it (:mod:`shared.model.literals`), so the split is made here, where it still sees them."""
+        assert self._reasoning is not None
+        if plain.get("reasoning_content") is None:
+            thinking, answer = self._reasoning.split(plain["content"])
+            if thinking is not None and self._reasoning.end in plain["content"]:
+                plain["reasoning_content"], plain["content"] = thinking, answer
+        elif not isinstance(plain["reasoning_content"], str):
+            plain["reasoning_content"] = _text_of(plain["reasoning_content"])
 
     def render_chat(
         self,
@@ -212,6 +233,42 @@ class HFChatTokenizer:
         literals = self._literals(plain, tools)
         return self._encode_marked(self._render(plain, tools, literals, add_generation_prompt=add_generation_prompt),
                                    literals)
+
+    def append_chat(
+        self,
+        turns: Sequence[Turn],
+        messages: Sequence[Mapping[str, Any]],
+        new_from: int,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int] | None:
+        """Found with a sentinel: the first new message's content is marked with a private-use character no
+        string holds, the whole conversation rendered, and the delta runs from the last end-of-turn marker
+        before the mark (the end of the turn before the new messages) to the end, the mark left out."""
+        if not turns or not 0 < new_from < len(messages):
+            return None
+        plain = self._plain(messages)
+        used = set().union(*strings_in(plain), *strings_in(tools), self._template)
+        mark = next(chr(c) for block in PRIVATE_USE for c in block if chr(c) not in used)
+        plain[new_from] = {**plain[new_from], "content": mark + plain[new_from]["content"]}
+        literals = self._literals(plain, tools)
+        full = self._render(plain, tools, literals, add_generation_prompt=True)
+        at = full.find(mark)
+        if at < 0 or full.count(mark) != 1:
+            return None
+        pos, end = max(((full.rfind(t, 0, at), t) for t in self._stop_texts), default=(-1, ""))
+        if pos < 0:
+            return None
+        sampled = turns[-1][1]
+        start = pos + len(end) if sampled and sampled[-1] in self._stop_ids else pos
+        return self._encode_marked(full[start:at] + full[at + 1:], literals)
+
+    def call_opener(self, fmt: ToolCallFormat, name: str | None = None) -> list[int] | None:
+        """The convention's opener (SmolLM2's array form where rein's tools prompt asked for it), its markers as
+        the template's ids (``<tool_call>`` is one added token in Qwen-family tokenizers) and ``name`` as text."""
+        literals = Literals(self._special, [name or ""], [self._template])
+        text = call_opener(fmt, None if name is None else literals.hide(name), array=not self.template_knows_tools)
+        return None if text is None else self._encode_marked(text, literals)
 
     def continue_chat(
         self,

@@ -12,6 +12,7 @@ from torch import nn
 
 from shared import checkpoint
 from shared.model.base import ChatTokenizer, Loaded, Turn, UnrenderableMessages
+from shared.model.reasoning import Reasoning
 from shared.model.tool_calls import ToolCallFormat
 from shared.policy import PolicyConfig, TinyPolicy, init_policy
 from shared.tokenizer import ROLE_TOKENS, TOKENIZER, Tokenizer
@@ -43,6 +44,11 @@ class TinyChatTokenizer:
     def tool_call_format(self) -> ToolCallFormat:
         """The tiny policy writes no tool calls."""
         return ToolCallFormat.NONE
+
+    @property
+    def reasoning(self) -> Reasoning | None:
+        """The tiny policy does not think aloud."""
+        return None
 
     def encode_chat(
         self,
@@ -89,6 +95,22 @@ class TinyChatTokenizer:
         stopped = bool(sampled) and sampled[-1] == end
         words = [i for i in sampled if not self.inner.is_special(i)]
         return [*words, end] if stopped else words
+
+    def append_chat(
+        self,
+        turns: Sequence[Turn],
+        messages: Sequence[Mapping[str, Any]],
+        new_from: int,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int] | None:
+        """The tiny template never rewrites history: whatever :meth:`continue_chat` could not continue, this
+        cannot either."""
+        return None
+
+    def call_opener(self, fmt: ToolCallFormat, name: str | None = None) -> list[int] | None:
+        """The tiny policy writes no calls: nothing can open one."""
+        return None
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.inner.decode(ids)

@@ -16,6 +16,9 @@ small open models are trained on:
 A call is ``{"name": str, "arguments" | "parameters": object}`` (a JSON string of an object is
 taken too). A reply whose call markup does not parse, or holds anything but such calls, is
 returned whole as content with no calls: the model's mistake is training data, never an error.
+An empty list of calls (``<tool_call>[]</tool_call>``, what SmolLM2's tools prompt asks for when no
+call is needed; ``[TOOL_CALLS][]``) is the model's own "no call": an answer without calls, its text
+around the markup the content.
 
 Why not a library: ``transformers``' ``parse_response`` (5.x) parses these forms from a declarative
 response template, but rein would write one per family anyway (a tokenizer converted from GGUF
@@ -30,6 +33,8 @@ import ast
 import enum
 import json
 import re
+import secrets
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +70,8 @@ class ParsedReply:
     calls: tuple[ToolCall, ...] = ()
     malformed: bool = False
     """The reply has the convention's call markup, but it does not parse into calls (then it is all content)."""
+    empty: bool = False
+    """The markup held only empty lists of calls: the model said it calls nothing (not malformed)."""
 
 
 class _NotCalls(ValueError):
@@ -83,6 +90,38 @@ def detect_format(chat_template: str) -> ToolCallFormat:
     if "<|python_tag|>" in chat_template or "ipython" in chat_template:
         return ToolCallFormat.LLAMA3_JSON
     return ToolCallFormat.HERMES
+
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def new_call_id(fmt: ToolCallFormat) -> str:
+    """A fresh id for a parsed call, in the form the family's template takes back: Mistral's templates raise
+    unless an id is 9 alphanumerics (as vLLM's and SGLang's Mistral parsers make them); others take
+    OpenAI's ``call_`` and 24 alphanumerics."""
+    if fmt is ToolCallFormat.MISTRAL:
+        return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+    return "call_" + "".join(secrets.choice(_ALPHANUMERIC) for _ in range(24))
+
+
+def call_opener(fmt: ToolCallFormat, name: str | None = None, *, array: bool = False) -> str | None:
+    """The text that opens a call in ``fmt`` (the function's name and the start of its arguments too when
+    ``name`` is given): what the proxy appends after the generation prompt to serve ``tool_choice``
+    ``required`` or a named function without constrained decoding. ``array``: the hermes form as a JSON
+    array inside one tag (SmolLM2's tools prompt). None where ``fmt`` writes no calls."""
+    quoted = json.dumps(name, ensure_ascii=False) if name is not None else ""
+    if fmt is ToolCallFormat.HERMES:
+        if name is None:
+            return "<tool_call>"
+        return f'<tool_call>[\n{{"name": {quoted}, "arguments": ' if array else \
+            f'<tool_call>\n{{"name": {quoted}, "arguments": '
+    if fmt is ToolCallFormat.MISTRAL:
+        return "[TOOL_CALLS]" if name is None else f'[TOOL_CALLS][{{"name": {quoted}, "arguments": '
+    if fmt is ToolCallFormat.LLAMA3_JSON:
+        return '{"name": "' if name is None else f'{{"name": {quoted}, "parameters": '
+    if fmt is ToolCallFormat.PYTHONIC:
+        return "[" if name is None else f"[{name}("
+    return None
 
 
 def parse_reply(text: str, fmt: ToolCallFormat) -> ParsedReply:
@@ -113,13 +152,14 @@ def _hermes(text: str) -> ParsedReply:
     for match in _HERMES.finditer(text):
         rest.append(text[pos : match.start()])
         body = json.loads(match.group(1))
-        calls.extend(_calls(body if isinstance(body, list) else [body]))
+        if body != []:  # SmolLM2's "no call"
+            calls.extend(_calls(body if isinstance(body, list) else [body]))
         pos = match.end()
     rest.append(text[pos:])
     content = "".join(rest)
     if "<tool_call>" in content or "</tool_call>" in content:
         raise _NotCalls("an unclosed or stray <tool_call> tag")
-    return ParsedReply(_joined(rest), tuple(calls))
+    return ParsedReply(_joined(rest), tuple(calls), empty=not calls)
 
 
 def _llama3_json(text: str) -> ParsedReply:
@@ -144,6 +184,8 @@ def _mistral(text: str) -> ParsedReply:
     if not marker:
         return ParsedReply(text)
     body = json.loads(tail)
+    if body == []:
+        return ParsedReply(head.strip(), empty=True)
     return ParsedReply(head.strip(), tuple(_calls(body if isinstance(body, list) else [body])))
 
 

@@ -24,7 +24,9 @@ import openai
 import pytest
 
 from services.collector.settings import CollectorSettings
-from shared.schemas import CompletedGroup, GroupDispatched
+from services.rollout.calculator import evaluate
+from shared.model.hf import HFChatTokenizer, HFFamily
+from shared.schemas import Chunk, CompletedGroup, GroupDispatched
 from tests.support.collector import Running, Source, Tail, make_settings
 from tests.support.proxy import ProxyFactory, proxy_factory
 from tests.support.scripted_agent import ANSWER_TEXT, QUESTION, Scripted, calculator, scripted
@@ -87,6 +89,50 @@ def test_langchain_bind_tools_round_trips_token_exact(scripted: Scripted) -> Non
     assert second.content == ANSWER_TEXT and not second.tool_calls  # type: ignore[attr-defined]
     chunks = scripted.assert_token_exact()
     assert {c.session_id for c in chunks} == {opened["session_id"]}, "the session's base URL named the session"
+
+
+def test_smolagents_tool_calling_agent_sends_required_and_gets_a_forced_call(
+    sglang: ScriptedServers, proxy_factory: ProxyFactory, tiny_llama_dir: Path,
+) -> None:
+    """smolagents' ``ToolCallingAgent`` sends ``tool_choice: "required"`` on every call (its
+    ``ApiModel._prepare_completion_kwargs`` default) and ends only through its ``final_answer`` tool. The
+    proxy serves it: the family's opener (``<tool_call>`` for SmolLM2) follows the generation prompt as
+    context the engine did not sample, and the sampled rest is each call."""
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+
+    tok = HFFamily(tiny_llama_dir).tokenizer
+    assert isinstance(tok, HFChatTokenizer)
+    end = tok.inner.convert_tokens_to_ids("<|im_end|>")
+    replies = ['[\n{"name": "calculator", "arguments": {"expression": "417 * 38"}}\n]</tool_call>',
+               '[\n{"name": "final_answer", "arguments": {"answer": "15846"}}\n]</tool_call>']
+    script = [[*tok.inner.encode(text, add_special_tokens=False), end] for text in replies]
+    engine, url = sglang(max_req_input_len=4000, token_delay_s=0.0, script=[list(s) for s in script])
+    proxy = proxy_factory([url], model=str(tiny_llama_dir))
+    opened = proxy.open(f"g-{uuid.uuid4().hex}", prompt_id="p-417")
+
+    @tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression of integers with + - * / and parentheses.
+
+        Args:
+            expression: the expression, e.g. "2 * 3".
+        """
+        return str(evaluate(expression))
+
+    model = OpenAIServerModel(model_id="m", api_base=opened["base_url"], api_key="unused",
+                              client_kwargs={"max_retries": 0, "timeout": 60})
+    agent = ToolCallingAgent(tools=[calculator], model=model, max_steps=3, verbosity_level=-1)
+    assert str(agent.run(QUESTION)) == "15846"
+    opener = tok.call_opener(tok.tool_call_format)
+    assert opener is not None and tok._text(opener) == "<tool_call>"
+    assert len(engine.generate_bodies) == 2
+    assert all(body["input_ids"][-len(opener):] == opener for body in engine.generate_bodies), "forced, every call"
+    chunks = [r for r in proxy.records("chunks", 2) if isinstance(r, Chunk)]
+    assert [c.output_ids for c in chunks] == script, "the engine's ids, verbatim: only these are trained"
+    assert [c.forced_ids for c in chunks] == [opener, opener], "the record says what was forced"
+    # smolagents sends its calls back as text ("Calling tools:\n[...]") and the results as user turns: an edited
+    # history, so each call starts a segment of its own (docs/agents.md)
+    assert [c.segment_index for c in chunks] == [0, 1]
 
 
 @pytest.fixture

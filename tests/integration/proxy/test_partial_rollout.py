@@ -147,7 +147,9 @@ def test_max_preempts_1_rejects_third_version_before_generating(engine: Engine, 
     expected = check_span([a, b], [c], 1, sid)
     assert expected is not None
     assert info.value.status_code == 502
-    assert info.value.response.json() == {"detail": expected.detail()}
+    body = info.value.response.json()
+    assert body["detail"] == expected.detail(), "DESIGN's body, beside OpenAI's error object"
+    assert body["error"]["code"] == "partial_rollout_staleness_exceeded" and body["error"]["type"] == "server_error"
     assert engine.requests_total() == before  # the continuation was never sent
     chunks = chunks_of(proxy, 3)
     assert [ch.finish_reason for ch in chunks][-1] == "abort"

@@ -18,9 +18,10 @@ from transformers import AutoTokenizer
 
 from services.proxy.engine_client import EngineOutput
 from services.proxy.generation import ChunkOutcome, Generation
-from services.proxy.session_machine import Session
+from services.proxy.session_machine import ForceCall, Session
 from shared.model.hf import HFChatTokenizer
 from shared.model.tool_calls import ToolCallFormat
+from shared.schemas import Chunk
 
 ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 TEMPLATE = """
@@ -156,3 +157,30 @@ def test_a_malformed_call_echoed_as_content_continues_one_segment(qwen_style: HF
     assert list(second.prompt_ids[: len(context) + len(sampled)]) == [*context, *sampled]
     delta = list(second.prompt_ids[len(context) + len(sampled):])
     assert counts(qwen_style, delta) == {t: 0 for t in ADDED} | {"<|im_end|>": 1}
+
+
+def test_a_forced_call_opener_is_the_templates_marker_and_echoes_token_exact(qwen_style: HFChatTokenizer) -> None:
+    """``tool_choice`` naming ``add``: ``<tool_call>`` is forced as the template's one added id, the name as text;
+    the sampled rest is the call, and echoed as ``tool_calls`` the next turn continues the segment."""
+    opener = qwen_style.call_opener(qwen_style.tool_call_format, "add")
+    assert opener is not None and opener[0] == id_of(qwen_style, "<tool_call>") and opener.count(opener[0]) == 1
+    assert qwen_style._text(opener) == '<tool_call>\n{"name": "add", "arguments": '
+    sampled = [*qwen_style.inner.encode('{"a": 2, "b": 3}}\n', add_special_tokens=False),
+               id_of(qwen_style, "</tool_call>"), id_of(qwen_style, "<|im_end|>")]
+    session = Session("s", "g", tokenizer=qwen_style, tool_calls=qwen_style.tool_call_format)
+    plan = session.begin([{"role": "user", "content": "add 2 and 3"}], "t1", tools=TOOLS, force=ForceCall("add"))
+    assert plan.context_ids[-len(opener):] == tuple(opener) and plan.forced == tuple(opener)
+    out = EngineOutput("r0", sampled, [-0.1] * len(sampled), "v1", ["v1"] * len(sampled), "stop")
+    [chunk] = session.chunk(ChunkOutcome(0, plan.context_ids, out), "e")
+    assert isinstance(chunk, Chunk) and chunk.forced_ids == opener, "the record says what was forced"
+    session.chunk_sent()
+    answer = session.complete(Generation(output_ids=sampled, finish_reason="stop", chunks=[]))
+    assert [c["function"]["name"] for c in answer.tool_calls] == ["add"]
+    history = [{"role": "user", "content": "add 2 and 3"},
+               {"role": "assistant", "content": None, "tool_calls": [call("add", a=2, b=3)]},
+               {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    second = session.begin(history, "t2", tools=TOOLS)
+    assert not second.new_segment
+    assert list(second.prompt_ids[: len(plan.context_ids) + len(sampled)]) == [*plan.context_ids, *sampled]
+    assert qwen_style._text(second.prompt_ids) == qwen_style.render_chat(history, add_generation_prompt=True,
+                                                                         tools=TOOLS)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from services.proxy.app import _error
 from services.proxy.engine_client import parse_generate
 from shared.errors import (
     ContextOverflow,
@@ -17,6 +20,8 @@ from shared.errors import (
     SessionNotFound,
     TrajectoryVersionChanged,
     Unauthorized,
+    UnknownSessionKey,
+    UnsupportedParameter,
     http_body,
 )
 from shared.staleness import check_span
@@ -29,7 +34,7 @@ from shared.staleness import check_span
         (TrajectoryVersionChanged, 502, "trajectory_version_changed"),
         (GenerationPreempted, 502, "generation_preempted"),
         (EngineUnavailable, 503, "engine_unavailable"),
-        (ContextOverflow, 413, "context_overflow"),
+        (ContextOverflow, 400, "context_overflow"),
         (SessionNotFound, 404, "session_not_found"),
         (SessionFinalized, 409, "session_finalized"),
         (Unauthorized, 401, "unauthorized"),
@@ -77,3 +82,42 @@ def test_parse_generate_normalises() -> None:
 def test_parse_generate_rejects_malformed(body: dict[str, object]) -> None:
     with pytest.raises(EngineError):
         parse_generate("r", body, "e")
+
+
+# --------------------------------------------------------------------------- each wire's own error shape
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/sessions/rein-sk-x/v1/chat/completions"])
+def test_openai_routes_answer_openais_error_shape_with_reins_detail_beside_it(path: str) -> None:
+    error = ContextOverflow("prompt of 90 tokens leaves no room", context_window=64, input_tokens=90)
+    response = _error(path, error)
+    body = json.loads(response.body)
+    assert response.status_code == 400, "OpenAI's status for a context overflow (413 before)"
+    assert body["error"] == {"message": "prompt of 90 tokens leaves no room", "type": "invalid_request_error",
+                             "param": None, "code": "context_length_exceeded", "detail": error.detail()}
+    assert body["detail"] == error.detail(), "rein's detail, as its runner and tests read it"
+
+
+def test_an_openai_error_names_the_parameter() -> None:
+    error = UnsupportedParameter("unsupported parameter(s): seed", fields=[{"field": "seed", "message": "m"}])
+    body = json.loads(_error("/v1/chat/completions", error).body)
+    assert (body["error"]["param"], body["error"]["code"]) == ("seed", "unsupported_parameter")
+
+
+@pytest.mark.parametrize(("error", "status", "kind"), [
+    (ContextOverflow("prompt too long"), 400, "invalid_request_error"),
+    (UnknownSessionKey("not minted here"), 401, "authentication_error"),
+    (GenerationPreempted("aborted"), 502, "api_error"),
+    (EngineUnavailable("down"), 503, "overloaded_error"),
+])
+def test_the_messages_route_answers_anthropics_error_shape(error: ReinError, status: int, kind: str) -> None:
+    response = _error("/sessions/rein-sk-x/v1/messages", error)
+    body = json.loads(response.body)
+    assert response.status_code == status
+    assert body == {"type": "error", "error": {"type": kind, "message": error.message, "detail": error.detail()},
+                    "detail": error.detail()}
+
+
+def test_reins_own_routes_keep_reins_body() -> None:
+    body = json.loads(_error("/v1/sessions/s-1/finish", SessionNotFound("gone", session_id="s-1")).body)
+    assert body == {"detail": {"error": "session_not_found", "message": "gone", "session_id": "s-1"}}

@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.proxy.openai_api import ChatRequest
+from services.proxy.session_machine import ForceCall
 from shared.errors import InvalidRequest, UnsupportedContent
 
 
@@ -66,7 +67,7 @@ def test_text_part_without_text_is_invalid() -> None:
 
 
 @pytest.mark.parametrize("bad", [
-    {"messages": [{"role": "developer", "content": "x"}]},
+    {"messages": [{"role": "function", "content": "x"}]},
     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
     {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
 ])
@@ -104,8 +105,8 @@ def test_a_reply_with_tool_calls_has_openais_shape_whole_and_streamed() -> None:
 @pytest.mark.parametrize(
     ("extra", "refused"),
     [
-        ({"tool_choice": "required"}, ["tool_choice"]),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, ["tool_choice"]),
+        ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}}, ["tool_choice"]),
+        ({"tool_choice": {"type": "custom", "custom": {"name": "f"}}}, ["tool_choice"]),
         ({"response_format": {"type": "json_object"}, "logit_bias": {"1": 5}}, ["response_format", "logit_bias"]),
         ({"presence_penalty": 0.5, "frequency_penalty": 0.1, "logprobs": True},
          ["presence_penalty", "frequency_penalty", "logprobs"]),
@@ -139,9 +140,78 @@ def test_what_is_honoured(extra: dict[str, Any], calls: str) -> None:
     assert body.tool_calls() == calls
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(("choice", "forced"), [
+    ("auto", None), ("none", None), ("required", ForceCall()),
+    ({"type": "function", "function": {"name": "f"}}, ForceCall("f")),
+])
+def test_required_and_a_named_function_force_a_call(choice: Any, forced: ForceCall | None) -> None:
+    body = request([{"role": "user", "content": "hi"}], tools=[TOOL], tool_choice=choice)
+    body.refuse_unsupported()
+    assert body.force_call() == forced
+
+
+@pytest.mark.parametrize(("extra", "why"), [
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [TOOL]}, "not among the tools"),
+])
+def test_forcing_a_call_that_cannot_be_made_is_refused(extra: dict[str, Any], why: str) -> None:
+    with pytest.raises(InvalidRequest, match=why) as err:
+        request([{"role": "user", "content": "hi"}], **extra).force_call()
+    assert err.value.fields["fields"][0]["field"] == "tool_choice"
+
+
+def test_a_developer_message_is_a_system_message() -> None:
+    """OpenAI's newer models take ``developer`` where older ones took ``system`` (422 before)."""
+    body = request([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert body.template_messages()[0] == {"role": "system", "content": "Be brief."}
+
+
+@pytest.mark.parametrize("harmless", [
+    {"store": False}, {"metadata": {"k": "v"}}, {"user": "u-1"}, {"service_tier": "auto"},
+    {"prompt_cache_key": "k"}, {"safety_identifier": "s"}, {"stream_options": {"include_usage": True}},
+    {"modalities": ["text"]}, {"seed": None}, {"top_logprobs": 0},
+])
+def test_harmless_fields_are_accepted(harmless: dict[str, Any]) -> None:
+    request([{"role": "user", "content": "hi"}], **harmless).refuse_unsupported()
+
+
+@pytest.mark.parametrize(("extra", "refused"), [
+    ({"seed": 7}, ["seed"]),  # changes sampling: never dropped silently
+    ({"reasoning_effort": "low", "verbosity": "low"}, ["reasoning_effort", "verbosity"]),
+    ({"modalities": ["text", "audio"], "audio": {"voice": "x"}}, ["modalities", "audio"]),
+    ({"top_logprobs": 3}, ["top_logprobs"]),
+    ({"chat_template_kwargs": {"enable_thinking": False}, "min_p": 0.1}, ["chat_template_kwargs", "min_p"]),
+])
+def test_fields_that_cannot_be_honoured_or_are_unknown_are_refused_by_name(extra: dict[str, Any],
+                                                                           refused: list[str]) -> None:
+    from shared.errors import UnsupportedParameter
+
+    with pytest.raises(UnsupportedParameter) as err:
+        request([{"role": "user", "content": "hi"}], **extra).refuse_unsupported()
+    assert [f["field"] for f in err.value.fields["fields"]] == refused
+
+
 def test_stop_is_a_string_or_up_to_four() -> None:
     assert request([{"role": "user", "content": "hi"}], stop="\n").stop_strings() == ("\n",)
     assert request([{"role": "user", "content": "hi"}], stop=["a", "b"]).stop_strings() == ("a", "b")
     for bad in (["a"] * 5, [""], ""):
         with pytest.raises(ValidationError):
             request([{"role": "user", "content": "hi"}], stop=bad)
+
+
+def test_include_usage_streams_the_usage_in_a_chunk_of_its_own() -> None:
+    """``stream_options.include_usage`` (smolagents' and many clients' streaming): a last chunk with no choices
+    and the usage, as OpenAI's; the others carry none."""
+    from openai.types.chat import ChatCompletionChunk
+
+    from services.proxy.openai_api import completion, sse_frames
+
+    body = completion(model="m", content="hi", finish_reason="stop", prompt_tokens=3, completion_tokens=1)
+    frames = [f.removeprefix("data: ").strip() for f in sse_frames(body, include_usage=True)]
+    assert frames[-1] == "[DONE]"
+    chunks = [ChatCompletionChunk.model_validate_json(f) for f in frames[:-1]]
+    assert [c.usage is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 4

@@ -283,16 +283,16 @@ def test_events_out_of_order_are_bugs_not_answers(event: tuple[object, ...]) -> 
 
 
 @pytest.mark.parametrize(
-    ("words", "finish", "stop", "content"),
+    ("words", "finish", "stop", "content", "matched"),
     [
-        (["5", "7", "8"], "stop", ("7",), "5 "),  # the stop string and what follows it are left out
-        (["5", "7", "8"], "stop", ("8", "7 8"), "5 "),  # the earliest occurrence wins
-        (["5", "7"], "stop", ("9",), "5 7"),  # an end id stopped it: nothing to cut
-        (["5", "7"], "length", ("7",), "5 7"),  # cut by its budget: the engine did not stop on it
+        (["5", "7", "8"], "stop", ("7",), "5 ", "7"),  # the stop string and what follows it are left out
+        (["5", "7", "8"], "stop", ("8", "7 8"), "5 ", "7 8"),  # the earliest occurrence wins
+        (["5", "7"], "stop", ("9",), "5 7", None),  # an end id stopped it: nothing to cut
+        (["5", "7"], "length", ("7",), "5 7", None),  # cut by its budget: the engine did not stop on it
     ],
 )
 def test_the_answer_ends_before_the_stop_string_and_the_ids_keep_it(
-    words: list[str], finish: FinishReason, stop: tuple[str, ...], content: str
+    words: list[str], finish: FinishReason, stop: tuple[str, ...], content: str, matched: str | None
 ) -> None:
     s = Session("s", "g")
     plan = s.begin([{"role": "user", "content": "guess"}], "t")
@@ -302,4 +302,5 @@ def test_the_answer_ends_before_the_stop_string_and_the_ids_keep_it(
     s.chunk_sent()
     answer = s.complete(Generation(output_ids=ids, finish_reason=finish, chunks=[]), stop=stop)
     assert answer.content == content and answer.rein["output_ids"] == ids
+    assert answer.stop_sequence == matched, "which stop string it ended at (Messages answers it)"
     assert s.current is not None and s.current.answers[-1].text == TOK.decode(ids), "what the next turn continues"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from services.proxy.app import _Call, _chat_wire, _heartbeats, _messages_wire
+from services.proxy.app import _Call, _chat_wire, _heartbeats, _messages_wire, _responses_wire
 from services.proxy.session_machine import ChatOutcome
-from shared.errors import EngineUnavailable
+from shared.errors import ContextOverflow, EngineUnavailable
 
 CHAT = _chat_wire(b'{"messages": [{"role": "user", "content": "x"}]}')
 
@@ -54,5 +54,20 @@ def test_an_error_after_the_200_on_the_messages_wire_is_anthropics_error_event()
     assert all(f == ": keep-alive\n\n" for f in frames[:-1])
     event, data = frames[-1].removesuffix("\n\n").split("\n")
     assert event == "event: error"
-    assert json.loads(data.removeprefix("data: "))["error"] == {"type": "engine_unavailable",
-                                                                "message": "no engine answered"}
+    body = json.loads(data.removeprefix("data: "))
+    assert body["error"] | {"detail": None} == {"type": "overloaded_error", "message": "no engine answered",
+                                                "detail": None}
+    assert body["detail"]["error"] == "engine_unavailable", "rein's own name beside Anthropic's type"
+
+
+def test_an_error_after_the_200_on_the_responses_wire_ends_with_response_failed() -> None:
+    """A stream that ended with only an ``error`` event left the openai client raising "Didn't receive a
+    `response.completed` event"; ``response.failed`` carries the error where a client reads OpenAI's."""
+    wire = _responses_wire(b'{"model": "m", "input": "x"}')
+    frames = asyncio.run(_collect(ContextOverflow("no room", context_window=8), wire=wire))
+    events = [frame.removesuffix("\n\n").split("\n") for frame in frames[-1].split("\n\n") if frame]
+    assert [event for event, _ in events] == ["event: response.created", "event: response.failed"]
+    failed = json.loads(events[-1][1].removeprefix("data: "))
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["code"] == "context_length_exceeded"
+    assert failed["detail"] == {"error": "context_overflow", "message": "no room", "context_window": 8}

@@ -16,6 +16,7 @@ from services.proxy import messages_api, responses_api
 from services.proxy.messages_api import MessagesRequest
 from services.proxy.openai_api import ChatRequest, completion
 from services.proxy.responses_api import ResponsesRequest
+from services.proxy.session_machine import ForceCall
 from shared.errors import UnsupportedContent, UnsupportedParameter
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 * 3"}'}}
@@ -91,11 +92,51 @@ def test_responses_parameters_the_proxy_cannot_honour_are_refused(request_body: 
 
 @pytest.mark.parametrize("item", [
     {"role": "user", "content": [{"type": "input_image", "image_url": "data:"}]},
-    {"type": "reasoning", "summary": []},
+    {"type": "reasoning", "summary": [], "encrypted_content": "gAAAA..."},  # another server's thinking
 ])
 def test_responses_items_a_text_model_cannot_take_are_refused(item: dict[str, Any]) -> None:
     with pytest.raises(UnsupportedContent):
         responses_api.to_chat(ResponsesRequest.model_validate({"input": [item]}))
+
+
+@pytest.mark.parametrize(("extra", "refused"), [
+    ({"store": False, "metadata": {"k": "v"}, "include": ["reasoning.encrypted_content"], "user": "u",
+      "truncation": "disabled", "reasoning": {"summary": "auto"}, "prompt_cache_key": "k"}, []),
+    ({"reasoning": {"effort": "high"}}, ["reasoning.effort"]),
+    ({"text": {"format": {"type": "text"}, "verbosity": "low"}}, ["text.verbosity"]),
+    ({"truncation": "auto", "background": True}, ["truncation", "background"]),
+    ({"prompt": {"id": "pmpt_1"}, "safety_identifier": "s", "top_k": 5}, ["prompt", "top_k"]),
+])
+def test_responses_fields_are_honoured_harmless_or_refused_by_name(extra: dict[str, Any], refused: list[str]) -> None:
+    body = ResponsesRequest.model_validate({"input": "hi", **extra})
+    if not refused:
+        responses_api.to_chat(body)
+        return
+    with pytest.raises(UnsupportedParameter) as err:
+        responses_api.to_chat(body)
+    assert [f["field"] for f in err.value.fields["fields"]] == refused
+
+
+def test_a_reasoning_models_thinking_is_a_reasoning_item_and_comes_back_as_its_messages_thinking() -> None:
+    request = ResponsesRequest.model_validate({"input": "x"})
+    chat = completion(model="m", content="Computing.", finish_reason="tool_calls", prompt_tokens=7,
+                      completion_tokens=3, tool_calls=(CALL,), reasoning="2 * 3 needs the tool.")
+    body = responses_api.answer(chat, request)
+    reasoning, _, call = body["output"]
+    assert (reasoning["type"], reasoning["content"]) == (
+        "reasoning", [{"type": "reasoning_text", "text": "2 * 3 needs the tool."}])
+    kinds = [kind for kind, _ in sse(responses_api.events(chat, request))]
+    assert kinds[2:6] == ["response.output_item.added", "response.reasoning_text.delta",
+                          "response.reasoning_text.done", "response.output_item.done"]
+    echoed = ResponsesRequest.model_validate({"input": [{"role": "user", "content": "2 * 3?"}, *body["output"],
+                                                        {"type": "function_call_output", "call_id": "call_1",
+                                                         "output": "6"}]})
+    assert responses_api.to_chat(echoed)["messages"][1] == {
+        "role": "assistant", "content": "Computing.", "reasoning_content": "2 * 3 needs the tool.",
+        "tool_calls": [CALL]}
+    calls_only = ResponsesRequest.model_validate({"input": [{"role": "user", "content": "go"}, reasoning, call]})
+    assert responses_api.to_chat(calls_only)["messages"][1] == {
+        "role": "assistant", "content": None, "tool_calls": [CALL], "reasoning_content": "2 * 3 needs the tool."}
 
 
 def test_a_chat_completion_is_answered_as_a_response() -> None:
@@ -131,6 +172,7 @@ def test_a_response_streams_as_the_responses_events() -> None:
 
 def test_a_messages_request_is_the_chat_request_of_the_same_turn() -> None:
     body = MessagesRequest.model_validate({
+        "metadata": {"user_id": "u"}, "service_tier": "auto", "cache_control": {"type": "ephemeral"},  # harmless
         "model": "m", "max_tokens": 64, "system": [{"type": "text", "text": "Be brief."}], "stop_sequences": ["\n\n"],
         "tools": [{"name": "calculator", "description": "evaluate", "input_schema": {"type": "object"}}],
         "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
@@ -159,7 +201,10 @@ def test_a_messages_request_is_the_chat_request_of_the_same_turn() -> None:
 
 
 @pytest.mark.parametrize(("request_body", "field"), [
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"container": "c-1"}, "container"),
+    ({"output_config": {"effort": "low"}}, "output_config"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),  # not Anthropic's: unknown, refused by name
+    ({"thinking": {"type": "sometimes"}}, "thinking"),
     ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools.0"),
 ])
 def test_messages_parameters_the_proxy_cannot_honour_are_refused(request_body: dict[str, Any], field: str) -> None:
@@ -169,17 +214,42 @@ def test_messages_parameters_the_proxy_cannot_honour_are_refused(request_body: d
     assert [f["field"] for f in refused.value.fields["fields"]] == [field]
 
 
-@pytest.mark.parametrize(("choice", "refused"), [({"type": "any"}, True), ({"type": "tool", "name": "f"}, True),
-                                                 ({"type": "none"}, False)])
-def test_forcing_a_call_is_refused_as_on_the_chat_route(choice: dict[str, Any], refused: bool) -> None:
+@pytest.mark.parametrize(("choice", "forced", "calls"), [
+    ({"type": "any"}, ForceCall(), "all"), ({"type": "tool", "name": "calculator"}, ForceCall("calculator"), "all"),
+    ({"type": "none"}, None, "none"), ({"type": "auto"}, None, "all"),
+])
+def test_forcing_a_call_is_served_as_on_the_chat_route(choice: dict[str, Any], forced: ForceCall | None,
+                                                       calls: str) -> None:
     chat = ChatRequest.model_validate(messages_api.to_chat(MessagesRequest.model_validate(
-        {"messages": [{"role": "user", "content": "hi"}], "tool_choice": choice})))
-    if refused:
-        with pytest.raises(UnsupportedParameter):
-            chat.refuse_unsupported()
-    else:
-        chat.refuse_unsupported()
-        assert chat.tool_calls() == "none"
+        {"messages": [{"role": "user", "content": "hi"}], "tool_choice": choice,
+         "tools": [{"name": "calculator", "input_schema": {"type": "object"}}]})))
+    chat.refuse_unsupported()
+    assert (chat.force_call(), chat.tool_calls()) == (forced, calls)
+
+
+def test_a_reply_that_ended_at_a_stop_sequence_says_which() -> None:
+    body = completion(model="m", content="Done", finish_reason="stop", prompt_tokens=1, completion_tokens=2,
+                      stop_sequence="\n\nHuman:")
+    message = messages_api.answer(body)
+    assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "\n\nHuman:")
+    [delta] = [data for kind, data in sse(messages_api.events(body)) if kind == "message_delta"]
+    assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "\n\nHuman:"}
+    assert messages_api.answer(chat_body("Done"))["stop_reason"] == "end_turn"
+
+
+def test_a_reasoning_models_thinking_is_a_thinking_block_and_comes_back_as_its_messages_thinking() -> None:
+    chat = completion(model="m", content="It is 6.", finish_reason="stop", prompt_tokens=1, completion_tokens=2,
+                      reasoning="2 * 3 = 6")
+    message = messages_api.answer(chat)
+    assert message["content"] == [{"type": "thinking", "thinking": "2 * 3 = 6", "signature": ""},
+                                  {"type": "text", "text": "It is 6."}]
+    deltas = [data["delta"] for kind, data in sse(messages_api.events(chat)) if kind == "content_block_delta"]
+    assert deltas[0] == {"type": "thinking_delta", "thinking": "2 * 3 = 6"}
+    request = MessagesRequest.model_validate({"thinking": {"type": "enabled", "budget_tokens": 1024}, "messages": [
+        {"role": "user", "content": "2 * 3?"}, {"role": "assistant", "content": message["content"]},
+        {"role": "user", "content": "thanks"}]})
+    assert messages_api.to_chat(request)["messages"][1] == {"role": "assistant", "content": "It is 6.",
+                                                            "reasoning_content": "2 * 3 = 6"}
 
 
 def test_blocks_a_text_model_cannot_take_are_refused() -> None:

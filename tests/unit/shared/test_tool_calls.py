@@ -41,7 +41,12 @@ CASES: list[tuple[str, ToolCallFormat, str, ParsedReply | None]] = [
     ("one good one cut", H, '<tool_call>{"name": "a"}</tool_call><tool_call>{"na', None),
     ("stray close", H, 'x </tool_call>', None),
     ("not a call", H, '<tool_call>{"answer": 4}</tool_call>', None),
-    ("empty array", H, '<tool_call>[]</tool_call>', None),
+    # SmolLM2's tools prompt: "If no function call is needed, please make the tool calls an empty list '[]'"
+    ("empty array: no call", H, '<tool_call>[]</tool_call>', ParsedReply("", empty=True)),
+    ("an answer, then no call", H, 'It is 4.\n<tool_call>[]</tool_call>', ParsedReply("It is 4.", empty=True)),
+    ("a call beside an empty list", H, '<tool_call>[]</tool_call><tool_call>{"name": "a"}</tool_call>',
+     ParsedReply("", (call("a"),))),
+    ("empty object is no call", H, '<tool_call>{}</tool_call>', None),
     ("arguments not an object", H, '<tool_call>{"name": "a", "arguments": [1]}</tool_call>', None),
     # llama3_json
     ("llama3 call", L, '{"name": "calc", "parameters": {"x": 1}}', ParsedReply("", (call("calc", x=1),))),
@@ -56,6 +61,7 @@ CASES: list[tuple[str, ToolCallFormat, str, ParsedReply | None]] = [
     ("mistral", M, '[TOOL_CALLS][{"name": "a", "arguments": {"b": 1}}, {"name": "c", "arguments": {}}]',
      ParsedReply("", (call("a", b=1), call("c")))),
     ("mistral with text", M, 'Sure. [TOOL_CALLS][{"name": "a", "arguments": {}}]', ParsedReply("Sure.", (call("a"),))),
+    ("mistral no call", M, 'Done. [TOOL_CALLS][]', ParsedReply("Done.", empty=True)),
     ("mistral cut", M, '[TOOL_CALLS][{"name": "a", "argum', None),
     ("mistral none", M, "hello", ParsedReply("hello")),
     # pythonic
