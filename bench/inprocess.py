@@ -51,7 +51,8 @@ from services.trainer.loop import hyper_from
 from services.trainer.samples import build_samples
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import PolicyTrainer
-from shared.model import context_window_of, load_family
+from shared.model import load_family
+from shared.model.compute import context_window_of
 from shared.policy import PolicyConfig
 from shared.schemas import Chunk, CompletedGroup, GroupDispatched, SessionFinished
 from shared.tokenizer import TOKENIZER

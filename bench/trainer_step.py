@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.trainer.samples import BatchSamples, Sample
 from services.trainer.step import Hyper, PolicyTrainer
-from shared.model import load_family, token_logprobs
+from shared.model import load_family
+from shared.model.compute import token_logprobs
 
 SMOLLM2 = Path(os.environ.get("REIN_CACHE", "~/.cache/rein")).expanduser() / "models" / "smollm2-135m-instruct"
 VOCAB = 49152

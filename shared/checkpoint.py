@@ -19,11 +19,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from shared.durable import atomic_write
-from shared.policy import PolicyConfig, TinyPolicy
+
+if TYPE_CHECKING:  # torch only where a checkpoint is made or read: the proxy imports this module for its errors
+    import torch
+
+    from shared.policy import PolicyConfig, TinyPolicy
 
 FORMAT = 1
 
@@ -45,6 +48,8 @@ class Checkpoint:
 
 def digest(state_dict: Mapping[str, torch.Tensor]) -> str:
     """sha256 over ``key, dtype, shape, bytes`` of each tensor in sorted key order."""
+    import torch
+
     h = hashlib.sha256()
     for key in sorted(state_dict):
         tensor = state_dict[key].detach().to("cpu").contiguous()
@@ -68,6 +73,8 @@ def save(path: str | os.PathLike[str], model: TinyPolicy, config: PolicyConfig, 
 
     Returns the digest. Readers never observe a partially written file.
     """
+    import torch
+
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     state = _cpu_state(model)
@@ -90,6 +97,10 @@ def load(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> Ch
     Raises FileNotFoundError for a missing file and CheckpointError for anything
     malformed or a digest mismatch.
     """
+    import torch
+
+    from shared.policy import PolicyConfig, TinyPolicy
+
     source = Path(path)
     try:
         payload = torch.load(source, map_location="cpu", weights_only=True)

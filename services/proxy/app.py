@@ -66,7 +66,7 @@ from shared.errors import (
 from shared.http_server import BodyLimit, DirectRoute
 from shared.lender import Lender
 from shared.members import Members
-from shared.model import load_family
+from shared.model import load_tokenizer
 from shared.names import RedisKeys
 from shared.schemas import new_id
 from shared.state import connect
@@ -77,7 +77,7 @@ _TRUE = {"1", "true", "yes", "on"}
 
 
 def create_app(settings: ProxySettings) -> FastAPI:
-    tokenizer = load_family(settings.model).tokenizer  # REIN_MODEL's tokenizer and chat template; no weights
+    tokenizer = load_tokenizer(settings.model)  # REIN_MODEL's chat template; no weights (for tiny, no torch)
     auth = Auth(settings.admin_token, settings.runner_token, settings.open_sessions,
                 KeySigner(settings.session_key_secret, settings.run_id, settings.session_key_ttl_s))
 

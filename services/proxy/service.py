@@ -58,7 +58,7 @@ from shared.errors import (
     SessionBusy,
     StalePause,
 )
-from shared.model.base import ChatTokenizer
+from shared.model.chat import ChatTokenizer
 from shared.model.tool_calls import ToolCallFormat
 from shared.schemas import Chunk, Record, new_id
 from shared.versions import real_version

@@ -72,8 +72,8 @@ from shared.errors import (
     TrajectoryVersionChanged,
     UnsupportedParameter,
 )
-from shared.model.base import ChatTokenizer
-from shared.model.tiny import TinyChatTokenizer
+from shared.model.chat import ChatTokenizer
+from shared.model.tiny_chat import TinyChatTokenizer
 from shared.model.tool_calls import ParsedReply, ToolCallFormat, new_call_id, parse_reply
 from shared.schemas import Chunk, Record, SessionFinished, SessionRejected
 from shared.staleness import check_span

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from services.proxy.session_machine import Session, VersionRules
 from services.proxy.transcript import RewrittenHistory, SegmentState, TurnPlan
 from shared.errors import BadRequest, SessionBusy, SessionFinalized, SessionNotFound
-from shared.model.base import ChatTokenizer
-from shared.model.tiny import TinyChatTokenizer
+from shared.model.chat import ChatTokenizer
+from shared.model.tiny_chat import TinyChatTokenizer
 from shared.model.tool_calls import ToolCallFormat
 
 __all__ = ["SegmentState", "Session", "SessionStore", "TurnPlan"]

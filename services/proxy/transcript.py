@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from shared.versions import distinct_real
 
 if TYPE_CHECKING:
-    from shared.model.base import ChatTokenizer
+    from shared.model.chat import ChatTokenizer
 
 Messages = Sequence[Mapping[str, Any]]
 """OpenAI chat messages as plain dicts (role, content, tool_calls, tool_call_id), passed to the template."""

@@ -63,7 +63,8 @@ from services.trainer.store import (
 )
 from shared import log
 from shared.bus import BusUnavailable, Consumer, Producer
-from shared.model import ModelFamily, context_window_of, load_family, set_gradient_checkpointing
+from shared.model import ModelFamily, load_family
+from shared.model.compute import context_window_of, set_gradient_checkpointing
 from shared.outage import Outage
 from shared.policy import PolicyConfig, resolve_device
 from shared.schemas import BatchManifest, BatchSkipped, DecodeError, WeightPublished

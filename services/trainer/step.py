@@ -30,8 +30,8 @@ from services.trainer.corrections import (
 from services.trainer.loss import grpo_advantages
 from services.trainer.parallel import ALONE, Ranks
 from services.trainer.samples import BatchSamples, Sample
-from shared.model import SamplingTensors, token_logprobs
-from shared.model.sampling import NO_TOP_K
+from shared.model.compute import token_logprobs
+from shared.model.sampling import NO_TOP_K, SamplingTensors
 from shared.schemas import SamplingParams
 
 

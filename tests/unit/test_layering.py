@@ -37,6 +37,11 @@ PURE: dict[str, frozenset[str]] = {
     "services/proxy/responses_api.py": IO_CLIENTS,
     "services/proxy/messages_api.py": IO_CLIENTS,
     "services/proxy/auth.py": IO_CLIENTS,
+    "services/proxy/session_machine.py": IO_CLIENTS,
+    "services/proxy/sessions.py": IO_CLIENTS,
+    "services/proxy/transcript.py": IO_CLIENTS,
+    "shared/model/chat.py": IO_CLIENTS,
+    "shared/model/tiny_chat.py": IO_CLIENTS,
     "services/proxy/session_keys.py": IO_CLIENTS,
 }
 

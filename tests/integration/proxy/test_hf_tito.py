@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.model import load_family, token_logprobs
+from shared.model import load_family
+from shared.model.compute import token_logprobs
 from shared.model.hf import HFChatTokenizer
 from shared.schemas import Chunk, SessionFinished
 from tests.support.proxy import ProxyFactory, proxy_factory, rein

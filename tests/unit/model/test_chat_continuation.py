@@ -20,7 +20,7 @@ from services.proxy.generation import ChunkOutcome, Generation
 from services.proxy.session_machine import Session
 from shared.model.base import ChatTokenizer, Turn
 from shared.model.hf import HFChatTokenizer, HFFamily
-from shared.model.tiny import TinyChatTokenizer
+from shared.model.tiny_chat import TinyChatTokenizer
 from shared.model.tool_calls import ToolCallFormat
 from shared.tokenizer import TOKENIZER as TOK
 

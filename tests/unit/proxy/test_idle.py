@@ -13,7 +13,7 @@ from services.proxy.metrics import ProxyMetrics
 from services.proxy.service import ProxyService
 from services.proxy.settings import ProxySettings
 from shared.errors import KafkaUnavailable
-from shared.model.tiny import TinyChatTokenizer
+from shared.model.tiny_chat import TinyChatTokenizer
 from shared.schemas import SessionRejected
 
 

@@ -23,7 +23,7 @@ from services.proxy.settings import ProxySettings
 from services.proxy.transcript import Call, SegmentState, new_segment_reason
 from shared.errors import KafkaUnavailable
 from shared.model.base import Turn
-from shared.model.tiny import TinyChatTokenizer
+from shared.model.tiny_chat import TinyChatTokenizer
 from shared.tokenizer import TOKENIZER as TOK
 
 Message = dict[str, Any]

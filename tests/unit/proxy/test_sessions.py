@@ -6,7 +6,7 @@ import pytest
 
 from services.proxy.sessions import Session, SessionStore
 from shared.errors import BadRequest, SessionBusy, SessionFinalized, SessionNotFound
-from shared.model.tiny import TinyChatTokenizer
+from shared.model.tiny_chat import TinyChatTokenizer
 from shared.tokenizer import TOKENIZER as TOK
 
 CHAT = TinyChatTokenizer(TOK)

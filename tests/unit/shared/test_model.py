@@ -11,14 +11,8 @@ import pytest
 import torch
 
 from shared import checkpoint, policy
-from shared.model import (
-    CheckpointError,
-    ModelError,
-    context_window_of,
-    load_family,
-    set_gradient_checkpointing,
-    token_logprobs,
-)
+from shared.model import CheckpointError, ModelError, load_family
+from shared.model.compute import context_window_of, set_gradient_checkpointing, token_logprobs
 from shared.model.gguf import default_target, is_converted, source_key
 from shared.model.hf import SIDECAR, HFFamily
 from shared.policy import PolicyConfig, init_policy

@@ -18,7 +18,8 @@ from torch import nn
 from services.trainer.corrections import CorrectionConfig
 from services.trainer.samples import BatchSamples, Sample
 from services.trainer.step import Hyper, PolicyTrainer
-from shared.model import SamplingTensors, features, logits, token_logprobs
+from shared.model.compute import features, logits, token_logprobs
+from shared.model.sampling import SamplingTensors
 from shared.policy import PolicyConfig, TinyPolicy, init_policy
 from shared.schemas import SamplingParams
 from tests.support.gradients import record_stepped_gradients

@@ -22,7 +22,7 @@ from services.trainer.store import (
     save_step,
     sidecar_path,
 )
-from shared.model import TinyFamily
+from shared.model.tiny import TinyFamily
 from shared.policy import PolicyConfig, init_policy, token_logprobs
 from shared.settings import SettingsError, load
 from tests.support.gradients import record_stepped_gradients

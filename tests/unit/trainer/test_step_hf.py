@@ -14,7 +14,8 @@ from services.trainer.samples import BatchSamples, Sample
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import Hyper, PolicyTrainer
 from services.trainer.store import checkpoint_path, latest, optimizer_path, prune, save_step, sidecar_path
-from shared.model import load_family, set_gradient_checkpointing, token_logprobs
+from shared.model import load_family
+from shared.model.compute import set_gradient_checkpointing, token_logprobs
 from shared.model.hf import HFFamily
 from shared.settings import load
 
