@@ -35,9 +35,10 @@ test: venv infra
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy shared services ops
-	@# Only shared/settings.py reads the environment (tests and bench are exempt, as in ruff's TID251 config).
+	@# Only shared/settings.py reads the environment (tests and bench are exempt, as in ruff's TID251 config, and
+	@# ops/local/ports.py, a standard-library script the deploy scripts run before any venv exists).
 	@if git ls-files -co --exclude-standard -- '*.py' \
-	    | grep -vE '^(shared/settings\.py|tests/|bench/)' \
+	    | grep -vE '^(shared/settings\.py|ops/local/ports\.py|tests/|bench/)' \
 	    | xargs -r grep -nE 'os\.(environ|getenv)|from os import .*\b(environ|getenv)\b'; then \
 	    echo "lint: read the environment only in shared/settings.py" >&2; exit 1; \
 	fi

@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
 
+from ops.local.ports import free_port  # noqa: E402
 from services.collector.synthetic import group_records  # noqa: E402
 from services.collector.window_store import WindowStore  # noqa: E402
 from shared.bus import Producer, ensure_topology  # noqa: E402
@@ -104,7 +105,7 @@ def throughput(bootstrap: str, redis_url: str, replicas: int, groups: int) -> di
     procs = []
     try:
         for i in range(replicas):
-            port = 20_000 + int(uuid.uuid4().int % 20_000)
+            port = free_port()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "services.collector"],
                 cwd=REPO,

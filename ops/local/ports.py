@@ -7,8 +7,11 @@ Redis client, say) can take it, and the service dies with EADDRINUSE. Ports belo
 are never given out implicitly, so only another listener can take them.
 
 Processes that choose ports side by side (parallel test workers) each take their own block of that
-range (:func:`use_block`; ``--block I/N`` on the command line), so two of them never hand out the same
-port in the moment between choosing it and binding it.
+range, so two of them never hand out the same port in the moment between choosing it and binding it:
+``REIN_PORT_BLOCK=I/N`` in the environment (inherited by every process a worker starts: bench scripts,
+the deploy scripts), :func:`use_block`, or ``--block I/N`` on the command line. This module reads the
+environment itself (an exception to rein's rule that only ``shared.settings`` does): it must run with the
+standard library alone.
 
 Standard library only: ``deploy/kafka.sh`` and ``deploy/redis.sh`` run it as a script
 (``python3 ops/local/ports.py N [--block I/N]`` prints N ports) before any virtualenv exists.
@@ -16,6 +19,7 @@ Standard library only: ``deploy/kafka.sh`` and ``deploy/redis.sh`` run it as a s
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import sys
@@ -28,7 +32,15 @@ LOWEST_PORT = 10000
 MIN_CHOICE = 1000
 """Below this many candidates the range is too crowded; fall back to the kernel's choice."""
 ATTEMPTS = 500
-_block: tuple[int, int] | None = None
+
+
+def _parse_block(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    return int(index), int(count)
+
+
+_block: tuple[int, int] | None = _parse_block(os.environ["REIN_PORT_BLOCK"]) if os.environ.get("REIN_PORT_BLOCK") \
+    else None
 
 
 def use_block(index: int, count: int) -> None:
@@ -97,8 +109,7 @@ def _main(argv: list[str]) -> str:
     args = list(argv)
     if "--block" in args:
         at = args.index("--block")
-        index, _, count = args[at + 1].partition("/")
-        use_block(int(index), int(count))
+        use_block(*_parse_block(args[at + 1]))
         del args[at : at + 2]
     return " ".join(str(p) for p in free_ports(int(args[0]) if args else 1))
 

@@ -32,6 +32,13 @@ def _comm(pid: int) -> str:
         return ""
 
 
+def _listed(group: Path) -> list[tuple[int, str]]:
+    try:
+        return [(int(p), _comm(int(p))) for p in (group / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
 def _alive(pids: list[int]) -> list[int]:
     return [p for p in pids if _comm(p)]
 
@@ -61,5 +68,7 @@ def test_a_run_killed_with_sigkill_leaves_no_process_behind(tmp_path: Path) -> N
     wait_until(lambda: not _alive(before), 60, "every process of the killed run to be gone",
                details=lambda: f"still there: {[(p, _comm(p)) for p in _alive(before)]}")
     gone_s = time.monotonic() - killed
-    wait_until(lambda: not cgroup_of(probe["mark"]).exists(), 30, "the run's cgroup to be removed")
+    group = cgroup_of(probe["mark"])
+    wait_until(lambda: not group.exists(), 60, "the run's cgroup to be removed",
+               details=lambda: f"left in it: {_listed(group)}")
     print(f"\nkilled run: {len(before)} processes ({', '.join(names)}) gone {gone_s:.1f} s after the SIGKILL")

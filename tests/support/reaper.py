@@ -116,14 +116,24 @@ def stop(mark: str) -> None:
         time.sleep(POLL_S)
 
 
+def remove_cgroup(mark: str) -> None:
+    """Remove the run's cgroup once it is empty: a killed process stays listed until its parent (init, for
+    an orphan) has reaped it, which can take a moment."""
+    group, deadline = cgroup_of(mark), time.monotonic() + GIVE_UP_S
+    while group.exists() and time.monotonic() < deadline:
+        try:
+            group.rmdir()
+        except OSError:  # EBUSY: not empty yet
+            time.sleep(POLL_S)
+
+
 def main(argv: list[str]) -> int:
     pid, mark, directory = int(argv[0]), argv[1], Path(argv[2])
     wait_for_exit(pid)
     with contextlib.suppress(OSError, subprocess.SubprocessError):  # no docker here: no project was started
         remove_compose_projects(directory)
     stop(mark)
-    with contextlib.suppress(OSError):
-        cgroup_of(mark).rmdir()
+    remove_cgroup(mark)
     shutil.rmtree(directory, ignore_errors=True)
     return 0
 
