@@ -4,7 +4,7 @@ Services raise these deep in their logic and map them to HTTP in exactly one
 exception handler (``err.status``, and ``{"detail": err.detail()}`` in the body, beside the wire's own
 error shape on the proxy's agent routes); nothing
 below a route builds an ``HTTPException``. ``code`` is the stable machine name
-agents and the rollout runner match on (DESIGN: ``partial_rollout_staleness_exceeded``,
+agents and the rollout runner match on (``partial_rollout_staleness_exceeded``,
 ``trajectory_version_changed``, ``generation_preempted``, ...).
 """
 

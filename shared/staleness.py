@@ -38,7 +38,7 @@ class SpanRejection:
         return self.max_preempts + 1
 
     def detail(self) -> dict[str, object]:
-        """The DESIGN body of a 502 ``partial_rollout_staleness_exceeded``."""
+        """The body of a 502 ``partial_rollout_staleness_exceeded`` (docs/architecture.md)."""
         return {
             "error": "partial_rollout_staleness_exceeded",
             "message": (
@@ -478,10 +478,11 @@ def _judge_stale(
 def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, config: WindowConfig) -> StepResult:
     """Fold one completed group into the window.
 
-    Order (DESIGN): observe the group's versions -> if the window advanced, remove
+    Order: observe the group's versions -> if the window advanced, remove
     pending groups now outside it -> judge the new group -> take a batch when
     enough groups are pending. A failed group is judged before it is observed and
-    never moves the window (the reference's W18). A group without signal is observed
+    never moves the window (a group that will not be trained must not make others stale). A group
+    without signal is observed
     like any other (it is evidence of the newest version); judged, staleness comes
     first (a stale group without signal is ``dropped_stale``), then, under
     :attr:`NoSignalGroups.DROP`, it is ``dropped_no_signal``. Under :attr:`StaleGroups.WITHHOLD`

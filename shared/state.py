@@ -1,6 +1,6 @@
 """Redis helpers: a bounded connection and the version registry shared by all services.
 
-The registry keeps DESIGN's order in Redis so it survives restarts and is the same
+The registry keeps the versions' order (:mod:`shared.versions`) in Redis so it survives restarts and is the same
 for every replica: published labels by sequence number (a sorted set, so an index
 is O(log n)), then labels nobody published in observation order. Every change is
 one Lua script, hence atomic. The ``weights`` topic owns the order (the trainer's

@@ -4,8 +4,8 @@ A label is an opaque string. It is normalised once, where it enters the system
 (:func:`real_version`: the record schemas, the proxy's engine client, the
 broadcaster's engine client, the replay file reader); everything after that takes
 ``str | None`` as it is, None meaning "no real version". Labels are ordered by the sequence number the trainer published
-with it, never by text and never by when a collector first saw it (the
-reference's W1). Labels nobody published (an engine started with its own label)
+with it, never by text and never by when a collector first saw it (a late group with an old label is
+old, not newest). Labels nobody published (an engine started with its own label)
 are placed after the published ones, in observation order, and counted.
 """
 

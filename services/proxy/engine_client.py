@@ -1,4 +1,4 @@
-"""HTTP client of the engines (the SGLang native subset in DESIGN).
+"""HTTP client of the engines (the subset of SGLang's native HTTP API that docs/architecture.md lists).
 
 One :class:`EngineHandle` per engine URL; the handles share a :class:`~shared.lender.Lender` of
 ``httpcore.AsyncConnectionPool``s, one lent to each call in flight (the module says why). httpcore
@@ -9,7 +9,7 @@ handle remembers *its* engine's last known weight version (from ``GET /get_model
 every ``/generate`` answer, ``resume {version}``, and ``/get_model_info`` again on a
 resume without a version) — the candidate of the span
 pre-check for sessions on that engine only, never a proxy-wide cache fed by other
-sessions (the reference's W16). The context window comes from the settings or, once,
+sessions, whose engine may lag or lead this one. The context window comes from the settings or, once,
 from ``GET /get_server_info`` (:func:`context_window_of`), where SGLang keeps it.
 Network failures become 503 ``engine_unavailable``; a non-2xx answer or a malformed
 body becomes 502 ``engine_error``.

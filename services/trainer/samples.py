@@ -3,7 +3,7 @@
 One sample per trajectory segment. Its loss mask is the segment's mask with the
 first token switched off (position 0 has no prefix to predict it from) and, when
 ``mask_nonlast_version`` is on, :func:`shared.staleness.mask_nonlast_version_tokens`
-applied (token-level staleness control, DESIGN "Staleness controls" 3); tokens sampled
+applied (token-level staleness control: only the tokens of a sample's last version are trained); tokens sampled
 greedily are switched off too (a deterministic choice has no probability to move). Rewards
 live on trajectories: every segment of a trajectory carries its reward, and the
 GRPO baseline is taken over the trajectories of a group (not over segments, so a

@@ -59,7 +59,7 @@ class TrainerSettings(ModelServiceSettings):
     normalize_std: bool = False
     """Divide GRPO advantages by the group's reward std; off because it destabilised the tiny policy."""
     nonlast_version_tokens: Literal["mask", "weight"] = "mask"
-    """Token-level staleness control (DESIGN "Staleness controls" 3) for a sample's tokens of an older version
+    """Token-level staleness control for a sample's tokens of an older version
     than its last trainable one: ``mask`` leaves them out of the loss; ``weight`` trains them, each against its
     own behaviour logprob, weighted by the importance weight of ``offpolicy_correction`` (under ``none`` and
     ``geo_mask``: PPO's clipped ratio)."""

@@ -5,7 +5,8 @@
 - :func:`classify`: apply an event, or skip it because the engines already serve it
   or something newer.
 - :func:`after_pause`: given every proxy's pause answer, update, or resume and retry
-  later, or give up this version (DESIGN: never update while a proxy did not quiesce).
+  later, or give up this version (never update an engine while a proxy has a generation on it in flight:
+  that generation's tokens would carry a version that did not make them).
 - :func:`renew_before_update`: whether the pause round took long enough that a lease may have run out.
 - :func:`backoff_s`: bounded exponential backoff between attempts.
 - :func:`update_targets`: which engines an update goes to (every fixed one; a registered one only
