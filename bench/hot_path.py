@@ -89,10 +89,20 @@ def main() -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "rein-hot-path.json")
+    p.add_argument("--env", action="append", default=[], metavar="SERVICE:VAR=VALUE",
+                   help="a setting of one service of the stack (repeatable): proxy:REIN_KAFKA__LINGER_MS=20; "
+                        "SERVICE 'collector' means every collector")
     args = p.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     run_dir = Path(tempfile.mkdtemp(prefix="rein-hot-path-"))
-    local = start(demo_config(args.warmup + args.steps + 2, 0, run_dir))
+    config = demo_config(args.warmup + args.steps + 2, 0, run_dir)
+    for item in args.env:
+        service, _, setting = item.partition(":")
+        name, _, value = setting.partition("=")
+        targets = [f"collector-{i}" for i in range(config.collectors)] if service == "collector" else [service]
+        for target in targets:
+            config.extra_env.setdefault(target, {})[name] = value
+    local = start(config)
     spies: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
     try:
         deadline = time.monotonic() + args.timeout_s
