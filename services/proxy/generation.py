@@ -22,8 +22,8 @@ and of one chat call::
 
 Only a chunk whose *engine* finish reason is ``abort`` is continued. A chunk that
 ended naturally (stop / length) is final even when an abort for it was reported as
-successful: the model chose that end, and continuing would generate past it. Every wait is on an ``asyncio.Event``; the only
-timed loop re-sends an abort that reached the engine before its ``/generate`` did
+successful: the model chose that end, and continuing would generate past it. Every wait
+is on an ``asyncio.Event``; the only timed loop re-sends an abort that reached the engine before its ``/generate`` did
 (bounded by the pause timeout).
 """
 
