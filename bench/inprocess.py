@@ -1,7 +1,7 @@
 """The physical reference: the demo's training loop in one process, no HTTP, Kafka or Redis.
 
 Same policy (the tiny policy from ``seed``), task (number guessing, prompts from ``seed``),
-batch (8 groups x 8 episodes per step, the ``tiny`` demo preset), sampler (the engine's
+batch (the ``tiny`` demo preset's groups x episodes per step), sampler (the engine's
 :class:`~services.engine.batcher.Batcher`, one-token replies at temperature 1) and update
 (:class:`~services.trainer.step.PolicyTrainer` with the trainer's default settings) as
 ``make demo``, wired with the product's own pure parts instead of its services:
@@ -10,7 +10,7 @@ batch (8 groups x 8 episodes per step, the ``tiny`` demo preset), sampler (the e
     -> collector Assembler (CompletedGroup) -> trainer build_samples -> PolicyTrainer.step
     -> the new weights served from the next step
 
-Each step plays its 64 episodes turn by turn (every live episode's call decoded in one
+Each step plays its episodes turn by turn (every live episode's call decoded in one
 batch, as the engine batches concurrent calls), trains once, and serves the new weights
 (synchronous: no staleness). What is left out is exactly the distribution: HTTP, the acked
 Kafka writes, the window in Redis, checkpoint files and the weight broadcast.
