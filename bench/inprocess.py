@@ -1,7 +1,7 @@
 """The physical reference: the demo's training loop in one process, no HTTP, Kafka or Redis.
 
 Same policy (the tiny policy from ``seed``), task (number guessing, prompts from ``seed``),
-batch (8 groups x 8 episodes per step, the ``tiny`` demo preset), sampler (the engine's
+batch (the ``tiny`` demo preset's groups x episodes per step), sampler (the engine's
 :class:`~services.engine.batcher.Batcher`, one-token replies at temperature 1) and update
 (:class:`~services.trainer.step.PolicyTrainer` with the trainer's default settings) as
 ``make demo``, wired with the product's own pure parts instead of its services:
@@ -10,15 +10,24 @@ batch (8 groups x 8 episodes per step, the ``tiny`` demo preset), sampler (the e
     -> collector Assembler (CompletedGroup) -> trainer build_samples -> PolicyTrainer.step
     -> the new weights served from the next step
 
-Each step plays its 64 episodes turn by turn (every live episode's call decoded in one
+Each step plays its episodes turn by turn (every live episode's call decoded in one
 batch, as the engine batches concurrent calls), trains once, and serves the new weights
 (synchronous: no staleness). What is left out is exactly the distribution: HTTP, the acked
 Kafka writes, the window in Redis, checkpoint files and the weight broadcast.
+
+Learning per episode (docs/benchmarks.md, "Learning per episode, in process"): the batch's shape
+(``--batch-groups``, ``--group-size``), any trainer setting (``--set lr=2e-3``), the collector's
+treatment of groups without signal (``--no-signal drop``), a fixed policy lag (``--lag 2``) and the
+pipeline's asynchronous schedule (``--in-flight 16 --keep-versions 2``: groups in flight, the window,
+non-last-version tokens masked; see :class:`Recipe`) are options; the reward is read against played
+episodes (``--at-episodes``, ``--target``), over several seeds at once (``--seeds 0 1 2 --jobs 3``).
 
 Prints a table and writes JSON. Usage::
 
     $(bash deploy/venv.sh --path)/bin/python bench/inprocess.py --steps 80 --out /tmp/rein-bench-inprocess.json
     $(bash deploy/venv.sh --path)/bin/python bench/inprocess.py --seconds 120 --at 10 30 60 120
+    $(bash deploy/venv.sh --path)/bin/python bench/inprocess.py --steps 0 --episodes 100000 --seeds 0 1 2 --jobs 3 \
+        --at-episodes 18600 48000 100000 --in-flight 16 --no-signal drop
 
 ``run()`` is what ``bench/pipeline.py --compare demo`` calls in the same invocation.
 """
@@ -29,8 +38,13 @@ import argparse
 import copy
 import itertools
 import json
+import math
+import multiprocessing
+import random
+import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +69,9 @@ from shared.model import load_family
 from shared.model.compute import context_window_of
 from shared.policy import PolicyConfig
 from shared.schemas import Chunk, CompletedGroup, GroupDispatched, SessionFinished
+from shared.staleness import Batch, Decision, NoSignalGroups, WindowConfig, WindowReplay
 from shared.tokenizer import TOKENIZER
+from shared.window_view import window_group
 
 DEFAULT_AT = (10.0, 30.0, 60.0, 120.0, 480.0)
 """Wall times (s) at which the reward curve is read by default (480 s: the demo's training budget)."""
@@ -77,18 +93,70 @@ class _Live:
     messages: list[Message]
     transcript: _Session = field(default_factory=_Session)
     turn: int = 0
+    ready_at: float = 0.0
+    """When its next call reaches the engine (the asynchronous schedule's clock, in mean turn times)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What one in-process run trains with: the batch's shape, the trainer's settings and the schedule.
+
+    The default is the demo's (``tiny`` preset, the trainer's default settings, synchronous, every group
+    trained). ``in_flight`` > 0 plays the pipeline's asynchronous schedule instead (below)."""
+
+    batch_groups: int = PRESETS["tiny"].batch_groups
+    group_size: int = PRESETS["tiny"].group_size
+    trainer: tuple[tuple[str, Any], ...] = ()
+    """:class:`TrainerSettings` fields set over their defaults (``lr``, ``entropy_coef``, ...)."""
+    no_signal: str = "keep"
+    """``keep``: a group whose rewards are all equal fills a batch slot (the trainer's sync default);
+    ``drop``: it is dropped and more groups are played until the batch holds ``batch_groups`` with signal
+    (the collector in async mode, ``REIN_NO_SIGNAL_GROUPS``)."""
+    lag: int = 0
+    """Sample with the weights ``lag`` updates older than the trainer's (a fixed policy lag)."""
+    in_flight: int = 0
+    """0: synchronous (play a batch, train, serve). N > 0: the pipeline's schedule, on a clock in mean turn
+    times: up to N groups in flight (and at most ``keep_versions`` x ``batch_groups`` started and not yet
+    trained or dropped, counting batches whose weights are not served yet: the runner's pacing); each turn
+    of an episode takes a time drawn uniformly from 1 ± ``jitter``, so episodes drift apart as they do
+    behind HTTP; the engine decodes together the calls that arrive within 0.1 of each other; each batch is
+    trained as soon as the window holds it and its weights are served ``update_delay`` later (the trainer's
+    step and the broadcast), from the next call on, so an episode's later turns may come from newer
+    weights than its first."""
+    jitter: float = 0.9
+    update_delay: float = 0.0
+    """Defaults: with the demo's 16 groups in flight, 8 per batch and keep 2, they give the demo's share of
+    masked tokens (~20 %, docs/benchmarks.md "Learning per episode, in process")."""
+    keep_versions: int = 2
+    """The collector's window when ``in_flight`` > 0 (its rule, ``shared.staleness.window_step``: a group
+    with a trajectory whose last trained token is older than the newest version seen - keep + 1 is dropped,
+    pending groups too when the window advances); 0: no window."""
+
+    def settings(self) -> TrainerSettings:
+        return TrainerSettings(**dict(self.trainer))
+
+    def describe(self) -> dict[str, Any]:
+        schedule = ({"keep_versions": self.keep_versions, "jitter": self.jitter, "update_delay": self.update_delay}
+                    if self.in_flight else {})
+        return {"batch_groups": self.batch_groups, "group_size": self.group_size, "trainer": dict(self.trainer),
+                "no_signal": self.no_signal, "lag": self.lag, "in_flight": self.in_flight, **schedule}
+
+
+def _index_of(label: str) -> int:
+    return int(label[1:])
 
 
 class Reference:
-    """The demo's loop in one process; :meth:`step` plays one batch of groups and trains on it."""
+    """The demo's loop in one process; :meth:`step` plays until one batch is trained (or skipped)."""
 
-    def __init__(self, seed: int = 0, threads: int = 1) -> None:
+    def __init__(self, seed: int = 0, threads: int = 1, recipe: Recipe | None = None) -> None:
         preset = PRESETS["tiny"]
+        self.recipe = recipe = recipe or Recipe()
         torch.set_num_threads(threads)
-        self.trainer_settings = TrainerSettings()
+        self.trainer_settings = recipe.settings()
         self.rollout_settings = RolloutSettings()
         s = self.trainer_settings
-        self.batch_groups, self.group_size = preset.batch_groups, preset.group_size
+        self.batch_groups, self.group_size = recipe.batch_groups, recipe.group_size
         self.family = load_family("tiny", tiny_config=PolicyConfig(
             vocab_size=TOKENIZER.vocab_size, context=s.model_context, width=s.model_width,
             layers=s.model_layers, heads=s.model_heads))
@@ -97,16 +165,34 @@ class Reference:
         model = self.family.new_model(seed, device, dtype=torch.float32)
         self.trainer = PolicyTrainer(model, hyper_from(s), device)
         self.context = context_window_of(self.family, model)
-        self.batcher = Batcher(self._serve(0), end_id=self.tokenizer.stop_ids, pad_id=self.tokenizer.pad_id,
+        self._served: deque[Weights] = deque([self._serve(0)], maxlen=recipe.lag + 1)
+        self.batcher = Batcher(self._served[0], end_id=self.tokenizer.stop_ids, pad_id=self.tokenizer.pad_id,
                                seed=seed, device=device)
         self.task = TASKS[preset.task]()
         self.prompts: Iterator[Prompt] = self.task.prompts(seed)
         self.assembler = Assembler()
         self.params = SamplingParams(max_new_tokens=preset.max_tokens or self.rollout_settings.max_tokens,
                                      temperature=self.rollout_settings.temperature)
+        self.window = WindowReplay(WindowConfig(
+            keep_versions=recipe.keep_versions if recipe.in_flight else 0, batch_groups=recipe.batch_groups,
+            no_signal_groups=NoSignalGroups(recipe.no_signal)), _index_of)
         self.step_no = 0
+        self.live: list[_Live] = []
+        self.playing: set[str] = set()
+        """Groups started and not yet complete."""
+        self.completed: dict[str, CompletedGroup] = {}
+        """Complete groups the window holds (pending a batch)."""
+        self.batches: deque[Batch] = deque()
+        self.played = 0
+        """Episodes of complete groups (trained, dropped or pending)."""
+        self.tally: dict[str, float] = {"reward": 0.0, "episodes": 0, "dropped_stale": 0, "dropped_no_signal": 0}
+        """Since the last step: the reward of the episodes that ended and the groups the window dropped."""
         self._offsets = itertools.count()
         self._ids = itertools.count()
+        self.now = 0.0
+        self._clock = random.Random(seed)
+        self._swaps: deque[tuple[float, Weights, int]] = deque()
+        """Weights trained and not yet served: (when, weights, groups of the batches they consumed)."""
 
     def _serve(self, step: int) -> Weights:
         """The trainer's weights as the engine would load them (a copy, so training never touches them)."""
@@ -118,67 +204,117 @@ class Reference:
     def _add(self, record: Chunk | GroupDispatched | SessionFinished) -> CompletedGroup | None:
         return self.assembler.add(Position("inprocess", 0, next(self._offsets)), record)
 
-    def rollout(self) -> list[CompletedGroup]:
-        """Play ``batch_groups`` groups of ``group_size`` episodes; their records through the collector's assembler."""
-        live: list[_Live] = []
-        for _ in range(self.batch_groups):
+    def _capacity(self) -> int:
+        """Most groups started and not yet trained or dropped (playing + pending)."""
+        r = self.recipe
+        if not r.in_flight:
+            return r.batch_groups
+        return min(r.in_flight, r.keep_versions * r.batch_groups) if r.keep_versions else r.in_flight
+
+    def _start_groups(self) -> None:
+        unserved = sum(n for _, _, n in self._swaps)
+        while len(self.playing) + len(self.window.state.pending) + unserved < self._capacity():
             prompt = next(self.prompts)
             group_id = f"g{next(self._ids)}"
             sessions = [f"{group_id}-s{i}" for i in range(self.group_size)]
             self._add(GroupDispatched(group_id=group_id, prompt_id=prompt.prompt_id, session_ids=sessions,
                                       prompt=prompt.payload))
+            self.playing.add(group_id)
             for sid in sessions:
                 episode = self.task.episode()
-                live.append(_Live(sid, group_id, episode, episode.reset(dict(prompt.payload))))
-        done: list[CompletedGroup] = []
-        while live:
-            calls = []
-            for ep in live:
-                plan = ep.transcript.plan(ep.messages, self.tokenizer)
-                request = self.batcher.admit(f"{ep.session_id}-t{ep.turn}", plan.prompt_ids, self.params)
-                calls.append((ep, plan, request))
-            while self.batcher.has_work():
-                self.batcher.step()
-            still: list[_Live] = []
-            for ep, plan, req in calls:
-                assert req.finish_type is not None
-                seq = ep.transcript.record_chunk(plan, plan.context_ids, req.output_ids, req.versions)
-                self._add(Chunk(session_id=ep.session_id, group_id=ep.group_id, seq=seq,
-                                segment_index=plan.segment_index, chunk_index=0, context_ids=list(plan.context_ids),
-                                output_ids=req.output_ids, logprobs=req.logprobs, version=req.weight_version,
-                                finish_reason=req.finish_type, rid=req.rid))
-                ep.turn += 1
-                text = self.tokenizer.decode(req.output_ids)
-                ep.messages.append({"role": "assistant", "content": text})
-                feedback = ep.episode.step(text)
-                if feedback is not None:
-                    ep.messages.extend(feedback)
-                    still.append(ep)
-                    continue
-                group = self._add(SessionFinished(session_id=ep.session_id, group_id=ep.group_id,
-                                                  reward=ep.episode.reward(), status=ep.episode.status,
-                                                  num_chunks=ep.transcript.num_chunks))
-                if group is not None:
-                    self.assembler.release(group.group_id)
-                    done.append(group)
-            live = still
+                self.live.append(_Live(sid, group_id, episode, episode.reset(dict(prompt.payload)), ready_at=self.now))
+
+    def _round(self) -> None:
+        """Synchronous: every live episode plays one turn (one batched decode). Asynchronous: the clock moves
+        to the next call, weights due by then are served, and the calls due within 0.1 play one turn.
+        Complete groups go to the window."""
+        r = self.recipe
+        if r.in_flight:
+            events = [ep.ready_at for ep in self.live]
+            if self._swaps:
+                events.append(self._swaps[0][0])
+            self.now = max(self.now, min(events)) if events else self.now
+            while self._swaps and self._swaps[0][0] <= self.now:
+                self.batcher.swap_weights(self._swaps.popleft()[1])
+        self._start_groups()
+        due = [ep for ep in self.live if ep.ready_at <= self.now + 0.1] if r.in_flight else self.live
+        waiting = [ep for ep in self.live if ep.ready_at > self.now + 0.1] if r.in_flight else []
+        calls = []
+        for ep in due:
+            plan = ep.transcript.plan(ep.messages, self.tokenizer)
+            request = self.batcher.admit(f"{ep.session_id}-t{ep.turn}", plan.prompt_ids, self.params)
+            calls.append((ep, plan, request))
+        while self.batcher.has_work():
+            self.batcher.step()
+        still: list[_Live] = []
+        for ep, plan, req in calls:
+            assert req.finish_type is not None
+            seq = ep.transcript.record_chunk(plan, plan.context_ids, req.output_ids, req.versions)
+            self._add(Chunk(session_id=ep.session_id, group_id=ep.group_id, seq=seq,
+                            segment_index=plan.segment_index, chunk_index=0, context_ids=list(plan.context_ids),
+                            output_ids=req.output_ids, logprobs=req.logprobs, version=req.weight_version,
+                            finish_reason=req.finish_type, rid=req.rid))
+            ep.turn += 1
+            text = self.tokenizer.decode(req.output_ids)
+            ep.messages.append({"role": "assistant", "content": text})
+            feedback = ep.episode.step(text)
+            if feedback is not None:
+                ep.messages.extend(feedback)
+                ep.ready_at = self.now + self._clock.uniform(1 - r.jitter, 1 + r.jitter)
+                still.append(ep)
+                continue
+            group = self._add(SessionFinished(session_id=ep.session_id, group_id=ep.group_id,
+                                              reward=ep.episode.reward(), status=ep.episode.status,
+                                              num_chunks=ep.transcript.num_chunks))
+            if group is not None:
+                self.assembler.release(group.group_id)
+                self._complete(group)
+        self.live = waiting + still
         self.assembler.take_done()
-        return done
+
+    def _complete(self, group: CompletedGroup) -> None:
+        self.playing.discard(group.group_id)
+        self.played += len(group.trajectories)
+        self.tally["episodes"] += len(group.trajectories)
+        self.tally["reward"] += sum(t.reward for t in group.trajectories)
+        self.completed[group.group_id] = group
+        result = self.window.feed(window_group(group))
+        for d in result.decisions:
+            if d.decision is not Decision.KEPT:
+                self.completed.pop(d.group_id, None)
+                cause = "dropped_no_signal" if d.decision is Decision.DROPPED_NO_SIGNAL else "dropped_stale"
+                self.tally[cause] += 1
+        if result.batch is not None:
+            self.batches.append(result.batch)
 
     def step(self) -> dict[str, Any]:
-        """One batch: rollout, then the trainer's step; the next rollout samples from the updated weights
-        (unchanged after a batch the trainer skipped)."""
-        groups = self.rollout()
-        batch = build_samples(groups, mask_nonlast_version=self.trainer_settings.nonlast_version_tokens == "mask",
-                              max_tokens=self.context)
-        stats = self.trainer.step(batch)
+        """Play rounds until the window holds a batch, then the trainer's step on it; the weights it leaves
+        are served from the next round (``lag`` updates later with a lag; unchanged after a batch the trainer
+        skipped)."""
+        while not self.batches:
+            self._round()
+        batch = self.batches.popleft()
+        groups = [self.completed.pop(g.group_id) for g in batch.groups]
+        samples = build_samples(groups, mask_nonlast_version=self.trainer_settings.nonlast_version_tokens == "mask",
+                                max_tokens=self.context)
+        stats = self.trainer.step(samples, version=f"v{self.step_no}")
         if stats.updated:  # as the trainer does: a batch without gradient leaves weights and version alone
             self.step_no += 1
-            self.batcher.swap_weights(self._serve(self.step_no))
-        rewards = batch.rewards
+            self._served.append(self._serve(self.step_no))
+            if self.recipe.in_flight:
+                self._swaps.append((self.now + self.recipe.update_delay, self._served[0], len(groups)))
+            else:
+                self.batcher.swap_weights(self._served[0])
+        rewards = samples.rewards
+        tally, self.tally = self.tally, {k: 0.0 if k == "reward" else 0 for k in self.tally}
         return {"step": self.step_no, "trajectories": len(rewards),
                 "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-                "trained_tokens": stats.trained_tokens, "loss": stats.loss, "skipped": stats.skipped}
+                "episodes": self.played, "played": tally["episodes"], "played_reward_sum": tally["reward"],
+                "dropped_stale": tally["dropped_stale"], "dropped_no_signal": tally["dropped_no_signal"],
+                "trainable_tokens": samples.trainable_tokens, "masked_tokens": samples.version_masked_tokens,
+                "version_gap_mean": batch.gap.mean if batch.gap else None,
+                "trained_tokens": stats.trained_tokens, "loss": stats.loss, "skipped": stats.skipped,
+                "entropy": stats.entropy}
 
 
 def reward_at(rows: Sequence[dict[str, Any]], seconds: float, window: int = 5) -> float | None:
@@ -198,57 +334,222 @@ def episodes_per_s(rows: Sequence[dict[str, Any]], times: Sequence[float]) -> fl
     return sum(int(r["trajectories"]) for r in rows[1:]) / (times[-1] - times[0])
 
 
+def played_reward(rows: Sequence[dict[str, Any]]) -> float | None:
+    """Mean reward of the episodes that ended during ``rows`` (every group played: trained, dropped or
+    pending), i.e. the policy's reward as the runner sees it."""
+    n = sum(int(r["played"]) for r in rows)
+    return sum(float(r["played_reward_sum"]) for r in rows) / n if n else None
+
+
+def last_steps(rows: Sequence[dict[str, Any]], end: int, window: int = 5, episodes: int = 0) -> list[dict[str, Any]]:
+    """The ``window`` steps up to ``rows[end]`` (``episodes`` > 0: as many as hold that many played episodes)."""
+    if not episodes:
+        return list(rows[max(0, end - window + 1) : end + 1])
+    first, n = end, 0
+    while first > 0 and n + int(rows[first]["played"]) < episodes:
+        n += int(rows[first]["played"])
+        first -= 1
+    return list(rows[first : end + 1])
+
+
+def reward_at_episodes(rows: Sequence[dict[str, Any]], episodes: int, window: int = 5) -> float | None:
+    """:func:`played_reward` of the last ``window`` steps done within ``episodes`` played episodes."""
+    done = [i for i, r in enumerate(rows) if r["episodes"] <= episodes]
+    if not done:
+        return None
+    return played_reward(last_steps(rows, done[-1], window))
+
+
+def episodes_to(rows: Sequence[dict[str, Any]], target: float, window: int = 5, episodes: int = 0) -> int | None:
+    """Played episodes when the mean reward of the last ``window`` steps (``episodes`` > 0: of the last steps
+    holding that many episodes) first reaches ``target``; None if it never does."""
+    for i in range(window - 1 if not episodes else 0, len(rows)):
+        span = last_steps(rows, i, window, episodes)
+        if episodes and sum(int(r["played"]) for r in span) < episodes:
+            continue
+        value = played_reward(span)
+        if value is not None and value >= target:
+            return int(rows[i]["episodes"])
+    return None
+
+
 def run(steps: int = 80, seconds: float = 0.0, seed: int = 0, threads: int = 1,
-        at: Sequence[float] = DEFAULT_AT) -> dict[str, Any]:
-    """Train until ``steps`` (0: no bound) or ``seconds`` (0: no bound); one of them must bound it."""
-    if steps <= 0 and seconds <= 0:
-        raise ValueError("give --steps or --seconds")
-    ref = Reference(seed=seed, threads=threads)
+        at: Sequence[float] = DEFAULT_AT, recipe: Recipe | None = None, episodes: int = 0,
+        at_episodes: Sequence[int] = (), target: float = 0.40) -> dict[str, Any]:
+    """Train until ``steps``, ``seconds`` or ``episodes`` played (each 0: no bound); one of them must bound it."""
+    if steps <= 0 and seconds <= 0 and episodes <= 0:
+        raise ValueError("give --steps, --seconds or --episodes")
+    ref = Reference(seed=seed, threads=threads, recipe=recipe)
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
-    while (not steps or len(rows) < steps) and (not seconds or time.perf_counter() - start < seconds):
+    while ((not steps or len(rows) < steps) and (not seconds or time.perf_counter() - start < seconds)
+           and (not episodes or ref.played < episodes)):
         row = ref.step()
         row["t"] = time.perf_counter() - start
         rows.append(row)
     wall = rows[-1]["t"]
     rewards = [r["reward_mean"] for r in rows if r["reward_mean"] is not None]
     k = max(1, min(5, len(rewards) // 4 or 1))
+    trainable = sum(int(r["trainable_tokens"]) for r in rows)
     return {
         "seed": seed, "threads": threads, "steps": len(rows), "wall_s": wall,
         "batch": {"groups": ref.batch_groups, "group_size": ref.group_size},
-        "episodes": sum(int(r["trajectories"]) for r in rows),
+        "recipe": ref.recipe.describe(),
+        "episodes": ref.played,
+        "trained_episodes": sum(int(r["trajectories"]) for r in rows),
         "episodes_per_s": episodes_per_s(rows, [r["t"] for r in rows]),
         "episodes_per_s_all": sum(int(r["trajectories"]) for r in rows) / wall if wall > 0 else None,
         "reward_first": sum(rewards[:k]) / k if rewards else None,
         "reward_last": sum(rewards[-k:]) / k if rewards else None,
         "reward_window_steps": k,
         "reward_at": {f"{s:g}": reward_at(rows, s) for s in at},
+        "reward_at_episodes": {str(n): reward_at_episodes(rows, n) for n in at_episodes},
+        "target": target,
+        "episodes_to_target": episodes_to(rows, target),
+        "episodes_to_target_1280": episodes_to(rows, target, episodes=1280),
+        "masked_token_fraction": sum(int(r["masked_tokens"]) for r in rows) / trainable if trainable else 0.0,
+        "dropped_stale": sum(int(r["dropped_stale"]) for r in rows),
+        "dropped_no_signal": sum(int(r["dropped_no_signal"]) for r in rows),
         "rows": rows,
     }
 
 
+def _run_seed(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return run(**kwargs)
+
+
+def _spread(values: Sequence[float | None]) -> dict[str, Any]:
+    known = sorted(v for v in values if v is not None)
+    if len(known) < len(values):  # a seed that never got there: the median is only known if most did
+        known_or_inf = sorted(v if v is not None else math.inf for v in values)
+        median = statistics.median(known_or_inf)
+        return {"median": None if math.isinf(median) else median, "min": known[0] if known else None,
+                "max": None, "values": list(values)}
+    return {"median": statistics.median(known), "min": known[0], "max": known[-1], "values": list(values)}
+
+
+def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Median and range over seeds of each read-out (a seed that never reached the target counts as +inf)."""
+    marks = results[0]["reward_at_episodes"]
+    return {
+        "seeds": [r["seed"] for r in results],
+        "reward_at_episodes": {m: _spread([r["reward_at_episodes"][m] for r in results]) for m in marks},
+        "episodes_to_target": _spread([r["episodes_to_target"] for r in results]),
+        "episodes_to_target_1280": _spread([r["episodes_to_target_1280"] for r in results]),
+        "masked_token_fraction": _spread([r["masked_token_fraction"] for r in results]),
+        "dropped_stale": _spread([r["dropped_stale"] for r in results]),
+        "dropped_no_signal": _spread([r["dropped_no_signal"] for r in results]),
+        "episodes_per_s": _spread([r["episodes_per_s"] for r in results]),
+    }
+
+
+def _fmt(v: float | None, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def table(result: dict[str, Any]) -> str:
     at = "  ".join(f"{s}s {v:.3f}" if v is not None else f"{s}s -" for s, v in result["reward_at"].items())
-    return (
-        f"{'steps':>5} {'wall s':>7} {'episodes/s':>10} {'reward first':>12} {'reward last':>11}\n"
+    lines = [
+        f"{'steps':>5} {'wall s':>7} {'episodes/s':>10} {'reward first':>12} {'reward last':>11}",
         f"{result['steps']:>5} {result['wall_s']:>7.1f} {result['episodes_per_s'] or 0:>10.1f} "
-        f"{result['reward_first'] or 0:>12.3f} {result['reward_last'] or 0:>11.3f}\n"
-        f"reward at (mean of the last {5} steps done by then): {at}"
-    )
+        f"{result['reward_first'] or 0:>12.3f} {result['reward_last'] or 0:>11.3f}",
+        f"reward at (mean of the last {5} steps done by then): {at}",
+    ]
+    if result["reward_at_episodes"]:
+        marks = "  ".join(f"{n} {_fmt(v)}" for n, v in result["reward_at_episodes"].items())
+        lines.append(f"played reward at played episodes (last 5 steps): {marks}")
+    lines.append(f"episodes played {result['episodes']} (trained {result['trained_episodes']}), to "
+                 f"{result['target']:.2f}: {result['episodes_to_target'] or '-'} (last 5 steps), "
+                 f"{result['episodes_to_target_1280'] or '-'} (last 1280 episodes); masked "
+                 f"{result['masked_token_fraction']:.3f}, dropped stale {result['dropped_stale']}, "
+                 f"no signal {result['dropped_no_signal']}")
+    return "\n".join(lines)
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    def cell(x: dict[str, Any], spec: str = ".3f") -> str:
+        return f"{_fmt(x['median'], spec)} [{_fmt(x['min'], spec)}-{_fmt(x['max'], spec)}]"
+
+    marks = "  ".join(f"{n}: {cell(x)}" for n, x in summary["reward_at_episodes"].items())
+    return (f"seeds {summary['seeds']}, median [min-max]\n"
+            f"played reward at played episodes (last 5 steps): {marks}\n"
+            f"episodes to target: {cell(summary['episodes_to_target'], '.0f')} (last 5 steps), "
+            f"{cell(summary['episodes_to_target_1280'], '.0f')} (last 1280 episodes)\n"
+            f"masked {cell(summary['masked_token_fraction'])}, dropped stale {cell(summary['dropped_stale'], '.0f')}, "
+            f"no signal {cell(summary['dropped_no_signal'], '.0f')}, "
+            f"episodes/s {cell(summary['episodes_per_s'], '.0f')}")
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def recipe_from(args: argparse.Namespace) -> Recipe:
+    trainer: list[tuple[str, Any]] = []
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set takes KEY=VALUE, got {item!r}")
+        trainer.append((key, _value(value)))
+    return Recipe(batch_groups=args.batch_groups, group_size=args.group_size, trainer=tuple(trainer),
+                  no_signal=args.no_signal, lag=args.lag, in_flight=args.in_flight, keep_versions=args.keep_versions,
+                  jitter=args.jitter, update_delay=args.update_delay)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--steps", type=int, default=80, help="trainer steps (0: until --seconds)")
-    p.add_argument("--seconds", type=float, default=0.0, help="wall-time bound (0: steps only)")
+    p.add_argument("--steps", type=int, default=80, help="trainer steps (0: until --seconds or --episodes)")
+    p.add_argument("--seconds", type=float, default=0.0, help="wall-time bound (0: none)")
+    p.add_argument("--episodes", type=int, default=0, help="bound on played episodes (0: none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="*", help="several seeds (one run each, summarised); overrides --seed")
+    p.add_argument("--jobs", type=int, default=1, help="seeds run in parallel processes (each --threads)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the stack gives engine and trainer 1 each)")
     p.add_argument("--at", type=float, nargs="*", default=list(DEFAULT_AT), help="wall times to read the reward at")
+    p.add_argument("--at-episodes", type=int, nargs="*", default=[], help="played episodes to read the reward at")
+    p.add_argument("--target", type=float, default=0.40, help="reward whose first crossing is reported, in episodes")
+    defaults = Recipe()
+    p.add_argument("--batch-groups", type=int, default=defaults.batch_groups, help="groups per trainer step")
+    p.add_argument("--group-size", type=int, default=defaults.group_size, help="episodes per group")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a trainer setting over its default (TrainerSettings field, JSON value), e.g. lr=2e-3")
+    p.add_argument("--no-signal", choices=("keep", "drop"), default=defaults.no_signal,
+                   help="groups whose rewards are all equal: fill a batch slot, or are dropped (async collector)")
+    p.add_argument("--lag", type=int, default=0, help="sample with weights this many updates old")
+    p.add_argument("--in-flight", type=int, default=0,
+                   help="0: synchronous; N: the pipeline's schedule with N groups in flight (see Recipe)")
+    p.add_argument("--keep-versions", type=int, default=defaults.keep_versions, help="the window with --in-flight")
+    p.add_argument("--jitter", type=float, default=defaults.jitter,
+                   help="with --in-flight: each turn takes 1 +- this (mean turn times)")
+    p.add_argument("--update-delay", type=float, default=defaults.update_delay,
+                   help="with --in-flight: from a batch to its weights being served (mean turn times)")
     p.add_argument("--out", type=Path, default=Path("/tmp/rein-bench-inprocess.json"))
     args = p.parse_args(argv)
-    result = run(args.steps, args.seconds, args.seed, args.threads, args.at)
-    print(table(result))
-    args.out.write_text(json.dumps(result, indent=2))
+    recipe = recipe_from(args)
+    seeds = args.seeds if args.seeds else [args.seed]
+    kwargs = [{"steps": args.steps, "seconds": args.seconds, "seed": seed, "threads": args.threads, "at": args.at,
+               "recipe": recipe, "episodes": args.episodes, "at_episodes": args.at_episodes, "target": args.target}
+              for seed in seeds]
+    if len(seeds) == 1:
+        result = run(**kwargs[0])
+        print(table(result))
+        args.out.write_text(json.dumps(result, indent=2))
+    else:
+        if args.jobs > 1:
+            with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+                results = pool.map(_run_seed, kwargs)
+        else:
+            results = [run(**kw) for kw in kwargs]
+        for result in results:
+            print(f"seed {result['seed']}:")
+            print(table(result))
+        summary = summarise(results)
+        print(summary_table(summary))
+        args.out.write_text(json.dumps({"recipe": recipe.describe(), "argv": list(argv or sys.argv[1:]),
+                                        "summary": summary, "runs": results}, indent=2))
     print(f"written {args.out}")
     return 0
 

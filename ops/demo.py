@@ -73,9 +73,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--nonlast-version-tokens", choices=["mask", "weight"], default="mask",
                    help="the trainer's treatment of a trajectory's tokens from older versions")
     p.add_argument("--collectors", type=int, help="collector replicas (tiny: 2, HF: 1)")
-    p.add_argument("--batch-groups", type=int, help="GRPO groups per training batch (tiny: 8, HF: 2)")
+    p.add_argument("--batch-groups", type=int, help="GRPO groups per training batch (tiny: 4, HF: 2)")
     p.add_argument("--group-size", type=int, help="episodes per group (tiny: 8, HF: 4)")
-    p.add_argument("--concurrent-groups", type=int, help="groups in flight (tiny: 16, HF: 4)")
+    p.add_argument("--concurrent-groups", type=int, help="groups in flight (tiny: 8, HF: 4)")
     p.add_argument("--task",
                    help="rollout task (tiny: guess_number; HF: arithmetic, or calculator, which needs a tool call)")
     p.add_argument("--max-tokens", type=int, help="output budget of each reply (tiny: the runner's 1, HF: 48)")

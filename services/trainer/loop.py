@@ -79,6 +79,7 @@ def hyper_from(settings: TrainerSettings) -> Hyper:
         lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, grad_clip=settings.grad_clip,
         ppo_clip=settings.ppo_clip, is_truncation=settings.is_truncation, normalize_std=settings.normalize_std,
         temperature=settings.temperature, micro_batch_size=settings.micro_batch_size,
+        entropy_coef=settings.entropy_coef,
         correction=CorrectionConfig(
             kind=settings.offpolicy_correction, tis_cap=settings.tis_cap, icepop_band=settings.icepop_band,
             geo_mask_band=settings.geo_mask_band, m2po_threshold=settings.m2po_threshold,

@@ -125,3 +125,24 @@ def ppo_clip_loss(
             ratio_mean=float(ratio[keep].sum().item() / n) if count else 1.0,
         )
     return loss, stats
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, *, normalizer: float | None = None) -> torch.Tensor:
+    """Token-mean entropy over trained tokens, the term an entropy bonus subtracts from the loss.
+
+    - ``entropy``: float ``[B, T]``, the entropy (nats) of the distribution each token was sampled
+      from, as the trainer's current weights give it (carries the gradient).
+    - ``mask``: ``[B, T]`` bool or 0/1, the same "trained" mask as :func:`ppo_clip_loss`'s; other
+      positions contribute nothing.
+
+    Returns ``Σ entropy / n`` over trained tokens, ``n`` = their count or ``normalizer`` (micro-batches
+    sharing one token-mean), a scalar. The trainer's loss is ``policy_loss − coef · entropy_bonus``:
+    every trained position is pushed toward a flatter distribution, in proportion to ``coef``, so a
+    policy trained from scratch does not turn near-deterministic (and stop exploring) before it has
+    found what pays.
+    """
+    if entropy.shape != mask.shape:
+        raise ValueError(f"entropy {tuple(entropy.shape)} and mask {tuple(mask.shape)} must both be [B, T]")
+    keep = mask.to(torch.bool)
+    denom = float(normalizer) if normalizer is not None else float(max(int(keep.sum().item()), 1))
+    return torch.where(keep, entropy, torch.zeros_like(entropy)).sum() / denom

@@ -125,6 +125,7 @@ def step_line(
         "offpolicy_clipped_fraction": stats.offpolicy_clipped_fraction,
         "offpolicy_ess": stats.offpolicy_ess,
         "grad_norm": stats.grad_norm,
+        "entropy": stats.entropy,
         "updated": stats.updated,
         "skipped": stats.skipped,
         "trained_tokens": stats.trained_tokens,

@@ -58,6 +58,10 @@ class TrainerSettings(ModelServiceSettings):
     others bound their own weight); must exceed 1 + ppo_clip. None: no cap."""
     normalize_std: bool = False
     """Divide GRPO advantages by the group's reward std; off because it destabilised the tiny policy."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Weight of the entropy bonus: the loss subtracts ``entropy_coef`` x the token-mean entropy of the policy
+    over trained tokens (``services/trainer/loss.py``, ``entropy_bonus``), which keeps a policy trained from
+    scratch exploring. 0: no bonus, and the entropy is not even scored."""
     nonlast_version_tokens: Literal["mask", "weight"] = "mask"
     """Token-level staleness control for a sample's tokens of an older version
     than its last trainable one: ``mask`` leaves them out of the loss; ``weight`` trains them, each against its

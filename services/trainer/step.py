@@ -27,10 +27,10 @@ from services.trainer.corrections import (
     corrected_loss,
     m2po_cutoff,
 )
-from services.trainer.loss import grpo_advantages
+from services.trainer.loss import entropy_bonus, grpo_advantages
 from services.trainer.parallel import ALONE, Ranks
 from services.trainer.samples import BatchSamples, Sample
-from shared.model.compute import token_logprobs
+from shared.model.compute import token_logprobs, token_logprobs_and_entropy
 from shared.model.sampling import NO_TOP_K, SamplingTensors
 from shared.schemas import SamplingParams
 
@@ -49,6 +49,8 @@ class Hyper:
     temperature: float = 1.0
     """Temperature of tokens whose chunk recorded no sampling parameters (older records)."""
     micro_batch_size: int = 0
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (:func:`~services.trainer.loss.entropy_bonus`); 0: none (not even scored)."""
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     """Off-policy correction of the loss (``services/trainer/corrections.py``); default ``none``."""
 
@@ -86,6 +88,9 @@ class StepStats:
     """Share of trained tokens whose importance weight the correction truncated."""
     offpolicy_ess: float | None = None
     """Normalised effective sample size of the weights the loss applied (:attr:`CorrectionStats.ess`)."""
+    entropy: float | None = None
+    """Mean entropy (nats) of the policy over trained tokens, before the update; scored only with an
+    entropy bonus (None without one)."""
 
     @property
     def updated(self) -> bool:
@@ -193,17 +198,21 @@ class PolicyTrainer:
                              skipped="no_tokens" if total == 0 else "no_signal")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = diff_sum = clip_sum = trunc_sum = ratio_sum = same_diff_sum = 0.0
+        loss_sum = diff_sum = clip_sum = trunc_sum = ratio_sum = same_diff_sum = entropy_sum = 0.0
         same_count = 0
         corrected = CorrectionStats()
         mine = batch.samples[self.ranks.rank :: self.ranks.world]  # this rank's shard (all of it alone)
         cutoff = self._m2po_cutoff(mine, advantages, version)
         for chunk in self._micro_batches(mine):
-            t, logprobs = self._score(chunk, advantages, version)
+            t, logprobs, entropy = self._score(chunk, advantages, version, with_entropy=h.entropy_coef > 0)
             loss, stats, correction_stats = corrected_loss(
                 logprobs, t["rollout"], t["adv"], t["mask"], correction=h.correction,
                 clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total), m2po_cutoff_value=cutoff,
             )
+            if entropy is not None:
+                bonus = entropy_bonus(entropy, t["mask"], normalizer=float(total))
+                loss = loss - h.entropy_coef * bonus
+                entropy_sum += float(bonus.item())
             corrected += correction_stats
             loss.backward()  # type: ignore[no-untyped-call]
             same = t["same"] & t["mask"]
@@ -219,8 +228,9 @@ class PolicyTrainer:
             self._sum_gradients()
             sums = torch.tensor([loss_sum, diff_sum, clip_sum, trunc_sum, ratio_sum, same_diff_sum, same_count,
                                  corrected.tokens, corrected.masked, corrected.clipped, corrected.weight_sum,
-                                 corrected.weight_sq_sum], dtype=torch.float64)
+                                 corrected.weight_sq_sum, entropy_sum], dtype=torch.float64)
             self.ranks.all_sum(sums)
+            entropy_sum = float(sums[12].item())
             loss_sum, diff_sum, clip_sum, trunc_sum, ratio_sum, same_diff_sum = sums[:6].tolist()
             same_count = int(sums[6].item())
             corrected = CorrectionStats(int(sums[7].item()), int(sums[8].item()), int(sums[9].item()),
@@ -246,6 +256,7 @@ class PolicyTrainer:
             offpolicy_masked_fraction=corrected.masked_fraction,
             offpolicy_clipped_fraction=corrected.clipped_fraction,
             offpolicy_ess=corrected.ess,
+            entropy=entropy_sum if h.entropy_coef > 0 else None,
         )
 
     def _sum_gradients(self) -> None:
@@ -265,16 +276,20 @@ class PolicyTrainer:
             start += n
 
     def _score(
-        self, samples: list[Sample], advantages: torch.Tensor, version: str | None
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        self, samples: list[Sample], advantages: torch.Tensor, version: str | None, *, with_entropy: bool = False
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
         """The collated tensors of ``samples`` and the model's logprob of each trained token (``t["mask"]``)
         under its own sampling; 0 at every other position, which the loss, the corrections and the
-        statistics never read (each takes the mask first)."""
+        statistics never read (each takes the mask first). ``with_entropy``: also the entropy of each
+        trained token's sampling distribution (else None)."""
         t = collate(samples, advantages, self.device, version, self.hyper.temperature)
         sampling = SamplingTensors(t["temperature"], t["top_k"], t["top_p"])
         where = None if self.score_every_position else t["mask"]
         with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else nullcontext():
-            return t, token_logprobs(self.model, t["ids"], sampling=sampling, where=where)
+            if with_entropy:
+                logprobs, entropy = token_logprobs_and_entropy(self.model, t["ids"], sampling=sampling, where=where)
+                return t, logprobs, entropy
+            return t, token_logprobs(self.model, t["ids"], sampling=sampling, where=where), None
 
     def _m2po_cutoff(self, mine: list[Sample], advantages: torch.Tensor, version: str | None) -> float | None:
         """M2PO's cutoff over the whole batch when it is split, into micro-batches or over ranks (None
@@ -287,7 +302,7 @@ class PolicyTrainer:
         squares = [torch.zeros(0, dtype=torch.float64)]
         with torch.no_grad():
             for chunk in chunks:
-                t, logprobs = self._score(chunk, advantages, version)
+                t, logprobs, _ = self._score(chunk, advantages, version)
                 ratio = behaviour_log_ratio(logprobs, t["rollout"], t["mask"])[t["mask"]]
                 squares.append(ratio.to(torch.float64).cpu() ** 2)
         return m2po_cutoff(torch.cat(self.ranks.all_gather(torch.cat(squares))), h.correction.m2po_threshold)

@@ -94,6 +94,36 @@ def token_logprobs(
     not ``T x V`` logits. The scored values and the gradients are those of ``where=None`` (up to the
     rounding of a differently shaped matmul).
     """
+    return _score(model, ids, temperature, attention_mask, sampling, where, entropy=False)[0]
+
+
+def token_logprobs_and_entropy(
+    model: nn.Module,
+    ids: torch.Tensor,
+    temperature: float = 1.0,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    sampling: SamplingTensors | None = None,
+    where: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` and, at the same positions, the entropy (nats) of the distribution each
+    token was sampled from (after temperature and the sampling filter): both ``[B, T-1]`` fp32, 0
+    outside ``where``. Both carry the gradient (the trainer's entropy bonus differentiates it)."""
+    logp, ent = _score(model, ids, temperature, attention_mask, sampling, where, entropy=True)
+    assert ent is not None
+    return logp, ent
+
+
+def _score(
+    model: nn.Module,
+    ids: torch.Tensor,
+    temperature: float,
+    attention_mask: torch.Tensor | None,
+    sampling: SamplingTensors | None,
+    where: torch.Tensor | None,
+    *,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     feats, head = features(model, ids, attention_mask)
@@ -111,13 +141,19 @@ def token_logprobs(
         out = head(feats[:, :-1][keep]).float()
         picked = targets[keep]
     if sampling is None:
-        logp = torch.log_softmax(out / temperature, dim=-1).gather(-1, picked[:, None]).squeeze(-1)
+        dist = torch.log_softmax(out / temperature, dim=-1)
+        logp = dist.gather(-1, picked[:, None]).squeeze(-1)
     else:
-        logp = sampling_logprobs(out, sampling.temperature[keep], sampling.top_k[keep], sampling.top_p[keep])
-        logp = logp.gather(-1, picked[:, None]).squeeze(-1).clamp(min=LOGPROB_FLOOR)
+        dist = sampling_logprobs(out, sampling.temperature[keep], sampling.top_k[keep], sampling.top_p[keep])
+        logp = dist.gather(-1, picked[:, None]).squeeze(-1).clamp(min=LOGPROB_FLOOR)
+    ent = None
+    if entropy:  # -sum p log p over the tokens the distribution keeps (a filtered token's p is 0)
+        finite = torch.isfinite(dist)
+        ent = -(dist.exp() * torch.where(finite, dist, torch.zeros_like(dist))).sum(-1)
     if where is None:
-        return logp.reshape(b, t)
-    return logp.new_zeros(b, t).masked_scatter(keep, logp)
+        return logp.reshape(b, t), None if ent is None else ent.reshape(b, t)
+    return (logp.new_zeros(b, t).masked_scatter(keep, logp),
+            None if ent is None else ent.new_zeros(b, t).masked_scatter(keep, ent))
 
 
 def context_window_of(family: ModelFamily, model: nn.Module) -> int:

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from ops.demo_presets import PRESETS
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 
@@ -93,7 +95,8 @@ def _proxy(out: Path) -> None:
 
 def _inprocess(out: Path) -> None:
     data = _json(out, "steps", "wall_s", "episodes_per_s", "reward_first", "reward_last", "reward_at", "rows")
-    assert data["steps"] == 3 and data["episodes"] == 3 * 64, "8 groups x 8 episodes per step"
+    tiny = PRESETS["tiny"]
+    assert data["steps"] == 3 and data["episodes"] == 3 * tiny.batch_groups * tiny.group_size, "the demo's batch"
     assert data["episodes_per_s"] > 0
     assert set(data["reward_at"]) == {"1", "1000"}
 

@@ -25,7 +25,8 @@ from ops.report import optimizer_steps
 
 def test_tiny_demo_keeps_its_defaults() -> None:
     args = parse_args([])
-    assert (args.model, args.steps, args.minutes, args.group_size, args.batch_groups) == ("tiny", 2000, 8, 8, 8)
+    assert (args.model, args.steps, args.minutes, args.group_size, args.batch_groups) == ("tiny", 2000, 8, 8, 4)
+    assert args.concurrent_groups == 8
     assert args.mode == "async"
     assert (args.task, args.max_tokens, args.lr, args.keep_checkpoints, args.timeout_min) == (
         "guess_number",

@@ -12,9 +12,15 @@ import torch
 
 from shared import checkpoint, policy
 from shared.model import CheckpointError, ModelError, load_family
-from shared.model.compute import context_window_of, set_gradient_checkpointing, token_logprobs
+from shared.model.compute import (
+    context_window_of,
+    set_gradient_checkpointing,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 from shared.model.gguf import default_target, is_converted, source_key
 from shared.model.hf import SIDECAR, HFFamily
+from shared.model.sampling import SamplingTensors
 from shared.policy import PolicyConfig, init_policy
 from shared.tokenizer import TOKENIZER
 
@@ -53,6 +59,28 @@ def test_tiny_family_takes_a_shape_and_rejects_a_foreign_model(tmp_path: Path) -
     assert sum(p.numel() for p in family.new_model(0, CPU).parameters()) < 60_000
     with pytest.raises(TypeError):
         family.save(torch.nn.Linear(2, 2), tmp_path / "x.pt", version="v0", step=0)
+
+
+def test_entropy_is_that_of_each_tokens_sampling_distribution() -> None:
+    """Same logprobs as token_logprobs; the entropy of the softmax (temperature, top-k filter applied) at
+    each scored position, 0 elsewhere; the top-k's filtered tokens add nothing (no NaN from 0 * -inf)."""
+    family = load_family("tiny", tiny_config=PolicyConfig(vocab_size=TOKENIZER.vocab_size, context=16, width=16,
+                                                          layers=1, heads=2))
+    model = family.new_model(0, CPU)
+    ids = torch.tensor([[2, 6, 7, 8, 5], [3, 9, 4, 4, 1]])
+    where = torch.tensor([[0, 1, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    temp = torch.full((2, 4), 0.8)
+    top_k = torch.full((2, 4), 5, dtype=torch.long)
+    sampling = SamplingTensors(temp, top_k, torch.ones(2, 4))
+    logp, entropy = token_logprobs_and_entropy(model, ids, sampling=sampling, where=where)
+    assert torch.equal(logp, token_logprobs(model, ids, sampling=sampling, where=where))
+    with torch.no_grad():
+        full = torch.log_softmax(torch.topk(model(ids)[:, :-1] / 0.8, 5, dim=-1).values, dim=-1)
+    expected = -(full.exp() * full).sum(-1)
+    assert torch.allclose(entropy[where], expected[where], atol=1e-5)
+    assert torch.equal(entropy[~where], torch.zeros(int((~where).sum())))
+    entropy.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 def test_unknown_specs_are_model_errors(tmp_path: Path) -> None:

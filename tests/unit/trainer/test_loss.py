@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.loss import grpo_advantages, ppo_clip_loss
+from services.trainer.loss import entropy_bonus, grpo_advantages, ppo_clip_loss
 
 
 def test_advantage_is_reward_minus_group_mean() -> None:
@@ -121,3 +121,25 @@ def test_shape_and_setting_errors() -> None:
         ppo_clip_loss(torch.zeros(1, 2), torch.zeros(1, 3), torch.zeros(1), torch.ones(1, 2))
     with pytest.raises(ValueError, match="is_truncation"):
         ppo_clip_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), is_truncation=1.1)
+
+
+def test_entropy_bonus_is_the_token_mean_over_trained_tokens() -> None:
+    entropy = torch.tensor([[1.0, float("nan"), 3.0], [0.5, 0.5, 9.0]])
+    mask = torch.tensor([[1, 0, 1], [1, 1, 0]])
+    assert entropy_bonus(entropy, mask).item() == pytest.approx((1.0 + 3.0 + 0.5 + 0.5) / 4)
+    assert entropy_bonus(entropy, mask, normalizer=10.0).item() == pytest.approx(0.5)
+    assert entropy_bonus(entropy, torch.zeros_like(mask)).item() == 0.0
+    with pytest.raises(ValueError, match="must both be"):
+        entropy_bonus(entropy[:, :2], mask)
+
+
+def test_entropy_bonus_gradient_flattens_the_distribution() -> None:
+    """Subtracting the bonus and descending raises the entropy of a peaked distribution."""
+    logits = torch.tensor([[[3.0, 0.0, -1.0, 0.5]]], requires_grad=True)
+    logp = torch.log_softmax(logits, -1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    (-entropy_bonus(entropy, torch.ones(1, 1))).backward()  # type: ignore[no-untyped-call]
+    assert logits.grad is not None
+    stepped = logits.detach() - 0.5 * logits.grad
+    after = torch.log_softmax(stepped, -1)
+    assert -(after.exp() * after).sum() > entropy.detach().sum()
