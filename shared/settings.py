@@ -43,6 +43,11 @@ class KafkaSettings(BaseModel):
     max_block_ms: int = Field(default=30_000, gt=0)
     """Bound on a producer's send waiting for a topic's metadata (a broker not reached yet, a topic
     that does not exist); the record fails after it."""
+    fetch_min_bytes: int = Field(default=1, ge=1)
+    """Bytes a consumer's fetch waits for (up to ``fetch_max_wait_ms``) before the broker answers: above 1,
+    a busy topic is read in fewer, larger fetches (less broker CPU per record), at up to that wait more latency."""
+    fetch_max_wait_ms: int = Field(default=500, ge=0)
+    """Longest a fetch waits for ``fetch_min_bytes`` (with 1 byte: for any record at all)."""
     close_timeout_ms: int = Field(default=3_000, ge=0)
     """Bound on a stopping service's last flush and its consumers' leaving their groups: past it, records
     still unacked are dropped (the service exits; their sessions or groups end as lost, as after a crash)."""

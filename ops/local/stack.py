@@ -21,6 +21,14 @@ from shared import bus
 from shared.names import Topics
 from shared.settings import KafkaSettings
 
+PROXY_KAFKA = {"REIN_KAFKA__LINGER_MS": "20"}
+"""The proxy's chunks in batches of 20 ms: no agent waits for their acks (only a session's finish does), and
+fewer, larger produce requests cost the broker and the proxy less CPU per chat call (docs/benchmarks.md)."""
+COLLECTOR_KAFKA = {"REIN_KAFKA__FETCH_MIN_BYTES": "65536", "REIN_KAFKA__FETCH_MAX_WAIT_MS": "20"}
+"""The collectors read the busy chunk and event topics in fetches of up to 20 ms: fewer fetch requests, at
+most 20 ms later. The other consumers (manifests, weights) keep Kafka's defaults: their records are few and
+each is on the path from one training step to the next."""
+
 
 @dataclass
 class StackConfig:
@@ -207,6 +215,7 @@ def start(config: StackConfig) -> LocalStack:
         # Replicas register themselves: the proxies and the broadcaster find them in Redis.
         engine_urls = json.dumps([urls["engine"]] if config.engines == 1 else [])
         proxy_env = {
+            **PROXY_KAFKA,
             "REIN_ENGINE_URLS": engine_urls,
             "REIN_DISCOVER_ENGINES": str(config.engines > 1).lower(),
             **credentials.proxy_env(),
@@ -258,6 +267,7 @@ def start(config: StackConfig) -> LocalStack:
                     env(
                         name,
                         {
+                            **COLLECTOR_KAFKA,
                             "REIN_REPLICA_ID": name,
                             "REIN_KEEP_VERSIONS": str(config.keep_versions),
                             "REIN_BATCH_GROUPS": str(config.batch_groups),

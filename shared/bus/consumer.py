@@ -100,6 +100,8 @@ class Consumer:
                 request_timeout_ms=max(settings.request_timeout_ms, session_timeout_ms + 5_000),
                 fetch_max_bytes=max(settings.max_record_bytes, 1024 * 1024) * 4,
                 max_partition_fetch_bytes=max(settings.max_record_bytes, 1024 * 1024),
+                fetch_min_bytes=settings.fetch_min_bytes,
+                fetch_max_wait_ms=settings.fetch_max_wait_ms,
                 partition_assignment_strategy=(RangePartitionAssignor,),
             ),
             "consumer",
