@@ -14,6 +14,8 @@ from typing import Any
 
 from ops.local.stack import LocalStack, StackConfig
 from ops.report import rows_so_far
+from ops.status_parts import kafka_part
+from services.collector.settings import CollectorSettings
 from shared.bus import read_topic
 from shared.members import Members
 from shared.names import RedisKeys, Topics
@@ -76,16 +78,29 @@ def batches_made(local: LocalStack) -> int:
         client.close()
 
 
+def collectors_caught_up(kafka: KafkaSettings) -> bool:
+    """The collectors' consumer group has committed past every record on its topics: every group the
+    runner ended is folded, written to ``rollout.groups``, decided by a window step and its outbox entries
+    published (a collector commits a record only after all of that)."""
+    group = CollectorSettings().group_id
+    report = kafka_part(kafka, Topics(), {group: ["chunks", "events"]}, 10)
+    return bool(report["groups"][group].get("lag") == 0)
+
+
 def stop_and_read(local: LocalStack, allow_dead: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Stop the runner and the trainer (cleanly), then read a consistent picture: no new groups, then
-    decisions -> pending -> manifests, with the outbox empty before each read (a kept group is pending,
-    or its manifest is published). ``allow_dead``: services the scenario killed."""
+    """Stop the runner and the trainer (cleanly), then read a consistent picture: no new groups, every
+    record the runner wrote taken by the collectors, then decisions -> pending -> manifests, with the
+    outbox empty before each read (a kept group is pending, or its manifest is published).
+    ``allow_dead``: services the scenario killed."""
     services = {s.name: s for s in local.stack.services}
     services["rollout"].stop(timeout_s=90)
     trainer = services["trainer"]
     trainer.stop(timeout_s=90)
     assert trainer.proc is not None and trainer.proc.returncode == 0, "the trainer did not stop cleanly"
     kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
+    # Without this, a group the runner ended as it stopped can be on rollout.groups before its window step.
+    wait_on_stack("the collectors to take every record", lambda: collectors_caught_up(kafka), 120, local,
+                  allow_dead=("rollout", "trainer", *allow_dead))
     keys = RedisKeys()
     client = client_for(local.infra.redis_settings())  # the current primary, after a failover too
     try:
