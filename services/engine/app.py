@@ -9,6 +9,7 @@ reached through ``request.state``. Errors are mapped to HTTP in one place
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +19,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Histogram
+from pydantic import ValidationError
 
 from services.engine.batcher import AdmissionError, Batcher, SamplingParams, StepReport, Weights, limits
 from services.engine.batcher import Request as EngineRequest
@@ -32,7 +34,7 @@ from services.engine.schemas import (
 )
 from services.engine.settings import EngineSettings
 from shared import log, metrics
-from shared.http_server import BodyLimit
+from shared.http_server import BodyLimit, DirectRoute
 from shared.members import Members
 from shared.model import ModelFamily, load_family
 from shared.names import RedisKeys
@@ -107,19 +109,22 @@ def _finish_reason(req: EngineRequest) -> dict[str, Any]:
     return {"type": "abort", "message": "request aborted"}
 
 
+async def _refused(_: Request, exc: Exception) -> JSONResponse:
+    """A request the engine cannot take: 400 (admission), 503 (not serving yet), 422 (a malformed body read by
+    :class:`DirectRoute`, in FastAPI's own shape)."""
+    if isinstance(exc, ValidationError):
+        fields = [{"loc": ["body", *err["loc"]], "msg": err["msg"], "type": err["type"]} for err in exc.errors()]
+        return JSONResponse({"detail": fields}, status_code=422)
+    return JSONResponse({"detail": str(exc)}, status_code=503 if isinstance(exc, EngineUnavailableError) else 400)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
-    async def admission(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=400)
-
-    async def unavailable(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=503)
-
     async def weight_update(req: Request, exc: Exception) -> JSONResponse:
         req.state.metrics.weight_updates.labels(result="refused").inc()
         return JSONResponse({"success": False, "message": str(exc), "num_paused_requests": 0}, status_code=400)
 
-    app.add_exception_handler(AdmissionError, admission)
-    app.add_exception_handler(EngineUnavailableError, unavailable)
+    app.add_exception_handler(AdmissionError, _refused)
+    app.add_exception_handler(EngineUnavailableError, _refused)
     app.add_exception_handler(WeightUpdateError, weight_update)
 
 
@@ -174,6 +179,14 @@ def create_app(settings: EngineSettings) -> FastAPI:
 
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
+        """Also registered for the schema and 405s; :class:`DirectRoute` answers the POSTs (below)."""
+        return await _generate(body, request)
+
+    async def generate_direct(request: Request) -> Response:
+        body = GenerateBody.model_validate_json(await request.body())
+        return Response(json.dumps(await _generate(body, request)), media_type="application/json")
+
+    async def _generate(body: GenerateBody, request: Request) -> dict[str, Any]:
         if body.stream:
             raise AdmissionError("stream=true is not supported by this engine")
         runner: EngineRunner = request.state.runner
@@ -325,5 +338,9 @@ def create_app(settings: EngineSettings) -> FastAPI:
         body, content_type = metrics.render(engine_metrics.registry)
         return Response(body, media_type=content_type)
 
+    # the hot route past FastAPI's per-route layers (its request parsing and response encoding cost the
+    # engine more CPU per call than its own work on the tiny policy; docs/benchmarks.md)
+    app.add_middleware(DirectRoute, path="/generate", endpoint=generate_direct,
+                       errors=(AdmissionError, EngineUnavailableError, ValidationError), on_error=_refused)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     return app
