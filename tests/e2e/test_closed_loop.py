@@ -27,9 +27,9 @@ from tests.support.wait import wait_on_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
 
-STEPS = 8
+STEPS = 5
 COLLECTORS = 2
-RESTART_AT = 3
+RESTART_AT = 2
 
 
 def _wait(what: str, cond: Callable[[], bool], timeout_s: float, local: LocalStack) -> None:
