@@ -83,6 +83,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--agent-command", type=shlex.split,
                    help="a black-box agent run per episode instead of rein's own loop, as a shell would split it; "
                         "{prompt}, {base_url} and {api_key} are replaced (REIN_AGENT_COMMAND, docs/agents.md)")
+    p.add_argument("--env-time", type=float, metavar="MEDIAN_S",
+                   help="seconds each environment step (an answer, the grade) waits, median: a tool's or a grader's "
+                        "time, spent without a core (REIN_ENV_TIME_MEDIAN_S; default none)")
+    p.add_argument("--env-time-sigma", type=float, metavar="SIGMA",
+                   help="log-normal sigma of that wait (REIN_ENV_TIME_SIGMA; default 0: always the median)")
     p.add_argument("--lr", type=float, help="trainer learning rate (tiny: the trainer's 1e-3, HF: 2e-5)")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay (tiny: the trainer's 0.01, HF: 0)")
     p.add_argument("--keep-checkpoints", type=int, help="newest trainer steps kept on disk (tiny: 0 = all, HF: 2)")
@@ -302,7 +307,7 @@ def summarize(
             "lr": config.lr,
             "weight_decay": config.weight_decay,
             "keep_checkpoints": config.keep_checkpoints,
-            "rollout_env": config.extra_env.get("rollout") or None,  # --temperature, --agent-command
+            "rollout_env": config.extra_env.get("rollout") or None,  # --temperature, --agent-command, --env-time
         },
     }
 
@@ -363,6 +368,8 @@ def stack_config(args: argparse.Namespace, model: str, run_dir: Path) -> StackCo
         extra_env={"rollout": {
             **({} if args.temperature is None else {"REIN_TEMPERATURE": str(args.temperature)}),
             **({"REIN_AGENT_COMMAND": json.dumps(args.agent_command)} if args.agent_command else {}),
+            **({} if args.env_time is None else {"REIN_ENV_TIME_MEDIAN_S": str(args.env_time)}),
+            **({} if args.env_time_sigma is None else {"REIN_ENV_TIME_SIGMA": str(args.env_time_sigma)}),
         }},
     )
 

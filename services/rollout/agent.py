@@ -29,6 +29,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from services.rollout.env_time import EnvTime
 from services.rollout.proxy_http import Answer, ProxyHttp, Timeout, Unreachable
 from services.rollout.task import Episode, Message
 from shared import log
@@ -50,6 +51,8 @@ class SessionIds:
     group_id: str
     prompt_id: str
     attempt: int
+    slot: int = 0
+    """The episode's place in its group (0..group size - 1)."""
 
     def headers(self, turn: int) -> dict[str, str]:
         return {
@@ -141,8 +144,10 @@ class Agent:
         max_tokens: int,
         temperature: float,
         finish_attempts: int = 3,
+        env_time: EnvTime | None = None,
     ) -> None:
         self._clients = clients
+        self._env_time = env_time or EnvTime()
         self._proxy_url = proxy_url.rstrip("/")
         self._model = model
         self._max_tokens = max_tokens
@@ -191,6 +196,9 @@ class Agent:
                 answer["tool_calls"] = message["tool_calls"]
             messages.append(answer)
             feedback = episode.step(text, answer.get("tool_calls", ()))
+            wait = self._env_time.draw(ids.prompt_id, ids.attempt, ids.slot, turn)
+            if wait:  # the environment's answer (or its grade) takes this long
+                await asyncio.sleep(wait)
             if feedback is None:
                 break
             messages.extend(feedback)

@@ -79,8 +79,8 @@ class Groups:
         try:
             results: list[EpisodeResult] = await asyncio.gather(*(
                 self.agent.run(self.task.episode(), dict(work.payload),
-                               SessionIds(sid, group_id, work.prompt_id, work.attempt))
-                for sid in session_ids
+                               SessionIds(sid, group_id, work.prompt_id, work.attempt, slot))
+                for slot, sid in enumerate(session_ids)
             ))
             for result in results:
                 self.metrics.on_episode(result)

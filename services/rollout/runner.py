@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from services.rollout.agent import Agent
 from services.rollout.command_agent import CommandAgent
+from services.rollout.env_time import EnvTime
 from services.rollout.feeds import Feeds
 from services.rollout.groups import Groups
 from services.rollout.observe import RolloutMetrics
@@ -158,7 +159,8 @@ class Runner:
                                       temperature=s.temperature, finish_attempts=s.finish_attempts)
                          if s.agent_command else
                          Agent(clients, proxy_url=s.proxy_url, model=s.model, max_tokens=s.max_tokens,
-                               temperature=s.temperature, finish_attempts=s.finish_attempts))
+                               temperature=s.temperature, finish_attempts=s.finish_attempts,
+                               env_time=EnvTime(s.env_time_median_s, s.env_time_sigma, s.seed)))
                 await self._wait_proxy(http)
                 await self._check_credential(clients)
                 self._redis = await asyncio.to_thread(connect, s.redis)

@@ -55,6 +55,12 @@ class RolloutSettings(ServiceSettings):
     (docs/task.md). The proxy closes the assistant message with the end token either way."""
     temperature: float = Field(default=1.0, ge=0.0)
     """Sampling temperature of every call (RL samples at 1.0)."""
+    env_time_median_s: float = Field(default=0.0, ge=0.0)
+    """Seconds each environment step of rein's own agent loop waits, median (0: none): the time a tool call, a
+    sandbox or a grader would take, spent without a core (``services/rollout/env_time.py``). Not applied to
+    ``agent_command``, whose environment is its own."""
+    env_time_sigma: float = Field(default=0.0, ge=0.0)
+    """Log-normal sigma of that wait (0: every step waits the median; 1 and 2: ever longer tails)."""
     agent_command: list[str] = Field(default_factory=list)
     """A black-box agent to run for each episode instead of rein's own tool loop (JSON list, for example
     ``["llm", "openai", "endpoint", "{base_url}", "{prompt}", "-m", "m", "--key", "{api_key}"]``): it gets the

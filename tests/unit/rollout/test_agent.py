@@ -7,6 +7,7 @@ identity headers, finish with the task's reward, and the outcome of each error.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse
 
 from ops.local.ports import free_port
 from services.rollout.agent import Agent, EpisodeResult, SessionIds, classify, error_name
+from services.rollout.env_time import EnvTime
 from services.rollout.proxy_http import ProxyHttp, Timeout, Unreachable
 from services.rollout.task import GuessEpisode, binary_search_policy
 from shared.lender import Lender
@@ -69,14 +71,14 @@ def _serve(proxy: FakeProxy) -> ServerThread:
     return server
 
 
-def _run(proxy: FakeProxy, payload: dict[str, Any] = PAYLOAD) -> EpisodeResult:
+def _run(proxy: FakeProxy, payload: dict[str, Any] = PAYLOAD, env_time: EnvTime | None = None) -> EpisodeResult:
     server = _serve(proxy)
 
     async def go() -> EpisodeResult:
         http = ProxyHttp(server.url, {"Authorization": "Bearer k"}, 5.0)
         try:
             agent = Agent(Lender(lambda: http), proxy_url=server.url, model="rein-tiny", max_tokens=3,
-                          temperature=1.0, finish_attempts=2)
+                          temperature=1.0, finish_attempts=2, env_time=env_time)
             return await agent.run(GuessEpisode(), dict(payload), IDS)
         finally:
             await http.aclose()
@@ -107,6 +109,17 @@ def test_full_episode_sends_history_headers_and_reward() -> None:
         h = call["headers"]
         assert (h["x-session-id"], h["x-group-id"], h["x-prompt-id"], h["x-attempt"], h["x-turn-id"]) == (
             "s-1", "g-1", "p-1", "2", str(turn))
+
+
+def test_each_environment_step_waits_its_environment_time_the_grade_included() -> None:
+    proxy = FakeProxy(_binary)
+    env = EnvTime(median_s=0.15, sigma=1.0, seed=3)
+    waits = [env.draw(IDS.prompt_id, IDS.attempt, IDS.slot, turn) for turn in (1, 2)]  # "higher", then the grade
+    t0 = time.monotonic()
+    result = _run(proxy, env_time=env)
+    elapsed = time.monotonic() - t0
+    assert result.outcome == "completed" and result.turns == 2
+    assert sum(waits) > 0.1 and elapsed >= sum(waits)
 
 
 def test_turn_limit_reports_zero() -> None:
