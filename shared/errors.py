@@ -11,6 +11,7 @@ agents and the rollout runner match on (``partial_rollout_staleness_exceeded``,
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 E = TypeVar("E", bound="ReinError")
@@ -219,3 +220,47 @@ class KafkaUnavailable(DependencyUnavailable):
 def http_body(error: ReinError) -> dict[str, Any]:
     """The JSON body of ``error``'s HTTP response: ``{"detail": {...}}``."""
     return {"detail": error.detail()}
+
+
+# --------------------------------------------------------------------------- why a session ended abnormally
+
+UNREACHABLE = "unreachable"
+"""The runner could not reach the proxy (connection refused or reset)."""
+TIMEOUT = "timeout"
+"""A call of the runner to the proxy got no answer within its bound."""
+INCOMPLETE = "incomplete"
+"""The collector gave up waiting for a session's records (its group was failed whole)."""
+SESSION_LOST = "session_lost"
+"""The runner ended a session the proxy could not end on record (the proxy died or lost it)."""
+
+
+@dataclass(frozen=True)
+class SessionFailure:
+    """What a session error says, for the two places that act on it."""
+
+    charged: bool
+    """A group failed by it uses one of its prompt's ``max_retries`` (the window's retry rule); an uncharged
+    failure is a dependency's or the agent process's fault, not the prompt's or the policy's."""
+    backend_down: bool
+    """The backend as a whole is down (the rollout runner's gate then slows dispatch to one probe group)."""
+
+
+SESSION_FAILURES: Mapping[str, SessionFailure] = {
+    UNREACHABLE: SessionFailure(charged=False, backend_down=True),
+    TIMEOUT: SessionFailure(charged=False, backend_down=True),
+    EngineUnavailable.code: SessionFailure(charged=False, backend_down=True),
+    KafkaUnavailable.code: SessionFailure(charged=False, backend_down=True),
+    # one engine failed; new sessions go to the healthy ones (with none left, they fail engine_unavailable)
+    EngineLost.code: SessionFailure(charged=False, backend_down=False),
+    SessionIdle.code: SessionFailure(charged=False, backend_down=False),  # the agent's process is gone
+    INCOMPLETE: SessionFailure(charged=False, backend_down=False),
+    SESSION_LOST: SessionFailure(charged=False, backend_down=False),
+}
+"""Every session error the window or the runner treats apart; any other (a staleness rejection, a context
+overflow, an agent's own error) is charged and does not say the backend is down."""
+
+UNCHARGED_ERRORS = frozenset(code for code, f in SESSION_FAILURES.items() if not f.charged)
+"""Session errors that say a dependency or the agent's process failed, not the prompt or the policy.
+A group failed only by these is retried without using up one of the prompt's ``max_retries``."""
+BACKEND_DOWN_ERRORS = frozenset(code for code, f in SESSION_FAILURES.items() if f.backend_down)
+"""Session errors that say the backend is down, not that the prompt or the policy failed."""

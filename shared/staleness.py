@@ -238,13 +238,6 @@ def carries_signal(rewards: Sequence[float]) -> bool:
     return len(rewards) >= 2 and max(rewards) - min(rewards) > REWARD_TOLERANCE
 
 
-UNCHARGED_ERRORS = frozenset({
-    "unreachable", "timeout", "engine_unavailable", "engine_lost", "kafka_unavailable", "session_idle", "incomplete",
-    "session_lost",
-})
-"""Session errors that say a dependency or the agent's process failed, not the prompt or the policy.
-A group failed only by these is retried without using up one of the prompt's ``max_retries``
-(up to ``max_free_retries`` times)."""
 
 
 @dataclass(frozen=True)
@@ -259,9 +252,10 @@ class WindowGroup:
     versions: tuple[str, ...]
     """One end version per versioned trajectory (see :func:`trajectory_versions`)."""
     free_retries: int = 0
-    """Retries of the prompt so far that did not count (failures in :data:`UNCHARGED_ERRORS`)."""
+    """Retries of the prompt so far that did not count (failures in :data:`shared.errors.UNCHARGED_ERRORS`)."""
     uncharged: bool = False
-    """Failed, and every session that did not end normally failed with an :data:`UNCHARGED_ERRORS` error."""
+    """Failed, and every session that did not end normally failed with an uncharged error
+    (:data:`shared.errors.UNCHARGED_ERRORS`)."""
     signal: bool = True
     """Its trajectories' rewards differ (:func:`carries_signal`); ignored for a failed group. True where
     the rewards are unknown (a replay file without them)."""

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from shared.errors import UNCHARGED_ERRORS
 from shared.schemas import CompletedGroup
 from shared.staleness import (
-    UNCHARGED_ERRORS,
     SegmentEnd,
     WindowGroup,
     carries_signal,

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.errors import INCOMPLETE
 from shared.schemas import (
     Chunk,
     CompletedGroup,
@@ -46,8 +47,6 @@ from shared.versions import encode_runs
 
 TopicPartition = tuple[str, int]
 
-INCOMPLETE = "incomplete"
-"""Error of the rejection given to a session whose group timed out before it ended whole."""
 CONFLICTING_CHUNKS = "conflicting_chunks"
 """Error of a session two different chunks claimed the same place in: two proxies served it (a call
 retried elsewhere, a balancer that moved it). Neither stream is the sequence one engine continued, so

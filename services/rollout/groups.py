@@ -19,14 +19,12 @@ from kafka.errors import KafkaError
 
 from services.rollout.agent import Agent, EpisodeResult, SessionIds
 from services.rollout.observe import RolloutMetrics
-from services.rollout.scheduler import AVAILABILITY_ERRORS, BackendGate, Scheduler, Work
+from services.rollout.scheduler import BackendGate, Scheduler, Work
 from services.rollout.settings import RolloutSettings
 from services.rollout.task import Task
 from shared.bus import BusUnavailable, Producer
+from shared.errors import BACKEND_DOWN_ERRORS, SESSION_LOST
 from shared.schemas import SessionRejected
-
-LOST_SESSION = "session_lost"
-"""``SessionRejected.error`` of a session the runner ended because its proxy never confirmed an end."""
 
 
 class Groups:
@@ -89,7 +87,7 @@ class Groups:
                 await self._end_lost_sessions(group_id, lost)
             if all(r.unreachable for r in results):
                 self.proxy_suspect = True
-            self._on_backend(all(r.outcome == "failed" and r.error in AVAILABILITY_ERRORS for r in results), probe)
+            self._on_backend(all(r.outcome == "failed" and r.error in BACKEND_DOWN_ERRORS for r in results), probe)
             self.log.info("group_ended", group_id=group_id, prompt_id=work.prompt_id, attempt=work.attempt,
                           outcomes=[r.outcome for r in results], rewards=[r.reward for r in results])
         finally:
@@ -102,7 +100,7 @@ class Groups:
         lost them, or could not write): without it their group would wait for an end that never
         comes. The collector takes a session's first end, so a duplicate of the proxy's is harmless."""
         records = [
-            SessionRejected(session_id=r.session_id, group_id=group_id, error=LOST_SESSION,
+            SessionRejected(session_id=r.session_id, group_id=group_id, error=SESSION_LOST,
                             detail={"outcome": r.outcome, "error": r.error}, num_chunks=None)
             for r in lost
         ]

@@ -288,10 +288,6 @@ class Scheduler:
         return Work(prompt_id=prompt.prompt_id, attempt=0, payload=prompt.payload)
 
 
-AVAILABILITY_ERRORS = frozenset({"unreachable", "timeout", "engine_unavailable", "kafka_unavailable"})
-"""Episode errors that say the backend is down, not that the prompt or the policy failed."""
-
-
 @dataclass
 class BackendGate:
     """Slows dispatch to one probe group at a time while the backend is down.
@@ -299,7 +295,7 @@ class BackendGate:
     Every failed group costs its prompt one of ``max_retries`` attempts. Without this, an
     engine restart of a few seconds fails every group in flight and then their immediate
     retries, and prompts are dropped for an outage that was not theirs. Once a group fails
-    only with :data:`AVAILABILITY_ERRORS` the gate closes: the runner waits for the groups
+    only with :data:`shared.errors.BACKEND_DOWN_ERRORS` the gate closes: the runner waits for the groups
     in flight to end, then sends one group after ``delay_s``, doubling the delay (up to
     ``cap_s``) each time the probe fails too. The first group that gets through opens it.
     """

@@ -7,7 +7,6 @@ import itertools
 import pytest
 
 from services.rollout.scheduler import (
-    AVAILABILITY_ERRORS,
     BackendGate,
     PromptStream,
     RetrySource,
@@ -247,11 +246,6 @@ def test_backend_gate_closes_on_an_outage_probes_with_doubling_delays_and_opens_
     assert delays == [1.0, 2.0, 2.0, 2.0]
     gate.on_group(backend_down=False, probe=True)
     assert not gate.closed and gate.delay_s == 0.0 and gate.may_dispatch(in_flight=8)
-
-
-def test_availability_errors_are_the_backends_not_the_prompts() -> None:
-    assert {"unreachable", "engine_unavailable", "kafka_unavailable", "timeout"} == AVAILABILITY_ERRORS
-    assert not {"partial_rollout_staleness_exceeded", "context_overflow", "session_busy"} & AVAILABILITY_ERRORS
 
 
 def test_a_claimed_stream_gives_only_claimed_prompts_in_stream_order() -> None:

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shared.errors import UNCHARGED_ERRORS
 from shared.staleness import (
-    UNCHARGED_ERRORS,
     Decision,
     NoSignalGroups,
     SegmentEnd,
