@@ -261,6 +261,7 @@ overflow, an agent's own error) is charged and does not say the backend is down.
 
 UNCHARGED_ERRORS = frozenset(code for code, f in SESSION_FAILURES.items() if not f.charged)
 """Session errors that say a dependency or the agent's process failed, not the prompt or the policy.
-A group failed only by these is retried without using up one of the prompt's ``max_retries``."""
+A group failed only by these is retried without using up one of the prompt's ``max_retries`` (up to
+``max_free_retries`` times)."""
 BACKEND_DOWN_ERRORS = frozenset(code for code, f in SESSION_FAILURES.items() if f.backend_down)
 """Session errors that say the backend is down, not that the prompt or the policy failed."""

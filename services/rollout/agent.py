@@ -33,6 +33,7 @@ from services.rollout.env_time import EnvTime
 from services.rollout.proxy_http import Answer, ProxyHttp, Timeout, Unreachable
 from services.rollout.task import Episode, Message
 from shared import log
+from shared.errors import TIMEOUT, UNREACHABLE
 from shared.lender import Lender
 
 STALENESS_ERRORS = frozenset(
@@ -117,9 +118,9 @@ def error_name(body: object) -> str:
 def classify(failure: Answer | Timeout | Unreachable) -> CallError:
     """Map a failed chat call to an outcome (the one place that knows the proxy's error contract)."""
     if isinstance(failure, Timeout):
-        return CallError("failed", "timeout")
+        return CallError("failed", TIMEOUT)
     if isinstance(failure, Unreachable):
-        return CallError("failed", "unreachable", unreachable=True)
+        return CallError("failed", UNREACHABLE, unreachable=True)
     name = error_name(failure.body)
     if failure.status == 409 and name != "session_busy":
         # session_finalized: the proxy rejected (or closed) the session; it takes no more calls.
