@@ -56,7 +56,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     data: dict[str, Any] = {}
     try:
         data["registered"] = Members(redis, keys).live(forget=False)
+        served = _served_version(local)
+
+        # A trained step whose batch had no gradient publishes no version and pauses nothing: wait for an
+        # update the engine has applied (the broadcaster pauses every proxy before it updates the engine).
+        def updated() -> bool:
+            return _served_version(local) != served
+
         wait_on_stack("two trainer steps", lambda: trained_steps(local) >= 2, PROGRESS_TIMEOUT_S, local)
+        wait_on_stack("an update applied on the engine", updated, PROGRESS_TIMEOUT_S, local)
         data["pauses"] = {n: _state(local, n)["pauses"] for n in ("proxy-0", "proxy-1")}
         data["requests"] = {n: _requests(local, n) for n in ("proxy-0", "proxy-1")}
 
@@ -73,6 +81,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         redis.close()
         local.stop()
     return data
+
+
+def _served_version(local: LocalStack) -> str:
+    info = httpx.get(f"{local.urls['engine']}/get_model_info", timeout=5).json()
+    return str(info["weight_version"])
 
 
 def _requests(local: LocalStack, name: str) -> float:
