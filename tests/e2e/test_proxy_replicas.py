@@ -4,8 +4,8 @@ goes on when one dies (its registration lapses; a newcomer joining a pause is in
 
 The local stack with ``proxies=2``: each proxy registers itself in Redis (``REIN_ADVERTISE_URL``), the
 broadcaster has no ``REIN_PROXY_URLS`` and finds them there, and ``deploy/haproxy.sh`` balances agents'
-calls by session (a key in the path, else ``X-Session-Id``, else the API key). The rollout runner (the
-official ``openai`` client, multi-call sessions, then a finish) reaches the proxies through HAProxy only.
+calls by session (a key in the path, else ``X-Session-Id``, else the API key). The rollout runner
+(multi-call sessions, then a finish) reaches the proxies through HAProxy only.
 """
 
 from __future__ import annotations

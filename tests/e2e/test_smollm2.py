@@ -2,7 +2,7 @@
 
 The local stack (the processes ``make demo MODEL=smollm2`` starts) with ``REIN_MODEL`` = the
 converted SmolLM2 directory for trainer, engine and proxy, and the arithmetic task played by
-the rollout runner through the official ``openai`` client. As small as a real run gets: one
+the rollout runner through the proxy's chat route. As small as a real run gets: one
 group of 2 episodes per batch, replies of at most 16 tokens, sync mode (each wave is generated
 by the newest weights, so step 2's batch is sampled by exactly the weights the trainer holds
 and the trainer/engine logprob difference is the numerical mismatch alone, not staleness).
