@@ -35,12 +35,15 @@ class FakeProxy:
     """Answers to successive finish calls; the last one repeats."""
     calls: list[dict[str, Any]] = field(default_factory=list)
     finishes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    """``time.monotonic()`` of every chat and finish call, in order of arrival."""
 
     def app(self) -> FastAPI:
         app = FastAPI()
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> JSONResponse:
+            self.arrivals.append(time.monotonic())
             body = await request.json()
             self.calls.append({"body": body, "headers": dict(request.headers)})
             status, out = self.reply(body["messages"], len(self.calls) - 1)
@@ -54,6 +57,7 @@ class FakeProxy:
 
         @app.post("/v1/sessions/{session_id}/finish")
         async def finish(session_id: str, request: Request) -> JSONResponse:
+            self.arrivals.append(time.monotonic())
             self.finishes.append((session_id, await request.json()))
             status, body = self.finish_replies[min(len(self.finishes), len(self.finish_replies)) - 1]
             return JSONResponse(body, status_code=status)
@@ -115,11 +119,11 @@ def test_each_environment_step_waits_its_environment_time_the_grade_included() -
     proxy = FakeProxy(_binary)
     env = EnvTime(median_s=0.15, sigma=1.0, seed=3)
     waits = [env.draw(IDS.prompt_id, IDS.attempt, IDS.slot, turn) for turn in (1, 2)]  # "higher", then the grade
-    t0 = time.monotonic()
     result = _run(proxy, env_time=env)
-    elapsed = time.monotonic() - t0
-    assert result.outcome == "completed" and result.turns == 2
-    assert sum(waits) > 0.1 and elapsed >= sum(waits)
+    assert result.outcome == "completed" and result.turns == 2 and result.reported
+    first, second, finish = proxy.arrivals
+    assert min(waits) > 0.05
+    assert second - first >= waits[0] and finish - second >= waits[1]
 
 
 def test_turn_limit_reports_zero() -> None:
