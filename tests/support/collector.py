@@ -23,7 +23,7 @@ from services.collector.synthetic import ChunkSpec, group_records
 from shared.bus import Consumer, Producer, ensure_topology
 from shared.bus.admin import admin_client
 from shared.names import RedisKeys, Topics
-from shared.schemas import BatchManifest, Chunk, DecisionRecord, Record, WeightPublished
+from shared.schemas import BatchManifest, Chunk, DecisionRecord, Record, RetryRequest, WeightPublished
 from shared.settings import KafkaSettings, RedisSettings
 
 WAIT_S = 60.0
@@ -207,6 +207,19 @@ def manifests_by_index(records: Iterable[Record]) -> dict[int, BatchManifest]:
             held = out.setdefault(r.index, r)
             assert held == r, f"two different manifests with index {r.index}"
     return out
+
+
+def distinct_retries(records: Iterable[Record]) -> list[RetryRequest]:
+    """Retry requests deduplicated, in order; a duplicate must be identical. The outbox publishes at least
+    once: a publish that timed out after the broker took it is published again as the same bytes (as
+    under a loaded CI run with the tests' 1 s send bound), and the runner keys a retry by prompt and
+    attempt, so it plays each once."""
+    out: dict[tuple[str, int, str], RetryRequest] = {}
+    for r in records:
+        if isinstance(r, RetryRequest):
+            held = out.setdefault((r.prompt_id, r.attempt, r.previous_group_id), r)
+            assert held == r, f"two different retry requests for {r.prompt_id} attempt {r.attempt}"
+    return list(out.values())
 
 
 class Running:

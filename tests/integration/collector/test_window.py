@@ -21,6 +21,7 @@ from tests.support.collector import (
     Running,
     Source,
     Tail,
+    distinct_retries,
     final_decisions,
     make_settings,
     manifests_by_index,
@@ -148,9 +149,9 @@ def test_failed_groups_are_retried_then_dropped_and_never_move_the_window(
     assert final == {"ok1": "kept", "f0": "failed_retry", "f2": "failed_dropped", "ok2": "kept"}
     f0 = next(r for r in tail.records if isinstance(r, DecisionRecord) and r.group_id == "f0")
     assert f0.window.current_version == "v1"
-    assert len(got) == 1 and isinstance(got[0], RetryRequest)
-    assert (got[0].prompt_id, got[0].attempt, got[0].previous_group_id) == ("pf", 1, "f0")
-    assert got[0].prompt == {"id": "pf"}
+    [retry] = distinct_retries(got)
+    assert (retry.prompt_id, retry.attempt, retry.previous_group_id) == ("pf", 1, "f0")
+    assert retry.prompt == {"id": "pf"}
     client = redis.Redis.from_url(settings.redis.url, decode_responses=True)
     assert WindowReader(client, RedisKeys(settings.redis.key_prefix)).window().drops_by_reason["failed_dropped"] == 1
     # a failed group's tokens (rejected sessions' included) are never trained, retried or not
@@ -180,7 +181,7 @@ def test_a_dependencys_failure_does_not_use_up_the_prompts_retries(kafka_bootstr
         final = decided(tail, ["idle", "capped", "stale"])
         got = retries.wait(lambda rs: len(rs) >= 1, "a retry request")
     assert final == {"idle": "failed_retry", "capped": "failed_dropped", "stale": "failed_dropped"}
-    [retry] = [r for r in got if isinstance(r, RetryRequest)]
+    [retry] = distinct_retries(got)
     assert (retry.prompt_id, retry.attempt, retry.free_retries, retry.previous_group_id) == ("pa", 2, 1, "idle")
     source.close()
     tail.close()
@@ -207,8 +208,7 @@ def test_a_group_whose_session_never_ended_is_failed_after_the_incomplete_timeou
         groups = audit.wait(lambda rs: len(rs) >= 2, "both groups audited")
     assert final == {"cut": "failed_retry", "ok": "kept"}
     # incomplete is not the prompt's fault: a free retry, the attempt is not used up
-    assert [(r.prompt_id, r.attempt, r.free_retries, r.previous_group_id) for r in got
-            if isinstance(r, RetryRequest)] == [
+    assert [(r.prompt_id, r.attempt, r.free_retries, r.previous_group_id) for r in distinct_retries(got)] == [
         ("pc", 0, 1, "cut")
     ]
     [cut] = [g for g in groups if isinstance(g, CompletedGroup) and g.group_id == "cut"]
@@ -378,9 +378,7 @@ def test_groups_without_signal_are_dropped_counted_and_not_retried(
     assert final == decisions
     solo = next(r for r in tail.records if isinstance(r, DecisionRecord) and r.group_id == "solo")
     assert solo.window.current_version == "v1"  # observed before it was judged
-    assert [(r.prompt_id, r.previous_group_id) for r in retries.records if isinstance(r, RetryRequest)] == [
-        ("prompt-f", "f")
-    ]
+    assert [(r.prompt_id, r.previous_group_id) for r in distinct_retries(retries.records)] == [("prompt-f", "f")]
     made = manifests_by_index(manifests.records)
     assert [[ref.group_id for ref in made[i].groups] for i in sorted(made)] == batches
     no_signal = 3  # flat1, solo, flat0; f failed and is judged as a failure
