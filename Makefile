@@ -7,6 +7,9 @@ SHELL := /bin/bash
 # Path of the cached venv for this dependency spec (computed only; `make venv` creates it).
 VENV := $(shell bash deploy/venv.sh --path)
 PY := $(VENV)/bin/python
+# mypy's incremental cache, kept beside the venv so a fresh clone checks in ~1 s instead of ~38 (mypy revalidates
+# each module by its content hash and drops a cache written by another mypy version).
+MYPY_CACHE := $(VENV)-mypy-cache
 # Whole-run limit for pytest (per-test limits come from pytest-timeout in pyproject.toml).
 # SIGTERM first (tests/conftest.py stops the broker and Redis on it), SIGKILL a minute later.
 TEST_TIMEOUT ?= 70m
@@ -34,7 +37,7 @@ test: venv infra
 
 lint: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy shared services ops
+	$(VENV)/bin/mypy --cache-dir "$(MYPY_CACHE)" shared services ops
 	@# Only shared/settings.py reads the environment (tests and bench are exempt, as in ruff's TID251 config, and
 	@# ops/local/ports.py, a standard-library script the deploy scripts run before any venv exists).
 	@if git ls-files -co --exclude-standard -- '*.py' \
@@ -50,6 +53,6 @@ clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist *.egg-info
 	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +
 
-# Drops this spec's cached venv and the pinned Kafka jars (the next run rebuilds them).
+# Drops this spec's cached venv, its mypy cache and the pinned Kafka jars (the next run rebuilds them).
 clean-cache:
-	rm -rf "$(VENV)" "$(VENV).lock" "$${REIN_CACHE:-$$HOME/.cache/rein}/kafka-$$(bash deploy/kafka.sh version)"
+	rm -rf "$(VENV)" "$(VENV).lock" "$(MYPY_CACHE)" "$${REIN_CACHE:-$$HOME/.cache/rein}/kafka-$$(bash deploy/kafka.sh version)"
