@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from shared.settings import ServiceSettings
+from shared.settings import ServiceSettings, StopSettings
 from shared.staleness import NoSignalGroups, StaleGroups
 
 
-class CollectorSettings(ServiceSettings):
+class CollectorSettings(ServiceSettings, StopSettings):
     """Settings of ``python -m services.collector`` (every replica of one deployment uses the same values)."""
 
     group_id: str = "rein-collector"

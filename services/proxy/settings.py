@@ -9,10 +9,10 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from shared.settings import ModelServiceSettings, ReplicaSettings
+from shared.settings import ModelServiceSettings, ReplicaSettings, StopSettings
 
 
-class ProxySettings(ModelServiceSettings, ReplicaSettings):
+class ProxySettings(ModelServiceSettings, ReplicaSettings, StopSettings):
     """Settings of ``python -m services.proxy``.
 
     With ``REIN_ADVERTISE_URL`` the proxy registers itself in Redis (so replicas behind a load balancer
@@ -115,10 +115,6 @@ class ProxySettings(ModelServiceSettings, ReplicaSettings):
     rejection, so its group is decided and retried). Its agent is gone: a crashed rollout runner,
     an agent that never calls finish. Keep it above the longest pause between an agent's calls
     (tool runs) and below the collector's ``incomplete_timeout_s``. 0 = never."""
-    shutdown_timeout_s: int = Field(default=10, ge=1)
-    """How long a stopping proxy (SIGTERM) lets calls in flight finish before it cancels them
-    and exits. Without it, calls held by a pause whose resume never comes (the broadcaster
-    stopped mid-update) would keep the proxy up until it is killed."""
     publish_max_inflight_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """Encoded bytes of records submitted to Kafka and not yet acked that the proxy holds at most.
     Chunks are written without making the agent wait for the ack; past this bound a new chunk

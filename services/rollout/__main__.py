@@ -12,12 +12,18 @@ from services.rollout.runner import Runner
 from services.rollout.settings import RolloutSettings
 from shared import log
 from shared.settings import load
+from shared.stopping import exit_after
 
 
 async def _main(runner: Runner) -> None:
     loop = asyncio.get_running_loop()
+
+    def stopping() -> None:
+        runner.stop()
+        exit_after(runner.settings.stop_timeout_s, "rollout")
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, runner.stop)
+        loop.add_signal_handler(sig, stopping)
     await runner.run()
 
 

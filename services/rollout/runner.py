@@ -13,8 +13,9 @@ dispatched is skipped, never repeated), and uncommitted retries are re-read from
 Lifecycle: wait for the proxy and Kafka (bounded) → dispatch loop (the
 :class:`~services.rollout.scheduler.Scheduler` decides) → on SIGTERM/SIGINT or when
 ``max_groups`` groups have been dispatched: stop dispatching, let in-flight groups end
-(bounded by ``drain_timeout_s``), exit. A Kafka consumer thread that dies, a group task
-that raises, or a proxy that stays unreachable ends the run with an error naming it.
+(bounded by ``drain_timeout_s``, and on a signal by half of ``stop_timeout_s``), exit. A Kafka
+consumer thread that dies, a group task that raises, or a proxy that stays unreachable ends the
+run with an error naming it.
 
 This module is the process shell and the dispatch loop; what it reads from Kafka is in
 :mod:`services.rollout.feeds`, how a dispatched group runs in :mod:`services.rollout.groups`.
@@ -175,7 +176,9 @@ class Runner:
                 try:
                     await self._dispatch_loop(http, producer, groups)
                 finally:
-                    await groups.drain(s.drain_timeout_s)
+                    # stopped by a signal: half the stop's bound, the rest is for closing the clients
+                    await groups.drain(min(s.drain_timeout_s, s.stop_timeout_s / 2) if self._stopping
+                                       else s.drain_timeout_s)
         finally:
             await self._feeds.stop()
             if producer is not None:

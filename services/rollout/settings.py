@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from shared.settings import ServiceSettings
+from shared.settings import ServiceSettings, StopSettings
 
 
-class RolloutSettings(ServiceSettings):
+class RolloutSettings(ServiceSettings, StopSettings):
     """Settings of ``python -m services.rollout``."""
 
     proxy_url: str = "http://127.0.0.1:8000"
@@ -80,7 +80,8 @@ class RolloutSettings(ServiceSettings):
     """Bound on waiting for the proxy's ``/health`` and for the Kafka consumers to catch up at start,
     and on waiting for the proxy to come back when every episode of a group found it unreachable."""
     drain_timeout_s: float = Field(default=60.0, gt=0)
-    """On SIGTERM/SIGINT or ``max_groups``: how long in-flight groups may still run before being cancelled."""
+    """Once ``max_groups`` groups are dispatched: how long in-flight groups may still run before being cancelled.
+    On SIGTERM/SIGINT the drain also ends at half of ``stop_timeout_s``; cancelled groups are retried."""
     retry_consumer_group: str = "rein-rollout"
     """Kafka consumer group reading ``rollout.retries`` (offsets are committed after a retry is dispatched)."""
     metrics_host: str = "127.0.0.1"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from shared.settings import ServiceSettings
+from shared.settings import ServiceSettings, StopSettings
 
 
 def _clean_urls(urls: list[str], field: str) -> list[str]:
@@ -20,7 +20,7 @@ def _clean_urls(urls: list[str], field: str) -> list[str]:
     return cleaned
 
 
-class BroadcasterSettings(ServiceSettings):
+class BroadcasterSettings(ServiceSettings, StopSettings):
     """Settings of ``python -m services.weight_broadcaster``."""
 
     proxy_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])

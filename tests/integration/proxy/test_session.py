@@ -330,7 +330,7 @@ def test_a_stopping_proxy_cancels_calls_held_by_a_pause_that_never_ends(
     _, engine_url = sglang(stall_after=2)
     with proxy_process(
         [engine_url], kafka_bootstrap, Topics(chunks=unique_topic(), events=unique_topic()), tmp_path,
-        admin_token=ADMIN, log_level="info", extra_env={"REIN_SHUTDOWN_TIMEOUT_S": "2"},
+        admin_token=ADMIN, log_level="info", extra_env={"REIN_STOP_TIMEOUT_S": "4"},
     ) as proxy:
         proc, url = proxy.proc, proxy.url
         took, outcome = _stop_while_a_call_is_held(proc, url, proxy.runner_token)
