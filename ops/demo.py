@@ -93,6 +93,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-checkpoints", type=int, help="newest trainer steps kept on disk (tiny: 0 = all, HF: 2)")
     p.add_argument("--mode", choices=["async", "sync"],
                    help="async (tiny's default) or sync (HF's: it learned faster on SmolLM2, docs/benchmarks.md)")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch threads of the trainer and the engine (default 1: a core each; in sync mode one "
+                        "phase runs at a time, so each may take every core in turn)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs-dir", type=Path, default=Path("runs"))
     p.add_argument(
@@ -303,6 +306,7 @@ def summarize(
             "group_size": config.group_size,
             "mode": config.mode,
             "seed": config.seed,
+            "torch_threads": config.torch_threads,
             "max_tokens": config.max_tokens,
             "lr": config.lr,
             "weight_decay": config.weight_decay,
@@ -357,6 +361,7 @@ def stack_config(args: argparse.Namespace, model: str, run_dir: Path) -> StackCo
         max_concurrent_groups=args.concurrent_groups,
         mode=args.mode,
         seed=args.seed,
+        torch_threads=args.torch_threads,
         model=model,
         task=args.task,
         max_tokens=args.max_tokens,

@@ -46,8 +46,8 @@ class StackConfig:
     """Groups per training batch (GRPO groups of ``group_size`` episodes)."""
     max_concurrent_groups: int = 16
     mode: str = "async"
-    """``async`` or ``sync`` (the runner waits for each weight update before the next wave; its collectors keep
-    groups without signal, ``REIN_NO_SIGNAL_GROUPS=keep``, so that each wave fills its batch)."""
+    """``async`` or ``sync`` (the runner waits for each weight update before the next wave, and tops a wave up
+    for each of its groups the collectors drop without signal, so that each wave fills its batch)."""
     seed: int = 0
     mask_nonlast_version: bool = True
     """The trainer's ``REIN_NONLAST_VERSION_TOKENS``: ``mask`` when true, ``weight`` (older-version tokens
@@ -58,6 +58,10 @@ class StackConfig:
     """The trainer's ``REIN_OFFPOLICY_CORRECTION``."""
     stale_groups: str = "drop"
     """The collectors' ``REIN_STALE_GROUPS``: ``drop`` or ``withhold``."""
+    torch_threads: int = 1
+    """Torch threads of the trainer and of each engine (``REIN_TORCH_THREADS``). 1 pins each to a core of its
+    own, as async mode wants (both run at once); in sync mode one phase runs at a time, so each may take
+    every core in its turn (issue 34's fair sync: docs/benchmarks.md measures both placements)."""
     engine_step_delay_s: float = 0.0
     base_port: int = 0
     """First of a block of ports for the services; 0 picks free ports."""
@@ -174,7 +178,7 @@ def start(config: StackConfig) -> LocalStack:
                         "REIN_RUN_DIR": str(run_dir / "trainer"),
                         "REIN_SEED": str(config.seed),
                         "REIN_MAX_STEPS": str(config.steps),
-                        "REIN_TORCH_THREADS": "1",
+                        "REIN_TORCH_THREADS": str(config.torch_threads),
                         "REIN_NONLAST_VERSION_TOKENS": "mask" if config.mask_nonlast_version else "weight",
                         "REIN_OFFPOLICY_CORRECTION": config.offpolicy_correction,
                         "REIN_METRICS_PORT": port_of("trainer"),
@@ -201,7 +205,7 @@ def start(config: StackConfig) -> LocalStack:
                             "REIN_WEIGHTS_DIR": str(weights),
                             "REIN_MODEL_PATH": str(v0),
                             "REIN_SEED": str(config.seed),
-                            "REIN_TORCH_THREADS": "1",
+                            "REIN_TORCH_THREADS": str(config.torch_threads),
                             "REIN_STEP_DELAY_S": str(config.engine_step_delay_s),
                             **model,
                             **({"REIN_ADVERTISE_URL": urls[name]} if config.engines > 1 else {}),
@@ -271,9 +275,9 @@ def start(config: StackConfig) -> LocalStack:
                             "REIN_REPLICA_ID": name,
                             "REIN_KEEP_VERSIONS": str(config.keep_versions),
                             "REIN_BATCH_GROUPS": str(config.batch_groups),
-                            # A sync wave is one batch: dropping its groups without signal would leave the
-                            # batch short and the next wave waiting for a version that never comes.
-                            "REIN_NO_SIGNAL_GROUPS": "keep" if config.mode == "sync" else "drop",
+                            # In both modes: a sync wave tops itself up for each group dropped without
+                            # signal (services/rollout/scheduler.py), so its batch still fills.
+                            "REIN_NO_SIGNAL_GROUPS": "drop",
                             "REIN_STALE_GROUPS": config.stale_groups,
                             "REIN_METRICS_PORT": port_of(name),
                         },

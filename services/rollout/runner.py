@@ -51,12 +51,16 @@ from shared.lender import Lender
 from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.schemas import GroupDispatched, new_id
+from shared.staleness import Decision
 from shared.state import connect
 from shared.status_server import StatusServer
 from shared.window_layout import WindowReader
 
 PACING_READ_S = 0.5
 """How often a pacing runner re-reads the prompt cursor, the window's drops and its settings from Redis."""
+SYNC_DROPS_READ_S = 0.1
+"""How often a sync runner re-reads the window's count of groups dropped without signal (its wave's top-ups):
+the trainer waits for the wave's last group, so a top-up read late is a step late."""
 MAX_PUBLISH_FAILURES = 5
 """Consecutive GroupDispatched publish failures (each bounded by Kafka's request timeout) before giving up."""
 
@@ -104,6 +108,7 @@ class Runner:
         self._keys = RedisKeys(settings.redis.key_prefix)
         self._cursor_key = self._keys.prompt_cursor(self.task.name, settings.seed)
         self._pacing_read_at = 0.0
+        self._drops_read_at = 0.0
         self._pacing_outage: Outage | None = None
         self._cursor_outage: Outage | None = None
         self._cursor_retry_at = 0.0
@@ -249,6 +254,7 @@ class Runner:
                 await asyncio.sleep(self._gate.delay_s)
                 if self._stopping:
                     continue
+            await self._sync_drops()
             paced = False
             if not self.stream.available() and not sched.exhausted:
                 paced = await self._pacing_holds()
@@ -274,6 +280,8 @@ class Runner:
                         sched.open_next_wave()
                         wait_started = None
                         continue
+                if sched.mode == "sync":  # a group of the wave dropped without signal is topped up once read
+                    timeout = SYNC_DROPS_READ_S if timeout is None else min(timeout, SYNC_DROPS_READ_S)
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout)
@@ -325,6 +333,24 @@ class Runner:
         held = not pacer.admits()
         self.metrics.on_pacing(pacer.live, pacer.capacity, held)
         return held
+
+    async def _sync_drops(self) -> None:
+        """Sync mode: report the window's count of groups dropped without signal to the scheduler, which tops
+        the wave up by as many (re-read at most every ``SYNC_DROPS_READ_S``; an outage keeps the last count)."""
+        if self.settings.mode != "sync" or self._redis is None or time.monotonic() < self._drops_read_at:
+            return
+        self._drops_read_at = time.monotonic() + SYNC_DROPS_READ_S
+        reader = WindowReader(self._redis, self._keys)
+        try:
+            window = await asyncio.to_thread(reader.window)
+        except DEPENDENCY_ERRORS as exc:
+            self._pacing_outage = self._pacing_outage or Outage(self.log)
+            self._drops_read_at = time.monotonic() + self._pacing_outage.failed(exc)
+            return
+        if self._pacing_outage is not None:
+            self._pacing_outage.recovered()
+            self._pacing_outage = None
+        self.scheduler.on_no_signal_drops(window.drops_by_reason.get(Decision.DROPPED_NO_SIGNAL.value, 0))
 
     def _read_pacing(self, client: redis.Redis) -> None:
         reader = WindowReader(client, self._keys)

@@ -22,6 +22,13 @@ Rules:
   skipped a batch with a higher index than the newest skip seen then (the batch had no
   gradient, so no version follows it). Retries are not gated: the trainer's next batch
   may need them, so gating them could deadlock.
+- Sync mode tops its wave up when the collectors drop groups without signal: each such
+  drop reported during the wave (:meth:`Scheduler.on_no_signal_drops`, the window's
+  cumulative count) lets one more new group into it, so the wave still fills its batch with
+  groups that carry signal. None is dispatched too many: the batch forms only once as many
+  groups carried signal as it holds, so by then every drop of the wave has been reported
+  and none of its groups is still in flight. The first report is a baseline (a restarted
+  runner reads the drops of earlier waves).
 """
 
 from __future__ import annotations
@@ -149,6 +156,10 @@ class Scheduler:
         """Highest manifest index the trainer consumed without an update (``BatchSkipped``) seen."""
         self.wave_skip_baseline = -1
         """Sync mode: ``skipped_index`` when the current wave opened."""
+        self.no_signal_drops: int | None = None
+        """Cumulative groups the collectors dropped without signal, as last reported (None: no report yet)."""
+        self.wave_drop_baseline = 0
+        """Sync mode: ``no_signal_drops`` when the current wave opened."""
 
     # ------------------------------------------------------------------ inputs
 
@@ -196,6 +207,12 @@ class Scheduler:
         """The trainer consumed manifest ``index`` and kept its weights: releases a sync wave like a version."""
         self.skipped_index = max(self.skipped_index, index)
 
+    def on_no_signal_drops(self, total: int) -> None:
+        """The window's cumulative count of groups dropped without signal (sync mode tops its wave up)."""
+        if self.no_signal_drops is None:
+            self.wave_drop_baseline = total  # drops before this runner's first report belong to no wave of its
+        self.no_signal_drops = max(self.no_signal_drops or 0, total)
+
     def on_group_done(self) -> None:
         if self.in_flight <= 0:
             raise RuntimeError("on_group_done without a group in flight")
@@ -218,8 +235,13 @@ class Scheduler:
         return self.exhausted and self.in_flight == 0
 
     @property
+    def wave_target(self) -> int:
+        """Sync mode: new groups the current wave dispatches, ``groups_per_step`` plus its no-signal drops."""
+        return self.groups_per_step + max(0, (self.no_signal_drops or 0) - self.wave_drop_baseline)
+
+    @property
     def wave_full(self) -> bool:
-        return self.mode == "sync" and self.wave_new >= self.groups_per_step
+        return self.mode == "sync" and self.wave_new >= self.wave_target
 
     @property
     def _released(self) -> bool:
@@ -240,6 +262,8 @@ class Scheduler:
     def _mark_baseline(self) -> None:
         self.wave_baseline = self.weights_seq
         self.wave_skip_baseline = self.skipped_index
+        if self.no_signal_drops is not None:
+            self.wave_drop_baseline = self.no_signal_drops
 
     def take(self) -> Work | None:
         """The next group to dispatch, or None if none may start now. Marks it in flight."""

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from services.rollout.scheduler import (
     BackendGate,
@@ -220,6 +223,67 @@ def test_sync_mode_forced_wave_after_timeout() -> None:
     assert s.take() is None
     s.open_next_wave()
     assert s.take() is not None and s.wave == 1
+
+
+def test_sync_mode_tops_its_wave_up_for_each_group_dropped_without_signal() -> None:
+    s = _sched(max_in_flight=10, mode="sync", groups_per_step=2, weights_seq=0)
+    s.on_no_signal_drops(500)  # the first report is a baseline: earlier runs' drops
+    assert [s.take() is not None for _ in range(3)] == [True, True, False]
+    s.on_group_done()
+    s.on_no_signal_drops(501)  # that group had no signal: the batch needs one more
+    assert s.wave_target == 3 and s.take() is not None and s.take() is None
+    s.on_no_signal_drops(501)  # the same count again lets nothing more in
+    assert s.take() is None
+    s.on_group_done()
+    s.on_group_done()
+    assert s.waiting_for_weights
+    s.on_weights_applied(1)
+    assert s.take() is not None and s.wave == 1 and s.wave_target == 2  # a new wave starts from its own count
+
+
+def test_sync_mode_without_drop_reports_keeps_its_wave() -> None:
+    s = _sched(max_in_flight=10, mode="sync", groups_per_step=2)
+    assert [s.take() is not None for _ in range(3)] == [True, True, False] and s.wave_target == 2
+
+
+@given(signal=st.lists(st.booleans(), min_size=60, max_size=60), per_step=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+def test_sync_waves_fill_each_batch_with_signal_and_dispatch_none_too_many(
+    signal: list[bool], per_step: int, seed: int
+) -> None:
+    """A simulated collector: each ended group is decided (kept when it carries signal, else dropped and
+    counted), a batch forms when ``per_step`` kept groups are pending, its update opens the next wave. The
+    runner reports the drop count after each decision (or later: ``lag`` decisions late) and takes what
+    the scheduler gives. Every batch holds exactly ``per_step`` groups and nothing of the wave is left in
+    flight or undecided when it forms."""
+    rng = random.Random(seed)
+    s = _sched(max_in_flight=100, mode="sync", groups_per_step=per_step, weights_seq=0)
+    s.on_no_signal_drops(0)
+    outcomes = iter(signal)
+    running: list[bool] = []
+    unreported: list[int] = []
+    kept = drops = version = batches = 0  # kept: pending in the batch being formed; drops: cumulative
+    for _ in range(400):
+        while s.take() is not None:
+            running.append(next(outcomes, True))
+        assert running or unreported, "the wave is short of its batch and nothing may start: stuck"
+        if running:  # one group ends, in any order, and is decided
+            carries = running.pop(rng.randrange(len(running)))
+            s.on_group_done()
+            if carries:
+                kept += 1
+            else:
+                drops += 1
+            unreported.append(drops)
+        if unreported and (rng.random() < 0.5 or not running):  # the runner reads the window, maybe late
+            s.on_no_signal_drops(unreported[-1])
+            unreported.clear()
+        if kept == per_step:
+            assert not running and s.in_flight == 0, "a group of the wave outlived its batch"
+            kept, batches, version = 0, batches + 1, version + 1
+            s.on_weights_applied(version)
+    assert batches > 0
+    assert s.dispatched == batches * per_step + kept + drops + len(running), "every dispatch accounted for"
 
 
 def test_async_mode_ignores_weights() -> None:
