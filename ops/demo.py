@@ -93,6 +93,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-checkpoints", type=int, help="newest trainer steps kept on disk (tiny: 0 = all, HF: 2)")
     p.add_argument("--mode", choices=["async", "sync"],
                    help="async (tiny's default) or sync (HF's: it learned faster on SmolLM2, docs/benchmarks.md)")
+    p.add_argument("--no-signal-groups", choices=["drop", "keep"],
+                   help="the collectors' groups whose rewards are all equal (default: drop in async mode, keep in "
+                        "sync mode; a sync wave tops itself up for each one dropped)")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch threads of the trainer and the engine (default 1: a core each; in sync mode one "
                         "phase runs at a time, so each may take every core in turn)")
@@ -307,6 +310,7 @@ def summarize(
             "mode": config.mode,
             "seed": config.seed,
             "torch_threads": config.torch_threads,
+            "no_signal_groups": config.no_signal_groups or ("keep" if config.mode == "sync" else "drop"),
             "max_tokens": config.max_tokens,
             "lr": config.lr,
             "weight_decay": config.weight_decay,
@@ -362,6 +366,7 @@ def stack_config(args: argparse.Namespace, model: str, run_dir: Path) -> StackCo
         mode=args.mode,
         seed=args.seed,
         torch_threads=args.torch_threads,
+        no_signal_groups=args.no_signal_groups,
         model=model,
         task=args.task,
         max_tokens=args.max_tokens,

@@ -46,8 +46,12 @@ class StackConfig:
     """Groups per training batch (GRPO groups of ``group_size`` episodes)."""
     max_concurrent_groups: int = 16
     mode: str = "async"
-    """``async`` or ``sync`` (the runner waits for each weight update before the next wave, and tops a wave up
-    for each of its groups the collectors drop without signal, so that each wave fills its batch)."""
+    """``async`` or ``sync`` (the runner waits for each weight update before the next wave)."""
+    no_signal_groups: str | None = None
+    """The collectors' ``REIN_NO_SIGNAL_GROUPS``: ``drop`` or ``keep``; None: ``drop`` in async mode, ``keep`` in
+    sync mode. A sync wave whose groups are dropped tops itself up with one more group for each (the runner
+    reads the window's count), so its batch still fills; under environment time each top-up round is one
+    more episode's wait, so sync keeps them by default until issue 34's runs say which learns faster."""
     seed: int = 0
     mask_nonlast_version: bool = True
     """The trainer's ``REIN_NONLAST_VERSION_TOKENS``: ``mask`` when true, ``weight`` (older-version tokens
@@ -275,9 +279,8 @@ def start(config: StackConfig) -> LocalStack:
                             "REIN_REPLICA_ID": name,
                             "REIN_KEEP_VERSIONS": str(config.keep_versions),
                             "REIN_BATCH_GROUPS": str(config.batch_groups),
-                            # In both modes: a sync wave tops itself up for each group dropped without
-                            # signal (services/rollout/scheduler.py), so its batch still fills.
-                            "REIN_NO_SIGNAL_GROUPS": "drop",
+                            "REIN_NO_SIGNAL_GROUPS": config.no_signal_groups or (
+                                "keep" if config.mode == "sync" else "drop"),
                             "REIN_STALE_GROUPS": config.stale_groups,
                             "REIN_METRICS_PORT": port_of(name),
                         },
