@@ -375,7 +375,8 @@ def stack_config(args: argparse.Namespace, model: str, run_dir: Path) -> StackCo
         keep_checkpoints=args.keep_checkpoints,
         startup_timeout_s=600.0 if hf else 120.0,
         stop_timeout_s=120.0 if hf else 20.0,
-        extra_env={"rollout": {
+        extra_env={**({"trainer": {"REIN_STOP_TIMEOUT_S": "110"}} if hf else {}),  # its last checkpoint: ~0.5 GB
+                   "rollout": {
             **({} if args.temperature is None else {"REIN_TEMPERATURE": str(args.temperature)}),
             **({"REIN_AGENT_COMMAND": json.dumps(args.agent_command)} if args.agent_command else {}),
             **({} if args.env_time is None else {"REIN_ENV_TIME_MEDIAN_S": str(args.env_time)}),

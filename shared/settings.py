@@ -126,14 +126,14 @@ class ReplicaSettings(BaseModel):
 
 
 class StopSettings(BaseModel):
-    """How long a service that holds nothing Kafka or Redis cannot rebuild may take to stop."""
+    """How long a service that holds nothing Kafka, Redis or its durable files cannot rebuild may take to stop."""
 
     stop_timeout_s: float = Field(default=8.0, gt=0)
     """Bound on a stop (SIGTERM/SIGINT), whatever the service's dependencies do: it finishes what it can (the rollout
     runner drains groups in flight, a collector ends its iteration, the proxy lets calls finish, the broadcaster
-    ends its round) for half of it, closes its clients, and exits once it is spent even if a wait on a dead broker
-    is still running (``shared/stopping.py``). What it has not finished is read again or retried, as after a crash.
-    Below compose's 30 s grace period, so a stop is never a SIGKILL."""
+    ends its round, the trainer its step) for half of it, closes its clients, and exits once it is spent even if a
+    wait on a dead broker is still running (``shared/stopping.py``). What it has not finished is read again or
+    retried, as after a crash. Below compose's 30 s grace period, so a stop is never a SIGKILL."""
 
 
 class ModelServiceSettings(ServiceSettings):

@@ -1,11 +1,11 @@
 """A bound on a stop: once it is spent, the process exits even if a wait is still running.
 
-The collector, the rollout runner, the proxy and the weight broadcaster hold nothing that Kafka or Redis
-cannot rebuild (a pause the broadcaster leaves behind is a lease that expires), so an exit in the middle of a
-wait loses nothing a crash would not (and each is tested against SIGKILL). The trainer has no such bound: a
-stopping trainer may be writing its last checkpoint, and stops in under 2 s with its dependencies dead
-(tests/e2e/test_stop_bounded.py). Without a bound, one blocking call on a dead broker (a commit or an ack wait
-of ``request_timeout_ms``, 30 s) keeps a stopping service up past compose's grace period.
+Every service but the engine holds nothing that Kafka, Redis or its own durable files cannot rebuild (a pause
+the broadcaster leaves behind is a lease that expires; a trainer step is durable only once its sidecar line is
+written, so a cut loses at most that step, trained again on restart), so an exit in the middle of a wait loses
+nothing a crash would not (and each is tested against SIGKILL). Without a bound, one blocking call on a dead
+broker (a commit or an ack wait of ``request_timeout_ms``, 30 s) keeps a stopping service up past compose's
+grace period (tests/e2e/test_stop_bounded.py).
 """
 
 from __future__ import annotations

@@ -14,14 +14,22 @@ from services.trainer.settings import TrainerSettings
 from shared import log
 from shared.policy import resolve_device
 from shared.settings import load
+from shared.stopping import exit_after
 
 
 def main() -> None:
     settings = load(TrainerSettings)
     logger = log.configure("trainer", settings.log_level, settings.log_json)
     stop = threading.Event()
+
+    def stopping(*_: object) -> None:
+        # The step in progress ends; a wait on a dead broker is cut at the bound. A step is durable only once its
+        # sidecar line is written (the commit point), so a cut loses at most that step, trained again on restart.
+        stop.set()
+        exit_after(settings.stop_timeout_s, "trainer")
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, stopping)
     ranks = join(resolve_device(settings.device).type)  # torchrun: data-parallel ranks (services/trainer/parallel.py)
     try:
         result = run(settings, stop, ranks)

@@ -7,10 +7,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shared.settings import ModelServiceSettings
+from shared.settings import ModelServiceSettings, StopSettings
 
 
-class TrainerSettings(ModelServiceSettings):
+class TrainerSettings(ModelServiceSettings, StopSettings):
     """Settings of ``python -m services.trainer``."""
 
     weights_dir: Path = Path("weights")
