@@ -70,9 +70,9 @@ class RedisSettings(BaseModel):
     sentinel_master: str = "rein"
     """The name the Sentinels monitor the primary under."""
     replicas_acked: int = Field(default=0, ge=0)
-    """After each write whose effects reach Kafka (a window step, a registry entry), wait until this many
-    replicas hold it (Redis WAIT) and treat fewer as an outage: with a primary and a replica, 1, so a
-    failover to the replica keeps every decision already acted on. 0: one server, no waiting."""
+    """After each write whose effects reach Kafka (a window step, a registry entry), wait until every replica
+    in sync holds it, and at least this many (Redis WAIT), and treat fewer as an outage: with replicas, 1,
+    so a failover to any of them keeps every decision already acted on. 0: one server, no waiting."""
     replica_ack_timeout_s: float = Field(default=2.0, gt=0)
     """Bound on that wait; below ``socket_timeout_s`` (the wait is one call)."""
 

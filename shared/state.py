@@ -81,8 +81,13 @@ class Replication:
         return cls(settings.replicas_acked, settings.replica_ack_timeout_s)
 
     def wait(self, client: redis.Redis, keys: RedisKeys) -> None:
-        """Block until ``replicas`` replicas hold every write made so far; fewer within the bound is an outage:
-        the caller retries, and its retry is idempotent.
+        """Block until every replica in sync with the primary, and at least ``replicas``, holds every write made
+        so far; fewer within the bound is an outage: the caller retries, and its retry is idempotent.
+
+        Every in-sync replica, not just ``replicas`` of them: Sentinel promotes a replica by the replication
+        offsets it last read (up to seconds old), so it may pick one that lacks a write another replica
+        acknowledged. A replica that is down or still syncing is not waited for, so one lost replica of two
+        does not stop writes.
 
         Redis' WAIT covers the writes of the connection it runs on, and a pool may hand out another one
         than the write used. So WAIT follows a write of its own on the same connection (one pipeline):
@@ -90,13 +95,21 @@ class Replication:
         write before it, from any connection."""
         if self.replicas <= 0:
             return
+        need = max(self.replicas, in_sync_replicas(client))
         with client.pipeline(transaction=False) as pipe:
             pipe.incr(keys.replicated)
-            pipe.wait(self.replicas, int(self.timeout_s * 1000))
+            pipe.wait(need, int(self.timeout_s * 1000))
             _, acked = pipe.execute()
-        if int(acked) < self.replicas:
-            raise StateUnavailable(f"{acked} of {self.replicas} Redis replicas acknowledged a write within "
-                                   f"{self.timeout_s}s: not acting on it until one does")
+        if int(acked) < need:
+            raise StateUnavailable(f"{acked} of {need} Redis replicas acknowledged a write within "
+                                   f"{self.timeout_s}s: not acting on it until they do")
+
+
+def in_sync_replicas(client: redis.Redis) -> int:
+    """How many replicas the primary streams to (``state=online`` in INFO replication)."""
+    info: dict[str, Any] = client.info("replication")
+    return sum(1 for name, value in info.items()
+               if name.startswith("slave") and isinstance(value, dict) and value.get("state") == "online")
 
 
 # KEYS: registry hash, registry order zset, unregistered zset; ARGV: label, seq

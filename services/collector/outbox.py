@@ -3,7 +3,9 @@
 :meth:`Outbox.push` appends a step's records to the outbox list inside the step's own
 transaction (:mod:`services.collector.window_store`), so a decision and what it publishes
 are written together. :meth:`Outbox.drain` publishes the list: under a lease lock, from
-the head, in step order (so manifests reach ``train.batches`` in index order), waits for
+the head, in step order (so manifests reach ``train.batches`` in index order), once the
+replicas hold the entries (:class:`shared.state.Replication`: another replica's step, not
+yet replicated, must not reach Kafka before a failover could forget it), waits for
 the broker's acks, then trims exactly what it published (a fenced Lua script: only while
 it still holds the lease and the head is unchanged). A replica killed between the ack and
 the trim leaves entries that the next drainer publishes again: duplicates are possible only
@@ -26,6 +28,7 @@ from shared import log
 from shared.bus import Delivered
 from shared.names import RedisKeys
 from shared.schemas import Record, decode, encode
+from shared.state import Replication
 
 _log = log.get(__name__)
 
@@ -59,11 +62,13 @@ return 0
 class Outbox:
     """The outbox list of one shared window and its drain lease."""
 
-    def __init__(self, client: redis.Redis, keys: RedisKeys, *, replica: str, lock_ms: int = 10_000) -> None:
+    def __init__(self, client: redis.Redis, keys: RedisKeys, *, replica: str, lock_ms: int = 10_000,
+                 replication: Replication | None = None) -> None:
         self.client = client
         self.keys = keys
         self.replica = replica
         self.lock_ms = lock_ms
+        self.replication = replication or Replication()
         self._trim = client.register_script(_TRIM)
         self._release = client.register_script(_RELEASE)
         self._extend = client.register_script(_EXTEND)
@@ -99,6 +104,7 @@ class Outbox:
                 for text in entries:
                     obj = json.loads(text)
                     items.append((str(obj["topic"]), decode(base64.b64decode(obj["record"]))))
+                self.replication.wait(self.client, k)
                 publish(items)
                 trimmed = self._trim(
                     keys=[k.outbox, k.outbox_lock], args=[token, len(entries), entries[0], entries[-1]]

@@ -240,7 +240,10 @@ class Collector:
         fresh = sorted(
             {gid for p in polled if (gid := getattr(p.record, "group_id", None)) and not self.assembler.knows(gid)}
         )
-        for gid in self.store.decided(fresh):
+        done = self.store.decided(fresh)
+        if done:  # read from the primary: its offsets are committed only once the replicas hold the decision
+            self.store.replication.wait(self.store.client, self.store.keys)
+        for gid in done:
             self.assembler.mark_done(gid)
         completed = []
         for p in polled:
@@ -251,6 +254,8 @@ class Collector:
 
     def _handle(self, completed: list[CompletedGroup]) -> None:
         done = self.store.decided([g.group_id for g in completed])
+        if done:  # as in _fold: released (and committed) only once the replicas hold the decision
+            self.store.replication.wait(self.store.client, self.store.keys)
         todo = [g for g in completed if g.group_id not in done]
         futures = [self.producer.send_async(self.settings.topics.groups, g) for g in todo]
         refs = [self.producer.wait(f) for f in futures]

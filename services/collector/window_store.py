@@ -146,7 +146,7 @@ class WindowStore:
         self.registry = RedisRegistry(client, keys, self.replication)
         self.max_attempts = max_attempts
         self.conflicts = 0
-        self.outbox = Outbox(client, keys, replica=replica, lock_ms=lock_ms)
+        self.outbox = Outbox(client, keys, replica=replica, lock_ms=lock_ms, replication=self.replication)
 
     # ------------------------------------------------------------------ config
 
