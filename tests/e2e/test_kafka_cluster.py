@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from kafka import KafkaAdminClient
+from kafka.errors import KafkaError
 
 from ops.local.stack import start
 from shared.bus import topic_configs
@@ -37,11 +38,24 @@ PROGRESS_TIMEOUT_S = 300
 
 
 def _partitions(bootstrap: str) -> dict[tuple[str, int], dict[str, Any]]:
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), request_timeout_ms=10_000)
-    try:
-        return {(t["topic"], p["partition"]): p for t in admin.describe_topics(Topics().all()) for p in t["partitions"]}
-    finally:
-        admin.close()
+    """Every topic partition's metadata. Read again while a node is not ready (the cluster just started,
+    or a broker is down, on a loaded machine): the question is what the cluster says, not how soon."""
+    def read() -> dict[tuple[str, int], dict[str, Any]] | None:
+        try:
+            admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), request_timeout_ms=10_000)
+        except KafkaError:
+            return None
+        try:
+            return {(t["topic"], p["partition"]): p
+                    for t in admin.describe_topics(Topics().all()) for p in t["partitions"]}
+        except KafkaError:
+            return None
+        finally:
+            admin.close()
+
+    found: dict[tuple[str, int], dict[str, Any]] = wait_until(read, 90, "the cluster's partition metadata",
+                                                               interval_s=1.0)
+    return found
 
 
 @pytest.fixture(scope="module")

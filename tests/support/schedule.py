@@ -1,11 +1,11 @@
 """Which worker of a parallel run (``make test``, pytest-xdist) runs what, and in what order.
 
 A unit of work is a test module: one worker runs it whole, so its module fixtures (a proxy and an
-engine, a scenario run) start once. The end-to-end scenarios that start a whole stack are one unit
-together: they run one at a time, never two stacks fighting for the two cores. The heavy units (those
-stacks, the compose test, the bench smoke runs) are handed out first, each to a worker of its own that
-takes nothing else until it is down to its last test; the integration and unit modules fill the other
-workers and, once a heavy unit ends, its worker.
+engine, a scenario run) start once. The end-to-end scenarios that start a whole stack are two units
+(:data:`STACKS` and :data:`STACKS_B`, about 300 s of a run each): within one, they run one at a time.
+The heavy units (those stacks, the compose test, the bench smoke runs) are handed out first, each to a
+worker of its own that takes nothing else until it is down to its last test; the integration and unit
+modules fill the other workers and, once a heavy unit ends, its worker.
 """
 
 from __future__ import annotations
@@ -17,19 +17,22 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 STACKS = "tests/e2e (whole stacks, one at a time)"
+STACKS_B = "tests/e2e (whole stacks, second group)"
+STACKS_B_MODULES = frozenset(f"tests/e2e/test_{name}.py" for name in
+                             ("engine_replicas", "kafka_cluster", "redis_failover", "smollm2", "stop_bounded"))
+"""The whole-stack scenarios of :data:`STACKS_B`; every other one is in :data:`STACKS`. One unit of them all was
+the run's longest (596 s of a 596 s run, the last 75 s with one core idle); split, each group is about 300 s."""
 COMPOSE = "tests/e2e/test_compose.py"
 BENCH = "tests/bench/test_smoke.py"
-HEAVY = (STACKS, COMPOSE, BENCH)
-"""Units in the order they are handed out, before every other. The whole-stack scenarios stay one unit: split
-in two (two stacks at once beside the compose test and the bench smokes), a 3-broker cluster's node was not
-ready within the admin client's wait (tests/e2e/test_kafka_cluster.py, one run of one)."""
+HEAVY = (STACKS, STACKS_B, COMPOSE, BENCH)
+"""Units in the order they are handed out, before every other."""
 
 
 def unit_of(nodeid: str) -> str:
-    """The unit a test belongs to: its module, or :data:`STACKS` for a whole-stack scenario."""
+    """The unit a test belongs to: its module, or a stacks group for a whole-stack scenario."""
     module = nodeid.split("::", 1)[0]
     if module.startswith("tests/e2e/") and module != COMPOSE:
-        return STACKS
+        return STACKS_B if module in STACKS_B_MODULES else STACKS
     return module
 
 

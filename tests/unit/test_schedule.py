@@ -7,9 +7,10 @@ been told that none will come (``pytest_runtestloop`` in ``xdist/remote.py``).
 from __future__ import annotations
 
 from collections import OrderedDict
+from pathlib import Path
 from types import SimpleNamespace
 
-from tests.support.schedule import COMPOSE, STACKS, ModulesHeavyFirst, order, unit_of
+from tests.support.schedule import COMPOSE, STACKS, STACKS_B, STACKS_B_MODULES, ModulesHeavyFirst, order, unit_of
 
 COLLECTION = [
     COMPOSE + "::test_whole",
@@ -98,3 +99,11 @@ def test_every_test_runs_once_and_every_worker_is_shut_down() -> None:
     assert sorted(ran) == sorted(COLLECTION)
     assert all(w.shutting_down and not w.queue for w in workers)
 
+
+
+def test_the_whole_stack_scenarios_are_two_units_and_every_listed_one_exists() -> None:
+    assert unit_of("tests/e2e/test_kafka_cluster.py::test_x") == STACKS_B
+    assert unit_of("tests/e2e/test_closed_loop.py::test_x") == STACKS
+    assert unit_of(COMPOSE + "::test_x") == COMPOSE
+    root = Path(__file__).resolve().parents[2]
+    assert [m for m in sorted(STACKS_B_MODULES) if not (root / m).is_file()] == []
