@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 # Each module in ops/commands registers one subcommand; listed here in help order.
-COMMANDS = ("up", "status", "replay", "tail", "report")
+COMMANDS = ("up", "status", "replay", "tail", "report", "migrate")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -42,85 +42,91 @@ class RedisKeys:
 
     def __init__(self, prefix: str = "rein") -> None:
         self.prefix = prefix
-        self._tag = prefix if "{" in prefix else f"{{{prefix}}}"
+        self.tag = prefix if "{" in prefix else f"{{{prefix}}}"
+        """What every key starts with: the prefix as a hash tag."""
 
     @property
     def registry(self) -> str:
         """Hash label -> published sequence number."""
-        return f"{self._tag}:versions:registry"
+        return f"{self.tag}:versions:registry"
 
     @property
     def registry_order(self) -> str:
         """Sorted set label scored by sequence: ZRANK is the label's index, O(log n)."""
-        return f"{self._tag}:versions:order"
+        return f"{self.tag}:versions:order"
 
     @property
     def unregistered(self) -> str:
         """Sorted set of labels seen in data but never published, scored by observation rank."""
-        return f"{self._tag}:versions:unregistered"
+        return f"{self.tag}:versions:unregistered"
 
     @property
     def unregistered_counter(self) -> str:
         """Counter giving the next observation rank of an unregistered label."""
-        return f"{self._tag}:versions:unregistered_next"
+        return f"{self.tag}:versions:unregistered_next"
 
     @property
     def window(self) -> str:
         """Hash with the window state: current label, current index, cumulative drop counters."""
-        return f"{self._tag}:window"
+        return f"{self.tag}:window"
 
     @property
     def pending(self) -> str:
         """Hash group id -> encoded pending group (kept groups waiting for the next batch)."""
-        return f"{self._tag}:window:pending"
+        return f"{self.tag}:window:pending"
 
     @property
     def pending_order(self) -> str:
         """List of pending group ids in arrival order."""
-        return f"{self._tag}:window:pending_order"
+        return f"{self.tag}:window:pending_order"
 
     @property
     def decided(self) -> str:
         """Hash group id -> decision name: makes each completed group's decision idempotent."""
-        return f"{self._tag}:window:decided"
+        return f"{self.tag}:window:decided"
 
     @property
     def decided_at(self) -> str:
         """Sorted set group id scored by the unix time of its decision: what ``decided`` may forget, oldest first."""
-        return f"{self._tag}:window:decided_at"
+        return f"{self.tag}:window:decided_at"
 
     def prompt_cursor(self, task: str, seed: int) -> str:
         """Counter of prompts claimed from the ``(task, seed)`` stream: a restarted runner (or another
         runner with the same seed) continues after the last claimed prompt, never repeats one."""
-        return f"{self._tag}:rollout:cursor:{task}:seed{seed}"
+        return f"{self.prompt_cursors}{task}:seed{seed}"
+
+    @property
+    def prompt_cursors(self) -> str:
+        """How every prompt cursor's name starts."""
+        return f"{self.tag}:rollout:cursor:"
 
     @property
     def window_config(self) -> str:
         """Hash keep_versions / batch_groups / max_retries every collector replica must agree on."""
-        return f"{self._tag}:window:config"
+        return f"{self.tag}:window:config"
 
     def members(self, kind: str) -> str:
         """Sorted set of the live replicas of ``kind`` (``proxy``): URL scored by when its registration
         expires (unix seconds); each replica renews its own (``shared.members``)."""
-        return f"{self._tag}:members:{kind}"
+        return f"{self.tag}:members:{kind}"
 
     @property
     def pause(self) -> str:
         """The broadcaster's pause in progress (JSON: pause id, reason), expiring with its lease: a proxy
         that starts meanwhile starts paused under it."""
-        return f"{self._tag}:pause"
+        return f"{self.tag}:pause"
 
     @property
     def replicated(self) -> str:
         """Counter written just before each Redis WAIT (``shared.state.Replication``)."""
-        return f"{self._tag}:replicated"
+        return f"{self.tag}:replicated"
 
     @property
     def outbox(self) -> str:
         """List of records a window step decided to publish (decisions, manifests, retries), in step order."""
-        return f"{self._tag}:outbox"
+        return f"{self.tag}:outbox"
 
     @property
     def outbox_lock(self) -> str:
         """Lease held by the one collector replica publishing the outbox (keeps manifests in index order)."""
-        return f"{self._tag}:outbox:lock"
+        return f"{self.tag}:outbox:lock"

@@ -160,8 +160,9 @@ class WindowStore:
         if untagged != key and not self.client.exists(key) and self.client.exists(untagged):
             raise WindowLost(
                 f"Redis holds a window under the old key layout ({untagged}) and none under this one ({key}): "
-                "the run was started by an older rein. Finish it with that version, or delete its keys "
-                f"(`{self.keys.prefix}:*`) to start over, or use another REIN_REDIS__KEY_PREFIX."
+                "the run was started by an older rein. Stop its services and run `rein migrate` to go on with "
+                f"it, or delete its keys (`{self.keys.prefix}:*`) to start over, or use another "
+                "REIN_REDIS__KEY_PREFIX."
             )
         if overwrite:
             self.client.hset(key, mapping=dict(want))  # type: ignore[arg-type]

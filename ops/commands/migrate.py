@@ -1,0 +1,74 @@
+"""``rein migrate``: move a run's Redis keys to today's layout (logic in :mod:`ops.migrate`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from ops.migrate import MigrationRefused, migrate
+from ops.status import RunDirError, read_run_dir
+from shared.names import RedisKeys
+from shared.settings import ServiceSettings, SettingsError, load
+from shared.state import StateUnavailable, connect
+
+EPILOG = """\
+A run started by a rein before the keys carried their prefix as a hash tag keeps its window under
+`rein:window`, `rein:versions:...`; today's collector refuses to start on it. Stop every service of
+the run, migrate, start them again: the window, its pending groups, the decisions, the version
+registry, the outbox and the prompt cursors go on where they were. Safe to run again.
+
+Redis: --redis, else RUN_DIR/stack.json of a `rein up` / `make demo` run (--run-dir), else
+REIN_REDIS__URL (and REIN_REDIS__SENTINELS).
+
+Examples:
+  rein migrate --run-dir runs/demo --dry-run
+  rein migrate --redis redis://127.0.0.1:6379/0 --key-prefix rein
+"""
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "migrate",
+        help="move a run's Redis keys from the layout before the hash tag to today's",
+        description="Move a run's Redis keys from the layout before the hash tag ({rein}:...) to today's.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--run-dir", type=Path, metavar="DIR", help="a `rein up` / `make demo` run directory")
+    parser.add_argument("--redis", metavar="URL", help="Redis URL (redis://host:port/db)")
+    parser.add_argument("--key-prefix", metavar="P", help="Redis key prefix of the deployment (default: rein)")
+    parser.add_argument("--dry-run", action="store_true", help="say what would move, change nothing")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = load(ServiceSettings).redis
+        run_dir = read_run_dir(args.run_dir) if args.run_dir is not None else None
+        url = args.redis or (run_dir.redis_url if run_dir else None)
+        if url:
+            settings = settings.model_copy(update={"url": url})
+        if run_dir and run_dir.redis_sentinels and not args.redis:
+            settings = settings.model_copy(update={"sentinels": list(run_dir.redis_sentinels)})
+        keys = RedisKeys(args.key_prefix or settings.key_prefix)
+        client = connect(settings)
+    except (ValueError, SettingsError, RunDirError, StateUnavailable) as exc:
+        print(f"rein migrate: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        done = migrate(client, keys, dry_run=args.dry_run)
+    except (MigrationRefused, ValueError, redis.RedisError) as exc:
+        print(f"rein migrate: refused: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    verb = "would move" if args.dry_run else "moved"
+    print(f"{verb} {len(done.moved)} keys to {keys.tag}:..., {'would delete' if args.dry_run else 'deleted'} "
+          f"{len(done.duplicates)} old copies of keys already moved; {len(done.done)} were moved before")
+    for key in done.moved:
+        print(f"  {key}")
+    return 0
