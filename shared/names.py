@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 class Topics(BaseModel):
     """Kafka topic names; configurable (``REIN_TOPICS__CHUNKS=...``), these are the defaults."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     chunks: str = "rollout.chunks"
     """One record per engine generation call (key: group id)."""

@@ -28,7 +28,7 @@ class SettingsError(ValueError):
 class KafkaSettings(BaseModel):
     """Where the broker is and how producers and consumers behave."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     bootstrap_servers: str = "127.0.0.1:9092"
     """Comma-separated host:port list of the Kafka brokers."""
@@ -56,7 +56,7 @@ class KafkaSettings(BaseModel):
 class RedisSettings(BaseModel):
     """Shared state store (version registry, window, pending groups)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     url: str = "redis://127.0.0.1:6379/0"
     """redis:// URL of the server (with ``sentinels``: only its database and password count)."""
@@ -101,6 +101,7 @@ class ServiceSettings(BaseSettings):
         env_nested_delimiter=NESTED_DELIMITER,
         extra="forbid",
         validate_default=True,
+        use_attribute_docstrings=True,  # each field's docstring is its description (docs/settings.md)
     )
 
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
@@ -115,6 +116,8 @@ class ServiceSettings(BaseSettings):
 class ReplicaSettings(BaseModel):
     """How a replica (a proxy, an engine) registers itself in Redis for the others to find it."""
 
+    model_config = SettingsConfigDict(use_attribute_docstrings=True)  # a mixin of settings classes
+
     advertise_url: str = ""
     """How the others reach this replica (``http://proxy-2:8000``; ``{ip}`` stands for the address this host's
     name resolves to, as for replicas in compose). Set, the replica registers itself in Redis and renews
@@ -127,6 +130,8 @@ class ReplicaSettings(BaseModel):
 
 class StopSettings(BaseModel):
     """How long a service that holds nothing Kafka, Redis or its durable files cannot rebuild may take to stop."""
+
+    model_config = SettingsConfigDict(use_attribute_docstrings=True)  # a mixin of settings classes
 
     stop_timeout_s: float = Field(default=8.0, gt=0)
     """Bound on a stop (SIGTERM/SIGINT), whatever the service's dependencies do: it finishes what it can (the rollout
