@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from ops.args import max_preempts_arg
 from ops.demo_presets import PRESETS
 from ops.learned import judge
 from ops.local.launcher import LaunchError
@@ -63,7 +64,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="stop training after this many minutes once the stack is up (tiny: 8, HF: 20; 0 = steps only)",
     )
     p.add_argument("--keep-versions", type=int, default=2, help="the collector's window (0 = off)")
-    p.add_argument("--max-preempts", type=_preempts, default=2, help="the proxy's span cap (none = no cap)")
+    p.add_argument("--max-preempts", type=max_preempts_arg, default=2, help="the proxy's span cap (none = no cap)")
     p.add_argument("--pacing", choices=["window", "off"], default="window",
                    help="async mode: start prompts only while the window can still train them (docs/task.md)")
     p.add_argument("--stale-groups", choices=["drop", "withhold"], default="drop",
@@ -115,14 +116,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.timeout_min = max(30.0, args.minutes + 15.0)
     return args
 
-
-def _preempts(text: str) -> int | None:
-    if text.lower() == "none":
-        return None
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--max-preempts must be >= 0 or none, got {text}")
-    return value
 
 
 def resolve_model(spec: str) -> str:

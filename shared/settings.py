@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -104,6 +104,9 @@ class ServiceSettings(BaseSettings):
         use_attribute_docstrings=True,  # each field's docstring is its description (docs/settings.md)
     )
 
+    renamed: ClassVar[dict[str, str]] = {}
+    """Variables this service read under another name before (old -> new): set, they stop it with the new name."""
+
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     redis: RedisSettings = Field(default_factory=RedisSettings)
     topics: Topics = Field(default_factory=Topics)
@@ -190,9 +193,12 @@ def load(cls: type[S], **overrides: Any) -> S:
 
     unknown = unknown_variables(cls, os.environ)
     if unknown:
+        renamed: dict[str, str] = getattr(cls, "renamed", {})
+        moved = [f"{old} is now {renamed[old.upper()]}" for old in unknown if old.upper() in renamed]
         raise SettingsError(
-            f"invalid settings for {cls.__name__}: unknown variable(s) {', '.join(unknown)}; "
-            f"known: {', '.join(sorted(ENV_PREFIX + name.upper() for name in cls.model_fields))}"
+            f"invalid settings for {cls.__name__}: unknown variable(s) {', '.join(unknown)}"
+            + (f" ({'; '.join(moved)})" if moved else "")
+            + f"; known: {', '.join(sorted(ENV_PREFIX + name.upper() for name in cls.model_fields))}"
         )
     try:
         return cls(**overrides)

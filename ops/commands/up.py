@@ -8,6 +8,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ops.args import max_preempts_arg
+
 DEFAULT_RUN_DIR = Path("runs/local")
 
 
@@ -21,7 +23,7 @@ def register(sub: Any) -> None:
     up.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="logs, weights, pids (default runs/local)")
     up.add_argument("--steps", type=int, default=0, help="trainer steps before it stops (0 = run until down)")
     up.add_argument("--keep-versions", type=int, default=2)
-    up.add_argument("--max-preempts", type=int, default=2, help="-1 = no cap")
+    up.add_argument("--max-preempts", type=max_preempts_arg, default=2, help="the proxy's span cap (none = no cap)")
     up.add_argument("--collectors", type=int, default=2)
     up.add_argument("--batch-groups", type=int, default=8)
     up.add_argument("--group-size", type=int, default=8)
@@ -50,7 +52,7 @@ def run_up(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         steps=args.steps,
         keep_versions=args.keep_versions,
-        max_preempts=None if args.max_preempts < 0 else args.max_preempts,
+        max_preempts=args.max_preempts,
         collectors=args.collectors,
         batch_groups=args.batch_groups,
         group_size=args.group_size,

@@ -126,7 +126,7 @@ class Collector:
                 batch_groups=s.batch_groups,
                 no_signal_groups=s.no_signal_groups.value,
                 stale_groups=s.stale_groups.value,
-                group_id=s.group_id,
+                group_id=s.consumer_group,
             )
             self.ready.set()
             self._loop()
@@ -159,7 +159,7 @@ class Collector:
         s = self.settings
         topics = s.topics
         consumer = Consumer(
-            s.kafka, (), s.group_id, on_decode_error=self._bad_record, on_revoked=self._revoked,
+            s.kafka, (), s.consumer_group, on_decode_error=self._bad_record, on_revoked=self._revoked,
             on_assigned=self._assigned, client_suffix=f"collector-{self.replica}",
         )
         for topic in (topics.chunks, topics.events):  # a member that joins without metadata gets nothing

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from shared.settings import ServiceSettings, StopSettings
@@ -11,7 +13,9 @@ from shared.staleness import NoSignalGroups, StaleGroups
 class CollectorSettings(ServiceSettings, StopSettings):
     """Settings of ``python -m services.collector`` (every replica of one deployment uses the same values)."""
 
-    group_id: str = "rein-collector"
+    renamed: ClassVar[dict[str, str]] = {"REIN_GROUP_ID": "REIN_CONSUMER_GROUP"}
+
+    consumer_group: str = "rein-collector"
     """Kafka consumer group of the replicas: partitions of chunks and events are split between its members."""
     replica_id: str = ""
     """Name of this replica in logs and decision records; empty: ``<hostname>-<pid>``."""

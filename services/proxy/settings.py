@@ -61,8 +61,8 @@ class ProxySettings(ModelServiceSettings, ReplicaSettings, StopSettings):
     preempt is 502 ``generation_preempted`` and any version change in a session is 502
     ``trajectory_version_changed``."""
     max_preempts: int | None = Field(default=None, ge=0)
-    """Span cap: a session may span at most ``max_preempts + 1`` distinct real versions.
-    None (unset) = no cap. Negative values are refused at start."""
+    """Span cap: a session may span at most ``max_preempts + 1`` distinct real versions. Unset or ``none``: no
+    cap (``none`` also in ``rein up`` and ``make demo``). Negative values are refused at start."""
     soft_reject: bool = False
     """Answer the three staleness rejections with a 200 empty assistant message (the
     session is still rejected). Per request: header ``X-Rein-Soft-Reject: 1``."""
@@ -122,6 +122,11 @@ class ProxySettings(ModelServiceSettings, ReplicaSettings, StopSettings):
     than the bound is still written, alone."""
     finalized_memory: int = Field(default=100_000, ge=1)
     """How many finished/rejected session ids are remembered (for 409) after their data is dropped."""
+
+    @field_validator("max_preempts", mode="before")
+    @classmethod
+    def _none_is_no_cap(cls, value: object) -> object:
+        return None if isinstance(value, str) and value.strip().lower() == "none" else value
 
     @field_validator("engine_urls")
     @classmethod

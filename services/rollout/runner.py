@@ -161,10 +161,10 @@ class Runner:
                 opened.push_async_callback(http.aclose)
                 opened.push_async_callback(_close_all, clients)
                 agent = (CommandAgent(clients, command=s.agent_command, timeout_s=s.agent_timeout_s,
-                                      proxy_url=s.proxy_url, model=s.model, max_tokens=s.max_tokens,
+                                      proxy_url=s.proxy_url, model=s.request_model, max_tokens=s.max_tokens,
                                       temperature=s.temperature, finish_attempts=s.finish_attempts)
                          if s.agent_command else
-                         Agent(clients, proxy_url=s.proxy_url, model=s.model, max_tokens=s.max_tokens,
+                         Agent(clients, proxy_url=s.proxy_url, model=s.request_model, max_tokens=s.max_tokens,
                                temperature=s.temperature, finish_attempts=s.finish_attempts,
                                env_time=EnvTime(s.env_time_median_s, s.env_time_sigma, s.seed)))
                 await self._wait_proxy(http)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -18,8 +18,11 @@ class RolloutSettings(ServiceSettings, StopSettings):
     """The runner's credential at the proxy (the proxies' ``REIN_RUNNER_TOKEN``), sent as the bearer of every
     call that opens, drives by ``X-Session-Id`` or finishes a session. An agent command never gets it: only its
     session's key (docs/security.md). Empty only against a proxy with ``REIN_OPEN_SESSIONS=true``."""
-    model: str = "rein-tiny"
-    """Model name put in each chat request (the proxy accepts any)."""
+    renamed: ClassVar[dict[str, str]] = {"REIN_MODEL": "REIN_REQUEST_MODEL"}
+
+    request_model: str = "rein-tiny"
+    """Model name put in each chat request (the proxy accepts any). Not ``REIN_MODEL``: that is the weights
+    the engine, the proxy and the trainer load."""
     task: Literal["guess_number", "arithmetic", "calculator"] = "guess_number"
     """Built-in task to play (``services.rollout.tasks.TASKS``): ``guess_number`` for the tiny policy,
     ``arithmetic`` for an instruct model (``REIN_MODEL`` = a Hugging Face model; docs/task.md), ``calculator``

@@ -43,7 +43,7 @@ def make_settings(kafka_bootstrap: str, redis_url: str, *, partitions: int = 1, 
         "kafka": kafka,
         "redis": RedisSettings(url=redis_url, key_prefix=f"test-{tag}"),
         "topics": topics,
-        "group_id": f"collector-{tag}",
+        "consumer_group": f"collector-{tag}",
         "metrics_port": 0,
         "poll_timeout_s": 0.05,
         "drain_interval_s": 0.5,
@@ -69,7 +69,7 @@ def env_of(settings: CollectorSettings) -> dict[str, str]:
     for name in Topics.model_fields:
         env[f"REIN_TOPICS__{name.upper()}"] = getattr(settings.topics, name)
     for name in (
-        "group_id",
+        "consumer_group",
         "keep_versions",
         "batch_groups",
         "max_retries",

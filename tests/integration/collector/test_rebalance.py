@@ -34,7 +34,7 @@ def test_collector_member_joins_and_leaves(kafka_bootstrap: str, redis_db_url: s
             for gid in kept[:16]:
                 source.group(gid, [["v1"], ["v1"]])
             batches.wait(lambda rs: len(manifests_by_index(rs)) >= 4, "the first 16 groups in manifests")
-            with ForeignMember(kafka_bootstrap, settings.group_id, [topics.chunks, topics.events]) as member:
+            with ForeignMember(kafka_bootstrap, settings.consumer_group, [topics.chunks, topics.events]) as member:
                 assert {t for t, _ in member.partitions} == {topics.chunks, topics.events}
                 for gid in kept[16:32]:
                     source.group(gid, [["v1"], ["v1"]])

@@ -40,7 +40,7 @@ def test_status_reports_window_registry_and_lag(
     kafka_bootstrap: str, redis_db_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=2, batch_groups=2)
-    group = settings.group_id
+    group = settings.consumer_group
     args = ("--kafka", kafka_bootstrap, "--redis", redis_db_url, "--key-prefix", settings.redis.key_prefix,
             "--group", group)
     source = Source(settings)

@@ -3,6 +3,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from services.collector.settings import CollectorSettings
+from services.rollout.settings import RolloutSettings
 from shared.names import RedisKeys
 from shared.settings import RedisSettings, ServiceSettings, SettingsError, load
 
@@ -31,6 +33,21 @@ def test_unknown_top_level_variable_is_an_error(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("REIN_LOG_LEVLE", "debug")
     with pytest.raises(SettingsError, match="REIN_LOG_LEVLE"):
         load(ServiceSettings)
+
+
+@pytest.mark.parametrize(("old", "new", "cls"), [
+    ("REIN_GROUP_ID", "REIN_CONSUMER_GROUP", CollectorSettings),  # a Kafka consumer group, not a GRPO group
+    ("REIN_MODEL", "REIN_REQUEST_MODEL", RolloutSettings),  # the request's model name, not the weights to load
+])
+def test_a_renamed_variable_stops_the_service_with_its_new_name(
+    monkeypatch: pytest.MonkeyPatch, old: str, new: str, cls: type[ServiceSettings]
+) -> None:
+    monkeypatch.setenv(old, "x")
+    with pytest.raises(SettingsError, match=f"{old} is now {new}"):
+        load(cls)
+    monkeypatch.delenv(old)
+    monkeypatch.setenv(new, "x")
+    assert load(cls).model_dump()[new.removeprefix("REIN_").lower()] == "x"
 
 
 def test_deploy_script_variables_are_not_settings(monkeypatch: pytest.MonkeyPatch) -> None:
