@@ -94,7 +94,7 @@ def throughput(bootstrap: str, redis_url: str, replicas: int, groups: int) -> di
             "REIN_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
             "REIN_REDIS__URL": redis_url,
             "REIN_REDIS__KEY_PREFIX": prefix,
-            "REIN_GROUP_ID": f"bench-{tag}",
+            "REIN_CONSUMER_GROUP": f"bench-{tag}",
             "REIN_KEEP_VERSIONS": "2",
             "REIN_BATCH_GROUPS": "32",
             "REIN_LOG_LEVEL": "warning",

@@ -170,7 +170,7 @@ def wait_settled(settings: CollectorSettings, tails: Sequence[Tail], timeout_s: 
     deadline = time.monotonic() + timeout_s
     try:
         while True:
-            committed = {tp: meta.offset for tp, meta in admin.list_consumer_group_offsets(settings.group_id).items()}
+            committed = {tp: meta.offset for tp, meta in admin.list_consumer_group_offsets(settings.consumer_group).items()}
             ends = raw.end_offsets(inputs)
             behind = {f"{tp.topic}/{tp.partition}": (committed.get(tp), end) for tp, end in ends.items()
                       if committed.get(tp, -1) < end}

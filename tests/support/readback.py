@@ -82,7 +82,7 @@ def collectors_caught_up(kafka: KafkaSettings) -> bool:
     """The collectors' consumer group has committed past every record on its topics: every group the
     runner ended is folded, written to ``rollout.groups``, decided by a window step and its outbox entries
     published (a collector commits a record only after all of that)."""
-    group = CollectorSettings().group_id
+    group = CollectorSettings().consumer_group
     report = kafka_part(kafka, Topics(), {group: ["chunks", "events"]}, 10)
     return bool(report["groups"][group].get("lag") == 0)
 
