@@ -170,7 +170,8 @@ def wait_settled(settings: CollectorSettings, tails: Sequence[Tail], timeout_s: 
     deadline = time.monotonic() + timeout_s
     try:
         while True:
-            committed = {tp: meta.offset for tp, meta in admin.list_consumer_group_offsets(settings.consumer_group).items()}
+            offsets = admin.list_consumer_group_offsets(settings.consumer_group)
+            committed = {tp: meta.offset for tp, meta in offsets.items()}
             ends = raw.end_offsets(inputs)
             behind = {f"{tp.topic}/{tp.partition}": (committed.get(tp), end) for tp, end in ends.items()
                       if committed.get(tp, -1) < end}
