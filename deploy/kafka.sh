@@ -55,8 +55,13 @@ KAFKA_VERSION="$(kafka_version)"
 KAFKA_HOME="$CACHE/kafka-$KAFKA_VERSION"
 LIBS="$KAFKA_HOME/libs"
 
-# The class archive of this Kafka and this Java install (Java ignores one that does not match it).
-cds_archive() { echo "$KAFKA_HOME/classes-$(readlink -f "$(command -v java)" | cksum | cut -d' ' -f1).jsa"; }
+# The class archive of this Kafka and this Java install, by the java binary's path and modification time (Java
+# ignores an archive that does not match it, so an upgraded Java in place would never get a fresh one).
+cds_archive() {
+    local java
+    java="$(readlink -f "$(command -v java)")"
+    echo "$KAFKA_HOME/classes-$(printf '%s %s' "$java" "$(stat -c %Y "$java")" | cksum | cut -d' ' -f1).jsa"
+}
 
 # CDS_FLAGS: the JVM flags for class data sharing: map the archive, or (none yet) have the broker of
 # DIR (when given) write one into DIR as it exits; `stop` moves it into the cache whole.
@@ -374,11 +379,14 @@ cmd_stop() {
 
 # A class archive the broker of DIR wrote as it exited becomes the cache's (renamed in: never read half written).
 keep_class_archive() {
-    local dir="$1" archive
+    local dir="$1" archive old
     archive="$(cds_archive)"
     if [[ -s "$dir/classes.jsa" && ! -s "$archive" ]]; then
         cp "$dir/classes.jsa" "$archive.$$.tmp" && mv -f "$archive.$$.tmp" "$archive" &&
             log "class archive for later brokers: $archive"
+        for old in "$KAFKA_HOME"/classes-*.jsa; do  # those of a Java no longer installed
+            [[ "$old" == "$archive" ]] || rm -f "$old"
+        done
     fi
     rm -f "$dir/classes.jsa"
 }
