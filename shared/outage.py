@@ -71,3 +71,30 @@ class Outage:
 
     def recovered(self) -> None:
         self._log.info("dependency_recovered", down_s=round(time.monotonic() - self._started, 1), tries=self.failures)
+
+
+class Backoff:
+    """When a call that an outage may fail is due again: every ``interval_s`` while it succeeds, after
+    :class:`Outage`'s growing delay while it fails (one outage logged from its first failure to its end).
+    For a call a loop makes now and then (a read of Redis between other work), not in a retry loop."""
+
+    def __init__(self, logger: Any, interval_s: float = 0.0, *, first_s: float = 0.2, cap_s: float = 5.0) -> None:
+        self._log = logger
+        self._interval = interval_s
+        self._first, self._cap = first_s, cap_s
+        self._outage: Outage | None = None
+        self.next_at = 0.0
+        """``time.monotonic()`` from when the call is due."""
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next_at
+
+    def failed(self, exc: BaseException) -> None:
+        self._outage = self._outage or Outage(self._log, first_s=self._first, cap_s=self._cap)
+        self.next_at = time.monotonic() + self._outage.failed(exc)
+
+    def succeeded(self) -> None:
+        if self._outage is not None:
+            self._outage.recovered()
+            self._outage = None
+        self.next_at = time.monotonic() + self._interval

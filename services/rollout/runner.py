@@ -49,7 +49,7 @@ from shared import log
 from shared.bus import BusUnavailable, Producer, ensure_topology
 from shared.lender import Lender
 from shared.names import RedisKeys
-from shared.outage import DEPENDENCY_ERRORS, Outage
+from shared.outage import DEPENDENCY_ERRORS, Backoff
 from shared.schemas import GroupDispatched, new_id
 from shared.staleness import Decision
 from shared.state import connect
@@ -107,11 +107,10 @@ class Runner:
         self._redis: redis.Redis | None = None
         self._keys = RedisKeys(settings.redis.key_prefix)
         self._cursor_key = self._keys.prompt_cursor(self.task.name, settings.seed)
-        self._pacing_read_at = 0.0
-        self._drops_read_at = 0.0
-        self._pacing_outage: Outage | None = None
-        self._cursor_outage: Outage | None = None
-        self._cursor_retry_at = 0.0
+        # Redis reads between other work: each its own pace and its own outage
+        self._cursor_reads = Backoff(self.log)
+        self._pacing_reads = Backoff(self.log, PACING_READ_S)
+        self._drops_reads = Backoff(self.log, SYNC_DROPS_READ_S)
 
     # ------------------------------------------------------------------ control
 
@@ -269,7 +268,7 @@ class Runner:
                 if paced:  # capacity comes back with a version applied (a wake) or a drop (read from Redis)
                     timeout = PACING_READ_S
                 elif not self.stream.available() and not sched.exhausted:  # the claim failed: Redis is down
-                    timeout = max(0.0, self._cursor_retry_at - time.monotonic())
+                    timeout = max(0.0, self._cursor_reads.next_at - time.monotonic())
                 if sched.waiting_for_weights:
                     wait_started = wait_started or time.monotonic()
                     timeout = s.sync_weight_timeout_s - (time.monotonic() - wait_started)
@@ -294,18 +293,15 @@ class Runner:
 
     async def _claim_prompt(self) -> None:
         """Claim the next prompt index from the Redis cursor; a Redis outage is waited out (backoff)."""
-        if time.monotonic() < self._cursor_retry_at or self._redis is None:
+        if not self._cursor_reads.due() or self._redis is None:
             return
         client = self._redis
         try:
             claimed = int(await asyncio.to_thread(client.incr, self._cursor_key))
         except DEPENDENCY_ERRORS as exc:
-            self._cursor_outage = self._cursor_outage or Outage(self.log)
-            self._cursor_retry_at = time.monotonic() + self._cursor_outage.failed(exc)
+            self._cursor_reads.failed(exc)
             return
-        if self._cursor_outage is not None:
-            self._cursor_outage.recovered()
-            self._cursor_outage = None
+        self._cursor_reads.succeeded()
         self.stream.claim(claimed - 1)
         self.pacer.on_claimed(claimed)
         self.metrics.prompt_cursor.set(claimed)
@@ -318,18 +314,13 @@ class Runner:
         pacer = self.pacer
         if not pacer.enabled or self._redis is None:
             return False
-        now = time.monotonic()
-        if now >= self._pacing_read_at:
-            self._pacing_read_at = now + PACING_READ_S
+        if self._pacing_reads.due():
             try:
                 await asyncio.to_thread(self._read_pacing, self._redis)
             except DEPENDENCY_ERRORS as exc:
-                self._pacing_outage = self._pacing_outage or Outage(self.log)
-                self._pacing_read_at = now + self._pacing_outage.failed(exc)
+                self._pacing_reads.failed(exc)
             else:
-                if self._pacing_outage is not None:
-                    self._pacing_outage.recovered()
-                    self._pacing_outage = None
+                self._pacing_reads.succeeded()
         held = not pacer.admits()
         self.metrics.on_pacing(pacer.live, pacer.capacity, held)
         return held
@@ -337,19 +328,15 @@ class Runner:
     async def _sync_drops(self) -> None:
         """Sync mode: report the window's count of groups dropped without signal to the scheduler, which tops
         the wave up by as many (re-read at most every ``SYNC_DROPS_READ_S``; an outage keeps the last count)."""
-        if self.settings.mode != "sync" or self._redis is None or time.monotonic() < self._drops_read_at:
+        if self.settings.mode != "sync" or self._redis is None or not self._drops_reads.due():
             return
-        self._drops_read_at = time.monotonic() + SYNC_DROPS_READ_S
         reader = WindowReader(self._redis, self._keys)
         try:
             window = await asyncio.to_thread(reader.window)
         except DEPENDENCY_ERRORS as exc:
-            self._pacing_outage = self._pacing_outage or Outage(self.log)
-            self._drops_read_at = time.monotonic() + self._pacing_outage.failed(exc)
+            self._drops_reads.failed(exc)
             return
-        if self._pacing_outage is not None:
-            self._pacing_outage.recovered()
-            self._pacing_outage = None
+        self._drops_reads.succeeded()
         self.scheduler.on_no_signal_drops(window.drops_by_reason.get(Decision.DROPPED_NO_SIGNAL.value, 0))
 
     def _read_pacing(self, client: redis.Redis) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ from kafka.errors import KafkaTimeoutError
 from prometheus_client import CollectorRegistry, Counter
 
 from shared.bus import BusUnavailable
-from shared.outage import DEPENDENCY_ERRORS, Outage, dependency_of
+from shared.outage import DEPENDENCY_ERRORS, Backoff, Outage, dependency_of
 from shared.state import StateUnavailable
 
 
@@ -65,3 +66,26 @@ def test_a_long_outage_is_reminded() -> None:
     outage.failed(redis.ConnectionError("x"))
     outage.failed(redis.ConnectionError("x"))
     assert [e for _, e, _ in log.lines] == ["dependency_unavailable", "dependency_unavailable"]
+
+
+def test_a_backoff_paces_successes_and_backs_off_failures_each_outage_logged_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    logger = Log()
+    calls = Backoff(logger, interval_s=0.5, first_s=0.2, cap_s=1.0)
+    assert calls.due()
+    calls.succeeded()
+    assert not calls.due() and calls.next_at == 100.5
+    now[0] = 100.5
+    assert calls.due()
+    for expected in (0.2, 0.4, 0.8, 1.0):  # doubling to the cap
+        calls.failed(redis.ConnectionError("down"))
+        assert calls.next_at == pytest.approx(now[0] + expected)
+        now[0] = calls.next_at
+    calls.succeeded()
+    assert calls.next_at == pytest.approx(now[0] + 0.5)
+    assert [event for _, event, _ in logger.lines] == ["dependency_unavailable", "dependency_recovered"]
+    calls.failed(redis.ConnectionError("down again"))  # a new outage starts from the first delay
+    assert calls.next_at == pytest.approx(now[0] + 0.2)
