@@ -1,9 +1,10 @@
-"""The staleness rules, pure: span cap, batch window, loss mask.
+"""The batch window, pure: which completed groups train, which are dropped, and why.
 
-No I/O here. The proxy applies :func:`check_span`, the collector folds groups
-through :func:`window_step`, the trainer applies :func:`mask_nonlast_version_tokens`,
-and ``rein replay`` reuses the same window so a what-if answer is the live rule.
-Version labels arrive normalised (``str | None``, see :mod:`shared.versions`).
+No I/O here. The collector folds each completed group through :func:`window_step`, and ``rein
+replay`` reuses the same window, so a what-if answer is the live rule. The other staleness levels
+are the proxy's span cap (:mod:`shared.span_cap`) and the trainer's loss mask
+(:func:`services.trainer.samples.mask_nonlast_version_tokens`). Version labels arrive normalised
+(``str | None``, see :mod:`shared.versions`).
 """
 
 from __future__ import annotations
@@ -11,95 +12,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-
-from shared.versions import distinct_real
-
-# --------------------------------------------------------------------------- span cap (proxy)
-
-
-@dataclass(frozen=True)
-class SpanRejection:
-    """A session would span more real versions than ``max_preempts + 1``."""
-
-    versions: tuple[str, ...]
-    max_preempts: int
-    session_id: str
-
-    @property
-    def version_span(self) -> int:
-        return len(self.versions)
-
-    @property
-    def version_switches(self) -> int:
-        return max(0, len(self.versions) - 1)
-
-    @property
-    def max_version_span(self) -> int:
-        return self.max_preempts + 1
-
-    def detail(self) -> dict[str, object]:
-        """The body of a 502 ``partial_rollout_staleness_exceeded`` (docs/architecture.md)."""
-        return {
-            "error": "partial_rollout_staleness_exceeded",
-            "message": (
-                f"session {self.session_id} would span {self.version_span} weight versions "
-                f"{list(self.versions)}; at most {self.max_version_span} allowed (max_preempts={self.max_preempts})"
-            ),
-            "versions": list(self.versions),
-            "version_span": self.version_span,
-            "version_switches": self.version_switches,
-            "max_preempts": self.max_preempts,
-            "max_version_span": self.max_version_span,
-            "session_id": self.session_id,
-        }
-
-
-def check_span(
-    session_versions: Iterable[str | None],
-    candidate_versions: Iterable[str | None],
-    max_preempts: int | None,
-    session_id: str,
-) -> SpanRejection | None:
-    """Reject when the session's distinct real versions plus the candidates exceed the cap.
-
-    ``session_versions`` are every version the session recorded (all turns and
-    segments, observation order); ``candidate_versions`` are the engine's current
-    version (before generating) or the new chunk's versions (after it). Distinct
-    versions count, not preempt events: a switch between turns costs the same as a
-    mid-generation preempt, a preempt that resumes on the same version costs
-    nothing. ``None`` means no cap.
-    """
-    if max_preempts is None:
-        return None
-    if max_preempts < 0:
-        raise ValueError(f"max_preempts must be >= 0 or None, got {max_preempts}")
-    versions = distinct_real([*session_versions, *candidate_versions])
-    if len(versions) > max_preempts + 1:
-        return SpanRejection(tuple(versions), max_preempts, session_id)
-    return None
-
-
-# --------------------------------------------------------------------------- loss mask (trainer)
-
-
-def mask_nonlast_version_tokens(loss_mask: Sequence[int], versions: Sequence[str | None]) -> list[int]:
-    """Keep only trainable tokens of the version of the last trainable real token.
-
-    With zero or one distinct real version among trainable tokens (mask 1) the mask
-    is returned unchanged (unknown-version tokens stay trained). With two or more,
-    a token stays 1 only if it was 1, its version is real and equals the version of
-    the last trainable real token in sequence order, so ``A,B,A`` keeps both ``A``
-    runs. Never turns a 0 into a 1; idempotent.
-    """
-    if len(loss_mask) != len(versions):
-        raise ValueError(f"loss_mask has {len(loss_mask)} entries but versions has {len(versions)}")
-    trainable = [v if m else None for m, v in zip(loss_mask, versions, strict=True)]
-    real = [v for v in trainable if v is not None]
-    if len(set(real)) < 2:
-        return [1 if m else 0 for m in loss_mask]
-    last = real[-1]
-    return [1 if v == last else 0 for v in trainable]
-
 
 # --------------------------------------------------------------------------- batch window (collector)
 

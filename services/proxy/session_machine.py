@@ -76,7 +76,7 @@ from shared.model.chat import ChatTokenizer
 from shared.model.tiny_chat import TinyChatTokenizer
 from shared.model.tool_calls import ParsedReply, ToolCallFormat, new_call_id, parse_reply
 from shared.schemas import Chunk, Record, SessionFinished, SessionRejected
-from shared.staleness import check_span
+from shared.span_cap import check_span
 from shared.versions import distinct_real, encode_runs
 
 if TYPE_CHECKING:

@@ -23,7 +23,26 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from shared.schemas import CompletedGroup, SamplingParams, Segment
-from shared.staleness import mask_nonlast_version_tokens
+
+
+def mask_nonlast_version_tokens(loss_mask: Sequence[int], versions: Sequence[str | None]) -> list[int]:
+    """Keep only trainable tokens of the version of the last trainable real token.
+
+    With zero or one distinct real version among trainable tokens (mask 1) the mask
+    is returned unchanged (unknown-version tokens stay trained). With two or more,
+    a token stays 1 only if it was 1, its version is real and equals the version of
+    the last trainable real token in sequence order, so ``A,B,A`` keeps both ``A``
+    runs. Never turns a 0 into a 1; idempotent.
+    """
+    if len(loss_mask) != len(versions):
+        raise ValueError(f"loss_mask has {len(loss_mask)} entries but versions has {len(versions)}")
+    trainable = [v if m else None for m, v in zip(loss_mask, versions, strict=True)]
+    real = [v for v in trainable if v is not None]
+    if len(set(real)) < 2:
+        return [1 if m else 0 for m in loss_mask]
+    last = real[-1]
+    return [1 if v == last else 0 for v in trainable]
+
 
 TRAINABLE_STATUSES = frozenset({"completed", "truncated"})
 

@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from ops.local.ports import free_port
 from shared.schemas import Chunk, SessionRejected
-from shared.staleness import check_span
+from shared.span_cap import check_span
 from tests.support.proxy import (
     Proxy,
     ProxyFactory,

@@ -24,7 +24,7 @@ from shared.errors import (
     UnsupportedParameter,
     http_body,
 )
-from shared.staleness import check_span
+from shared.span_cap import check_span
 
 
 @pytest.mark.parametrize(

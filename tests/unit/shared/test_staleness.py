@@ -4,7 +4,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.trainer.samples import mask_nonlast_version_tokens
 from shared.errors import UNCHARGED_ERRORS
+from shared.span_cap import check_span
 from shared.staleness import (
     Decision,
     NoSignalGroups,
@@ -15,10 +17,8 @@ from shared.staleness import (
     WindowReplay,
     WindowState,
     carries_signal,
-    check_span,
     cutoff_index,
     is_stale,
-    mask_nonlast_version_tokens,
     next_attempt,
     trajectory_versions,
     validate_keep_versions,
