@@ -22,15 +22,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shared.schemas import CompletedGroup
-from shared.staleness import (
-    UNTRAINED_CAUSES,
-    Decision,
-    SegmentEnd,
-    TokenTally,
-    WindowConfig,
-    WindowGroup,
-    WindowReplay,
-)
+from shared.staleness import UNTRAINED_CAUSES, Decision, TokenTally, WindowConfig, WindowGroup, WindowReplay
+from shared.version_window import SegmentEnd
 from shared.versions import VersionRegistry, real_version
 from shared.window_view import group_rewards, segment_ends, window_group_from_samples
 

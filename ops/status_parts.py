@@ -19,7 +19,7 @@ from typing import Any, cast
 
 from shared.names import RedisKeys, Topics
 from shared.settings import KafkaSettings, RedisSettings
-from shared.staleness import cutoff_index
+from shared.version_window import cutoff_index
 from shared.versions import VersionRegistry
 from shared.window_layout import WindowReader
 

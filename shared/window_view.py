@@ -15,13 +15,8 @@ from dataclasses import replace
 
 from shared.errors import UNCHARGED_ERRORS
 from shared.schemas import CompletedGroup
-from shared.staleness import (
-    SegmentEnd,
-    WindowGroup,
-    carries_signal,
-    trajectory_tokens,
-    trajectory_versions,
-)
+from shared.staleness import WindowGroup, carries_signal
+from shared.version_window import SegmentEnd, trajectory_tokens, trajectory_versions
 
 
 def segment_end_version(loss_mask: Sequence[int], versions: Sequence[str | None]) -> str | None:

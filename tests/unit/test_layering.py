@@ -21,6 +21,7 @@ IO_CLIENTS = frozenset({"kafka", "redis", "httpx", "fastapi", "uvicorn", "starle
 PURE: dict[str, frozenset[str]] = {
     "shared/staleness.py": IO_CLIENTS,
     "shared/span_cap.py": IO_CLIENTS,
+    "shared/version_window.py": IO_CLIENTS,
     "shared/versions.py": IO_CLIENTS,
     "shared/offsets.py": IO_CLIENTS,
     "shared/schemas.py": IO_CLIENTS,

@@ -10,20 +10,22 @@ from shared.span_cap import check_span
 from shared.staleness import (
     Decision,
     NoSignalGroups,
-    SegmentEnd,
     TokenTally,
     WindowConfig,
     WindowGroup,
     WindowReplay,
     WindowState,
     carries_signal,
+    next_attempt,
+    window_step,
+)
+from shared.version_window import (
+    SegmentEnd,
     cutoff_index,
     is_stale,
-    next_attempt,
     trajectory_versions,
     validate_keep_versions,
     version_gaps,
-    window_step,
 )
 from shared.versions import VersionRegistry
 

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from shared.staleness import (
     Decision,
     NoSignalGroups,
-    SegmentEnd,
     StaleGroups,
     TokenTally,
     WindowConfig,
@@ -17,6 +16,7 @@ from shared.staleness import (
     WindowReplay,
     stale_members,
 )
+from shared.version_window import SegmentEnd
 from shared.versions import VersionRegistry
 from shared.window_view import window_group_from_samples
 
