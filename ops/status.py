@@ -102,6 +102,21 @@ def read_run_dir(path: Path) -> RunDir:
 # --------------------------------------------------------------------------- gathering
 
 
+def redis_target(
+    redis: RedisSettings, run_dir: RunDir | None, url: str | None, key_prefix: str | None
+) -> RedisSettings:
+    """The Redis an operator command reads: ``url`` (a flag) over the run directory's (with its Sentinels)
+    over ``redis`` (the environment); ``key_prefix`` when given."""
+    url = url or (run_dir.redis_url if run_dir else None)
+    if url:
+        redis = redis.model_copy(update={"url": url})
+    if run_dir and run_dir.redis_sentinels and url == run_dir.redis_url:
+        redis = redis.model_copy(update={"sentinels": list(run_dir.redis_sentinels)})
+    if key_prefix:
+        redis = redis.model_copy(update={"key_prefix": key_prefix})
+    return redis
+
+
 def _run_parts(parts: dict[str, Callable[[], Any]], deadline_s: float) -> dict[str, Any]:
     """Run every part in a daemon thread; a part that raises or overruns the deadline gives an error."""
     results: dict[str, Any] = {}

@@ -10,7 +10,7 @@ from typing import Any
 import redis
 
 from ops.migrate import MigrationRefused, migrate
-from ops.status import RunDirError, read_run_dir
+from ops.status import RunDirError, read_run_dir, redis_target
 from shared.names import RedisKeys
 from shared.settings import ServiceSettings, SettingsError, load
 from shared.state import StateUnavailable, connect
@@ -47,14 +47,9 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        settings = load(ServiceSettings).redis
         run_dir = read_run_dir(args.run_dir) if args.run_dir is not None else None
-        url = args.redis or (run_dir.redis_url if run_dir else None)
-        if url:
-            settings = settings.model_copy(update={"url": url})
-        if run_dir and run_dir.redis_sentinels and not args.redis:
-            settings = settings.model_copy(update={"sentinels": list(run_dir.redis_sentinels)})
-        keys = RedisKeys(args.key_prefix or settings.key_prefix)
+        settings = redis_target(load(ServiceSettings).redis, run_dir, args.redis, args.key_prefix)
+        keys = RedisKeys(settings.key_prefix)
         client = connect(settings)
     except (ValueError, SettingsError, RunDirError, StateUnavailable) as exc:
         print(f"rein migrate: error: {exc}", file=sys.stderr)

@@ -8,7 +8,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ops.status import DEFAULT_GROUPS, RunDir, RunDirError, StatusSettings, Targets, collect, read_run_dir
+from ops.status import (
+    DEFAULT_GROUPS,
+    RunDir,
+    RunDirError,
+    StatusSettings,
+    Targets,
+    collect,
+    read_run_dir,
+    redis_target,
+)
 from ops.status_render import render
 from shared.settings import SettingsError, load
 
@@ -68,14 +77,7 @@ def targets_from_args(args: argparse.Namespace, settings: StatusSettings) -> Tar
     bootstrap = args.kafka or (run_dir.kafka_bootstrap if run_dir else None)
     if bootstrap:
         kafka = kafka.model_copy(update={"bootstrap_servers": bootstrap})
-    redis = settings.redis
-    redis_url = args.redis or (run_dir.redis_url if run_dir else None)
-    if redis_url:
-        redis = redis.model_copy(update={"url": redis_url})
-    if run_dir and run_dir.redis_sentinels and not args.redis:
-        redis = redis.model_copy(update={"sentinels": list(run_dir.redis_sentinels)})
-    if args.key_prefix:
-        redis = redis.model_copy(update={"key_prefix": args.key_prefix})
+    redis = redis_target(settings.redis, run_dir, args.redis, args.key_prefix)
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be positive, got {args.timeout}")
     kafka = kafka.model_copy(update={"request_timeout_ms": int(args.timeout * 1000)})
