@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import re
 import shlex
 import signal
 import subprocess
@@ -26,13 +25,12 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from ops.args import max_preempts_arg
+from ops.demo_metrics import EngineUsage, ToolCallSeries, proxy_rejections, proxy_tool_calls
 from ops.demo_presets import PRESETS
 from ops.learned import judge
 from ops.local.launcher import LaunchError
@@ -40,14 +38,6 @@ from ops.local.stack import LocalStack, StackConfig, start
 from ops.report import optimizer_steps, plot_run, rows_so_far, waste
 from services.rollout.tasks import TASKS
 
-_REJECTIONS = re.compile(r"^rein_proxy_rejections_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
-_TOOL_CALLS = re.compile(r'^rein_proxy_tool_call_replies_total\{outcome="(\w+)"\}\s+([0-9.eE+-]+)$', re.M)
-_CHAT_REPLIES = re.compile(
-    r'^rein_proxy_requests_total\{route="/v1/(?:chat/completions|responses|messages)",status="200"\}\s+([0-9.eE+-]+)$',
-    re.M,
-)
-_ENGINE_ACTIVE = re.compile(r"^rein_engine_active_requests\s+([0-9.eE+-]+)$", re.M)
-_ENGINE_TOKENS = re.compile(r"^rein_engine_generated_tokens_total\s+([0-9.eE+-]+)$", re.M)
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2 = "smollm2"
 
@@ -135,84 +125,9 @@ def resolve_model(spec: str) -> str:
     return lines[-1]
 
 
-def proxy_tool_calls(url: str) -> dict[str, Any] | None:
-    """The proxy's chat answers (``replies``), those with tool-call markup it parsed into calls or found
-    malformed, and the parsed share of the latter (None without markup); None when it could not be read."""
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=2.0).text
-    except httpx.HTTPError:
-        return None
-    counts = {outcome: int(float(n)) for outcome, n in _TOOL_CALLS.findall(text)}
-    calls, malformed = counts.get("calls", 0), counts.get("malformed", 0)
-    replies = sum(int(float(n)) for n in _CHAT_REPLIES.findall(text))
-    return {"replies": replies, "replies_with_calls": calls, "malformed": malformed,
-            "well_formed_share": calls / (calls + malformed) if calls + malformed else None}
-
-
 def offers_tools(task: str) -> bool:
     """Whether the task's episodes offer tools (its run then reports tool calls)."""
     return bool(TASKS[task]().episode().tools) if task in TASKS else False
-
-
-@dataclass
-class ToolCallSeries:
-    """The proxy's tool-call counters read with each batch of trainer lines, so a tool task's run shows how
-    the share of replies that are well-formed calls moves while it trains (summary and plot)."""
-
-    url: str
-    samples: list[dict[str, Any]] = field(default_factory=list)
-
-    def sample(self, lines: int) -> None:
-        """Read the counters once ``lines`` trainer lines were shown."""
-        counts = proxy_tool_calls(self.url)
-        if counts is not None and counts["replies"]:  # every batch of lines; kept only for a tool task
-            self.samples.append({"lines": lines, "ts": round(time.time(), 1), **counts})
-
-    def annotate(self, rows: list[dict[str, Any]]) -> None:
-        """Put on the last line each sample saw the share of the replies since the previous sample that were
-        parsed calls (``tool_call_share``) and malformed markup (``malformed_call_share``)."""
-        before = {"replies": 0, "replies_with_calls": 0, "malformed": 0}
-        for sample in self.samples:
-            replies = sample["replies"] - before["replies"]
-            if replies > 0 and 0 < sample["lines"] <= len(rows):
-                row = rows[sample["lines"] - 1]
-                row["tool_call_share"] = (sample["replies_with_calls"] - before["replies_with_calls"]) / replies
-                row["malformed_call_share"] = (sample["malformed"] - before["malformed"]) / replies
-            before = sample
-
-
-def proxy_rejections(url: str) -> int:
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=2.0).text
-    except httpx.HTTPError:
-        return -1
-    return int(sum(float(v) for v in _REJECTIONS.findall(text)))
-
-
-@dataclass
-class EngineUsage:
-    """The engine's generation load, sampled from its ``/metrics`` while the demo runs."""
-
-    samples: int = 0
-    busy_samples: int = 0
-    tokens: float = 0.0
-
-    def sample(self, url: str) -> None:
-        try:
-            text = httpx.get(f"{url}/metrics", timeout=2.0).text
-        except httpx.HTTPError:
-            return
-        active, tokens = _ENGINE_ACTIVE.search(text), _ENGINE_TOKENS.search(text)
-        if active is None:
-            return
-        self.samples += 1
-        self.busy_samples += float(active.group(1)) > 0
-        if tokens is not None:
-            self.tokens = float(tokens.group(1))
-
-    @property
-    def busy_fraction(self) -> float | None:
-        return self.busy_samples / self.samples if self.samples else None
 
 
 def _mean(values: list[float]) -> float | None:

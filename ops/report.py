@@ -15,7 +15,7 @@ render. Panels, in order:
 - masked tokens: ``masked_token_fraction``
 - loss: ``loss``
 - tool calls: ``tool_call_share`` / ``malformed_call_share`` (a tool task's demo puts the proxy's counts
-  on its lines: ``ops.demo.ToolCallSeries``)
+  on its lines: ``ops.demo_metrics.ToolCallSeries``)
 
 The x axis is ``step`` (the line number when a line has none).
 """

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ops.demo import proxy_tool_calls
+from ops.demo_metrics import proxy_tool_calls
 from services.rollout.calculator import CalculatorEpisode
 from shared.model.hf import HFChatTokenizer, HFFamily
 from shared.schemas import Chunk
