@@ -7,18 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from ops.demo import (
-    EngineUsage,
-    ToolCallSeries,
-    offers_tools,
-    parse_args,
-    progress_line,
-    resolve_model,
-    stack_config,
-    summarize,
-    timing,
-)
+from ops.demo import offers_tools, parse_args, resolve_model, stack_config
+from ops.demo_metrics import EngineUsage, ToolCallSeries
 from ops.demo_presets import PRESETS
+from ops.demo_summary import progress_line, summarize, timing
 from ops.local.stack import StackConfig
 from ops.report import optimizer_steps
 
