@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 
-from services.weight_broadcaster.loop import run
+from services.weight_broadcaster.service import run
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import log
 from shared.settings import load

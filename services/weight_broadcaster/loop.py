@@ -1,8 +1,8 @@
 """The weight broadcaster: the control plane's one driver (pause, update, resume).
 
-Consumes ``weights`` (consumer group ``consumer_group``, manual commit after the
-work is done) and reacts to ``WeightPublished``; produces ``WeightApplied`` on the
-same topic (key = ``<version>:applied``). Publishes each version into the Redis
+:class:`Broadcaster` handles what the process (:mod:`services.weight_broadcaster.service`) reads from
+``weights`` (consumer group ``consumer_group``, manual commit after the work is done): it reacts to
+``WeightPublished`` and produces ``WeightApplied`` on the same topic (key = ``<version>:applied``). Publishes each version into the Redis
 registry before loading it (as every collector replica does from the same topic:
 ``shared.state``).
 
@@ -37,8 +37,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
-from prometheus_client import CollectorRegistry
-
 from services.weight_broadcaster.clients import ControlClient, EngineAnswer
 from services.weight_broadcaster.decide import (
     EventAction,
@@ -53,56 +51,16 @@ from services.weight_broadcaster.decide import (
     renew_before_update,
     update_targets,
 )
+from services.weight_broadcaster.metrics import BroadcasterMetrics
 from services.weight_broadcaster.settings import BroadcasterSettings
-from shared import log, metrics
-from shared.bus import Consumer, Polled, Producer, read_topic
+from shared import log
+from shared.bus import Producer
 from shared.members import Members, PauseRecord
-from shared.names import RedisKeys
-from shared.outage import DEPENDENCY_ERRORS, Outage
-from shared.schemas import DecodeError, WeightApplied, WeightPublished, new_id
-from shared.state import RedisRegistry, Replication, connect
-from shared.status_server import StatusServer
+from shared.outage import DEPENDENCY_ERRORS
+from shared.schemas import WeightApplied, WeightPublished, new_id
+from shared.state import RedisRegistry
 
 _log = log.get(__name__)
-
-
-class BroadcasterMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-        self.unquiesced = metrics.counter(
-            registry, "broadcaster/unquiesced", "Pause answers that failed or did not quiesce (no update followed)",
-            ("proxy",))
-        self.outcomes = metrics.counter(registry, "broadcaster/versions", "Weight versions handled, by outcome",
-                                        ("outcome",))
-        self.pause_rounds = metrics.counter(registry, "broadcaster/pause_rounds", "Pause rounds sent to the proxies")
-        self.reconciles = metrics.counter(
-            registry, "broadcaster/reconciles", "Times an engine served an older version and the newest was reloaded"
-        )
-        self.dependency_errors = metrics.counter(
-            registry, "broadcaster/dependency_errors", "Loop iterations that failed on Redis or Kafka and were retried",
-            ("what",),
-        )
-        self.leases_lost = metrics.counter(
-            registry, "broadcaster/pause_leases_lost",
-            "Renewals a proxy refused or missed (its pause had ended: no update followed, or it resumed mid-update)",
-            ("proxy",),
-        )
-        self.update_failures = metrics.counter(
-            registry, "broadcaster/update_failures",
-            "Engine update calls that failed or after which the engine did not serve the version", ("engine",))
-        self.resume_failures = metrics.counter(registry, "broadcaster/resume_failures", "Resume calls that failed",
-                                               ("proxy",))
-        self.staged_updates = metrics.counter(
-            registry, "broadcaster/staged_updates",
-            "Engine updates that swapped in the checkpoint staged before the pause (no read while paused)",
-            ("engine",))
-        self.lagging = metrics.counter(
-            registry, "broadcaster/engines_lagging",
-            "Engines found behind the newest version (reloaded) or unreachable at an update (left out)")
-        self.applied_seq = metrics.gauge(registry, "broadcaster/applied_seq", "Sequence of the newest applied version")
-        self.update_seconds = metrics.gauge(registry, "broadcaster/update_seconds",
-                                            "Pause-to-resume time of the last applied version")
-        self.decode_errors = metrics.DecodeErrors(registry)
 
 
 @dataclass
@@ -431,69 +389,3 @@ class _LeaseKeeper:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def run(settings: BroadcasterSettings, stop: threading.Event | None = None) -> None:
-    """Consume ``weights`` until ``stop`` is set."""
-    stop = stop or threading.Event()
-    bmetrics = BroadcasterMetrics(CollectorRegistry(auto_describe=True))
-    last_poll = [time.monotonic()]
-
-    def health() -> tuple[bool, dict[str, object]]:
-        stalled = time.monotonic() - last_poll[0] > max(120.0, settings.pause_timeout_s * 2 + 60.0)
-        return not stalled, {"status": "stalled" if stalled else "ok"}
-
-    redis_client = connect(settings.redis)
-    registry = RedisRegistry(redis_client, RedisKeys(settings.redis.key_prefix), Replication.of(settings.redis))
-    client = ControlClient(settings.admin_token, settings.http_timeout_s)
-    producer = Producer(settings.kafka, client_suffix="broadcaster")
-    consumer = Consumer(
-        settings.kafka, [settings.topics.weights], settings.consumer_group, client_suffix="broadcaster",
-        on_decode_error=lambda topic, _p, _o, exc: bmetrics.decode_errors.inc(
-            topic, exc.reason if isinstance(exc, DecodeError) else "unknown"),
-    )
-    server = StatusServer(settings.metrics_host, settings.metrics_port, bmetrics.registry, health).start()
-    keys = registry.keys
-    broadcaster = Broadcaster(settings, client, registry, producer, bmetrics, stop,
-                              Members(redis_client, keys), PauseRecord(redis_client, keys),
-                              Members(redis_client, keys, "engine"))
-    _log.info("broadcaster_ready", proxies=settings.proxy_urls, registered=broadcaster.proxies(),
-              engines=broadcaster.engines(), port=server.port)
-    try:
-        timeout_s = settings.kafka.request_timeout_ms / 1000
-        broadcaster.recover(read_topic(settings.kafka, settings.topics.weights, timeout_s))
-        polled: list[Polled] = []
-        outage: Outage | None = None
-        next_reconcile = time.monotonic() + settings.reconcile_interval_s
-        while not stop.is_set():
-            last_poll[0] = now = time.monotonic()
-            # Records whose handling failed on Redis or Kafka are handled again (handling is idempotent:
-            # the registry publish is, and an applied version is only announced again), then committed.
-            try:
-                if not polled:
-                    polled = consumer.poll(settings.poll_timeout_s)
-                events = [p.record for p in polled if isinstance(p.record, WeightPublished)]
-                if events:
-                    broadcaster.handle(events)
-                for p in polled:
-                    consumer.done(p.topic, p.partition, p.offset)
-                if not stop.is_set():
-                    consumer.commit()
-                polled = []
-                if now >= next_reconcile:
-                    next_reconcile = now + settings.reconcile_interval_s
-                    broadcaster.reconcile()
-            except DEPENDENCY_ERRORS as exc:
-                outage = outage or Outage(_log, bmetrics.dependency_errors)
-                stop.wait(outage.failed(exc))
-                continue
-            if outage is not None:
-                outage.recovered()
-                outage = None
-    finally:
-        broadcaster.close()
-        server.stop()
-        consumer.close()
-        producer.close()
-        client.close()
-        redis_client.close()

@@ -26,7 +26,7 @@ import openai
 import pytest
 
 from ops.local.ports import free_port
-from services.weight_broadcaster.loop import run
+from services.weight_broadcaster.service import run
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared.bus import Producer, read_topic
 from shared.names import RedisKeys, Topics

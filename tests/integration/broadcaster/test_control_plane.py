@@ -25,7 +25,7 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from ops.local.ports import free_port
-from services.weight_broadcaster.loop import run
+from services.weight_broadcaster.service import run
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import checkpoint
 from shared.bus import Consumer, Producer, read_topic

@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from services.weight_broadcaster.clients import EngineAnswer
 from services.weight_broadcaster.decide import PauseAnswer
-from services.weight_broadcaster.loop import Broadcaster, BroadcasterMetrics
+from services.weight_broadcaster.loop import Broadcaster
+from services.weight_broadcaster.metrics import BroadcasterMetrics
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared.names import RedisKeys
 from shared.schemas import Record, WeightApplied, WeightPublished
