@@ -30,7 +30,6 @@ waited_s``, reopened at ``resumed``)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -41,7 +40,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -51,15 +49,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import inprocess
 from bench.procstat import cpu_split, service_pids, snapshot
+from bench.token_accounting import token_accounting
+from bench.update_logs import pause_stalls, stall_summary, update_phases
 from ops.demo import parse_args as demo_args
 from ops.demo import stack_config
-from ops.local.stack import LocalStack, StackConfig, start
+from ops.local.stack import StackConfig, start
 from ops.report import rows_so_far
-from shared.bus import read_topic
-from shared.names import Topics
-from shared.schemas import BatchManifest, CompletedGroup, DecisionRecord
-from shared.settings import KafkaSettings
-from shared.window_view import trainable_tokens
 
 _IN_FLIGHT = re.compile(r"^rein_rollout_groups_in_flight\s+([0-9.eE+-]+)$", re.M)
 
@@ -91,57 +86,6 @@ def config_for(name: str, steps: int, root: Path, seed: int) -> StackConfig:
         return StackConfig(**base, **high, mode="async", keep_versions=int(k[1:]), max_preempts=int(p[1:]),
                            pacing=pacing)
     raise ValueError(f"unknown set-up {name!r}")
-
-
-def token_accounting(local: LocalStack, steps: int) -> dict[str, Any]:
-    """Generated tokens of every decided group, split by what became of them.
-
-    Only groups with a final outcome count: dropped by the window, dropped without signal
-    (rewards all equal), failed (a session rejected or errored), or in one of the first
-    ``steps`` manifests (trained, minus the tokens the version mask removed). Groups still
-    pending at the end are left out. ``untrained_fraction`` counts every cause;
-    ``stale_fraction`` only staleness's (window, span cap, mask).
-    """
-    kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
-    topics = Topics()
-    groups = {g.group_id: g for g in read_topic(kafka, topics.groups, 120) if isinstance(g, CompletedGroup)}
-    final: dict[str, str] = {}
-    for d in sorted(
-        (d for d in read_topic(kafka, topics.decisions, 120) if isinstance(d, DecisionRecord)),
-        key=lambda d: d.step or 0,
-    ):
-        final[d.group_id] = d.decision
-    trained = {
-        ref.group_id
-        for m in read_topic(kafka, topics.batches, 120)
-        if isinstance(m, BatchManifest) and m.index < steps
-        for ref in m.groups
-    }
-
-    def tokens(group_id: str) -> int:
-        group = groups.get(group_id)
-        return 0 if group is None else trainable_tokens(group)
-
-    out = {"tokens_dropped_stale": 0, "tokens_no_signal": 0, "tokens_failed": 0, "tokens_in_trained_batches": 0}
-    for gid, decision in final.items():
-        if gid in trained:
-            out["tokens_in_trained_batches"] += tokens(gid)
-        elif decision in ("dropped_stale", "dropped_retroactive"):
-            out["tokens_dropped_stale"] += tokens(gid)
-        elif decision == "dropped_no_signal":
-            out["tokens_no_signal"] += tokens(gid)
-        elif decision in ("failed_retry", "failed_dropped"):
-            out["tokens_failed"] += tokens(gid)
-    out["tokens_masked"] = sum(
-        int(r.get("version_masked_tokens") or 0) for r in rows_so_far(local.trainer_metrics)[:steps]
-    )
-    decided = ("tokens_dropped_stale", "tokens_no_signal", "tokens_failed", "tokens_in_trained_batches")
-    total = sum(out[k] for k in decided)
-    stale = out["tokens_dropped_stale"] + out["tokens_failed"] + out["tokens_masked"]
-    out["tokens_generated"] = total
-    out["untrained_fraction"] = (stale + out["tokens_no_signal"]) / total if total else None
-    out["stale_fraction"] = stale / total if total else None
-    return out
 
 
 def run_mode(name: str, steps: int, root: Path, seed: int, timeout_s: float) -> dict[str, Any]:
@@ -305,65 +249,6 @@ def group_cpu(split: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]
         acc["cpu_s"] = round(acc["cpu_s"] + row["cpu_s"], 3)
         acc["share"] = round(acc["share"] + row["share"], 4)
     return out
-
-
-def pause_stalls(lines: list[str]) -> list[dict[str, Any]]:
-    """Per weight update, how long the proxy held admission closed, from its JSON log lines.
-
-    A ``paused`` line is logged when the pause returns, ``waited_s`` after admission closed;
-    the matching ``resumed`` line (same ``pause_id``, ``status: resumed``) is when it reopened.
-    """
-    paused: dict[str, tuple[float, dict[str, Any]]] = {}
-    out: list[dict[str, Any]] = []
-    for line in lines:
-        if not line.startswith("{"):
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        event, pause_id, ts = rec.get("event"), rec.get("pause_id"), rec.get("timestamp")
-        if not pause_id or not isinstance(ts, str) or event not in ("paused", "resumed"):
-            continue
-        at = datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
-        if event == "paused" and rec.get("status", "paused") == "paused":
-            paused.setdefault(pause_id, (at - float(rec.get("waited_s") or 0.0), rec))
-        elif event == "resumed" and rec.get("status") == "resumed" and pause_id in paused:
-            closed, prec = paused.pop(pause_id)
-            out.append({"pause_id": pause_id, "reason": prec.get("reason"), "version": rec.get("version"),
-                        "closed_at": closed, "stall_ms": (at - closed) * 1e3,
-                        "pause_ms": float(prec.get("waited_s") or 0.0) * 1e3,
-                        "preempted": prec.get("preempted"), "held": rec.get("held")})
-    return out
-
-
-def update_phases(lines: list[str]) -> dict[str, dict[str, float]]:
-    """p50 / p99 ms of each phase of an applied update as the broadcaster saw it (its ``update_round``
-    lines: every pause answer in, the renewal, the engines' update, every resume answer in)."""
-    rounds: list[dict[str, Any]] = []
-    for line in lines:
-        if line.startswith("{") and '"update_round"' in line:
-            with contextlib.suppress(ValueError):
-                rec = json.loads(line)
-                if "update_s" in rec:
-                    rounds.append(rec)
-    out: dict[str, dict[str, float]] = {}
-    for key in ("pause_s", "renew_s", "update_s", "resume_s", "total_s"):
-        ordered = sorted(float(r[key]) * 1e3 for r in rounds if key in r)
-        if ordered:
-            p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-            out[key.removesuffix("_s")] = {"p50_ms": round(statistics.median(ordered), 1), "p99_ms": round(p99, 1)}
-    return out
-
-
-def stall_summary(stalls: list[dict[str, Any]]) -> dict[str, Any]:
-    ms = [s["stall_ms"] for s in stalls]
-    if not ms:
-        return {"updates": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
-    ordered = sorted(ms)
-    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-    return {"updates": len(ms), "p50_ms": round(statistics.median(ms), 1), "p99_ms": round(p99, 1),
-            "max_ms": round(max(ms), 1), "pause_p50_ms": round(statistics.median(s["pause_ms"] for s in stalls), 1)}
 
 
 def demo_config(steps: int, seed: int, run_dir: Path, demo_flags: Sequence[str] = ()) -> StackConfig:

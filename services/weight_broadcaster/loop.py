@@ -2,9 +2,9 @@
 
 :class:`Broadcaster` handles what the process (:mod:`services.weight_broadcaster.service`) reads from
 ``weights`` (consumer group ``consumer_group``, manual commit after the work is done): it reacts to
-``WeightPublished`` and produces ``WeightApplied`` on the same topic (key = ``<version>:applied``). Publishes each version into the Redis
-registry before loading it (as every collector replica does from the same topic:
-``shared.state``).
+``WeightPublished`` and produces ``WeightApplied`` on the same topic (key = ``<version>:applied``).
+Publishes each version into the Redis registry before loading it (as every collector replica does
+from the same topic: ``shared.state``).
 
 Per poll: register every new version in sequence order; of the versions in the
 poll only the newest is loaded (older ones are superseded). For that version:
