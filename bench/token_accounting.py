@@ -43,7 +43,8 @@ def token_accounting(local: LocalStack, steps: int) -> dict[str, Any]:
         group = groups.get(group_id)
         return 0 if group is None else trainable_tokens(group)
 
-    out = {"tokens_dropped_stale": 0, "tokens_no_signal": 0, "tokens_failed": 0, "tokens_in_trained_batches": 0}
+    out: dict[str, Any] = {"tokens_dropped_stale": 0, "tokens_no_signal": 0, "tokens_failed": 0,
+                           "tokens_in_trained_batches": 0}
     for gid, decision in final.items():
         if gid in trained:
             out["tokens_in_trained_batches"] += tokens(gid)
