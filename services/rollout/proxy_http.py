@@ -11,6 +11,7 @@ each with one pooled connection, for the reason the lender gives.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import ssl
 from dataclasses import dataclass
@@ -45,8 +46,12 @@ class ProxyHttp:
         self.base_url = base_url.rstrip("/")
         self._headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         self._timeouts = {"connect": min(5.0, timeout_s), "read": timeout_s, "write": timeout_s, "pool": timeout_s}
-        self._pool = httpcore.AsyncConnectionPool(ssl_context=ssl_context, max_connections=1,
-                                                  max_keepalive_connections=1, keepalive_expiry=5.0)
+        self._ssl = ssl_context
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> httpcore.AsyncConnectionPool:
+        return httpcore.AsyncConnectionPool(ssl_context=self._ssl, max_connections=1, max_keepalive_connections=1,
+                                            keepalive_expiry=5.0)
 
     async def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> Answer:
         raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
@@ -58,12 +63,23 @@ class ProxyHttp:
         return await self._call(b"GET", path, self._headers, b"")
 
     async def _call(self, method: bytes, path: str, headers: list[tuple[bytes, bytes]], content: bytes) -> Answer:
+        url = f"{self.base_url}{path}".encode()
         try:
-            response = await self._pool.request(method, f"{self.base_url}{path}".encode(), headers=headers,
-                                                content=content, extensions={"timeout": self._timeouts})
+            try:
+                response = await self._pool.request(method, url, headers=headers, content=content,
+                                                    extensions={"timeout": self._timeouts})
+            except AttributeError:
+                # uvloop forgets a connection's socket once the peer closed it (a proxy restarted), and anyio's
+                # stream then fails with AttributeError when httpcore checks the pooled connection, before the
+                # request is sent: drop the pool and send once more on a new connection.
+                with contextlib.suppress(AttributeError, OSError, *_TRANSPORT_ERRORS):
+                    await self._pool.aclose()
+                self._pool = self._new_pool()
+                response = await self._pool.request(method, url, headers=headers, content=content,
+                                                    extensions={"timeout": self._timeouts})
         except httpcore.TimeoutException as exc:
             raise Timeout(str(exc) or type(exc).__name__) from None
-        except _TRANSPORT_ERRORS as exc:
+        except (*_TRANSPORT_ERRORS, AttributeError) as exc:
             raise Unreachable(str(exc) or type(exc).__name__) from None
         try:
             decoded = json.loads(response.content) if response.content else None
