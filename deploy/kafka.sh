@@ -26,7 +26,7 @@
 #
 # Class data sharing: the first broker that stops cleanly leaves the classes it loaded in an archive in
 # the jars' cache (one per Java install), and every later JVM of this script maps it instead of loading
-# and verifying them again: a broker's start took 1.9 s of CPU instead of 3.4 here (docs/development.md).
+# and verifying them again: a broker's start took 2.0 s of CPU instead of 3.4 here (docs/development.md).
 #
 # Knobs (environment, all optional): REIN_CACHE, KAFKA_HEAP_OPTS (default -Xmx512m -Xms256m),
 # KAFKA_JVM_OPTS (extra JVM flags), KAFKA_START_TIMEOUT (seconds, default 90),
