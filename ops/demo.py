@@ -30,7 +30,7 @@ from typing import Any
 from ops.args import max_preempts_arg
 from ops.demo_metrics import EngineUsage, ToolCallSeries, proxy_rejections, proxy_tool_calls
 from ops.demo_presets import PRESETS
-from ops.demo_summary import progress_line, write_outputs
+from ops.demo_summary import progress_line, summarize, write_outputs
 from ops.local.launcher import LaunchError
 from ops.local.stack import LocalStack, StackConfig, start
 from ops.report import optimizer_steps, rows_so_far
@@ -250,10 +250,10 @@ def run(args: argparse.Namespace) -> int:
         if tool_calls is not None:
             calls.annotate(rows)
             tool_calls["series"] = calls.samples
-        write_outputs(
-            config, rows, rejections, wall, stopped_by=stopped_by, usage=usage, train_wall_s=train_wall,
+        write_outputs(config, rows, summarize(
+            rows, rejections, wall, config, stopped_by=stopped_by, usage=usage, train_wall_s=train_wall,
             train_started_ts=up_ts, tool_calls=tool_calls,
-        )
+        ))
     return code
 
 

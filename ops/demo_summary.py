@@ -141,22 +141,8 @@ def progress_line(
     )
 
 
-def write_outputs(
-    config: StackConfig,
-    rows: list[dict[str, Any]],
-    rejections: int,
-    wall_s: float,
-    *,
-    stopped_by: str = "steps",
-    usage: EngineUsage | None = None,
-    train_wall_s: float | None = None,
-    train_started_ts: float | None = None,
-    tool_calls: dict[str, Any] | None = None,
-) -> None:
-    summary = summarize(
-        rows, rejections, wall_s, config, stopped_by=stopped_by, usage=usage, train_wall_s=train_wall_s,
-        train_started_ts=train_started_ts, tool_calls=tool_calls,
-    )
+def write_outputs(config: StackConfig, rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    """``summary.json`` and ``plot.png`` in the run directory, and the summary's main keys on stdout."""
     (config.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     png = plot_run(rows, config.run_dir / "plot.png", title=f"rein demo {config.run_dir.name}")
     keys = [
