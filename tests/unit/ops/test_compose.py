@@ -176,13 +176,18 @@ def rein_env(compose: dict[str, Any], name: str) -> dict[str, str]:
 
 
 def _health_url(svc: dict[str, Any], name: str) -> str:
+    """The URL a rein service's healthcheck asks: the compose file's one bash HTTP probe, given the URL."""
     check = svc.get("healthcheck")
     assert check and check.get("test"), f"{name} has no healthcheck"
     test = check["test"]
-    text = " ".join(test) if isinstance(test, list) else str(test)
-    urls = re.findall(r"https?://[^\s'\"]+", text)
-    assert len(urls) == 1, f"{name}: healthcheck should call exactly one URL, found {urls}"
-    return str(urls[0])
+    assert isinstance(test, list) and len(test) == 6, f"{name}: {test}"
+    assert test[:3] == ["CMD", "bash", "-c"] and test[3] == http_probe(), f"{name}: not the shared HTTP probe: {test}"
+    return str(test[5])
+
+
+def http_probe() -> str:
+    """The compose file's HTTP health probe (``x-http-probe``), as written there (``$$`` not yet interpolated)."""
+    return str(yaml.safe_load(COMPOSE.read_text())["x-http-probe"])
 
 
 # --------------------------------------------------------------------------- the compose file
