@@ -38,8 +38,9 @@ from shared.bus import Producer, ensure_topology  # noqa: E402
 from shared.names import RedisKeys, Topics  # noqa: E402
 from shared.schemas import Chunk, GroupRef, WeightPublished  # noqa: E402
 from shared.settings import KafkaSettings  # noqa: E402
-from shared.staleness import WindowConfig, WindowGroup, WindowReplay  # noqa: E402
+from shared.staleness import WindowConfig, WindowGroup  # noqa: E402
 from shared.versions import VersionRegistry  # noqa: E402
+from shared.window_rule import WindowReplay  # noqa: E402
 
 TRAJECTORIES = 8
 CHUNKS_PER_TRAJ = 2

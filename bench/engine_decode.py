@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.engine.batcher import Batcher, SamplingParams, Weights
+from services.engine.batcher import Batcher, Weights
+from services.engine.sampling import SamplingParams
 from shared.model import load_family
 
 QUESTION = [{"role": "user", "content": "Count from one to twenty in words, separated by commas."}]

@@ -39,7 +39,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.engine.batcher import Batcher, SamplingParams, Weights
+from services.engine.batcher import Batcher, Weights
+from services.engine.sampling import SamplingParams
 from shared.model.decoding import MAX_PADDING
 
 VOCAB = 49152

@@ -40,7 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.rollout.calculator import INSTRUCTION, CalculatorEpisode, CalculatorTask, evaluate
-from shared.model.hf import HFChatTokenizer, HFFamily
+from shared.model.hf import HFFamily
+from shared.model.hf_chat import HFChatTokenizer
 from shared.model.tool_calls import parse_reply
 
 DEMONSTRATION: list[dict[str, Any]] = [

@@ -27,7 +27,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ops.args import max_preempts_arg
+from ops.args import RegistryChoices, max_preempts_arg
 from ops.demo_metrics import EngineUsage, ToolCallSeries, proxy_rejections, proxy_tool_calls
 from ops.demo_presets import PRESETS
 from ops.demo_summary import progress_line, summarize, write_outputs
@@ -57,15 +57,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="async mode: start prompts only while the window can still train them (docs/task.md)")
     p.add_argument("--stale-groups", choices=["drop", "withhold"], default="drop",
                    help="the collector's groups with members outside the window: drop whole or withhold those members")
-    p.add_argument("--correction", choices=["none", "tis", "icepop", "geo_mask", "m2po", "decoupled"],
-                   default="none", help="the trainer's off-policy correction (REIN_OFFPOLICY_CORRECTION)")
+    p.add_argument("--correction", choices=RegistryChoices("services.trainer.corrections", "CORRECTIONS"),
+                   default="none", metavar="NAME",
+                   help="the trainer's off-policy correction (REIN_OFFPOLICY_CORRECTION): %(choices)s")
     p.add_argument("--nonlast-version-tokens", choices=["mask", "weight"], default="mask",
                    help="the trainer's treatment of a trajectory's tokens from older versions")
     p.add_argument("--collectors", type=int, help="collector replicas (tiny: 2, HF: 1)")
     p.add_argument("--batch-groups", type=int, help="GRPO groups per training batch (tiny: 4, HF: 2)")
     p.add_argument("--group-size", type=int, help="episodes per group (tiny: 8, HF: 4)")
     p.add_argument("--concurrent-groups", type=int, help="groups in flight (tiny: 8, HF: 4)")
-    p.add_argument("--task",
+    p.add_argument("--task", choices=list(TASKS),
                    help="rollout task (tiny: guess_number; HF: arithmetic, or calculator, which needs a tool call)")
     p.add_argument("--max-tokens", type=int, help="output budget of each reply (tiny: the runner's 1, HF: 48)")
     p.add_argument("--temperature", type=float, help="sampling temperature of every reply (the runner's 1.0)")

@@ -11,12 +11,11 @@ from typing import Any
 
 import httpx
 
+from services.proxy.wires import WIRES
+
 _REJECTIONS = re.compile(r"^rein_proxy_rejections_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 _TOOL_CALLS = re.compile(r'^rein_proxy_tool_call_replies_total\{outcome="(\w+)"\}\s+([0-9.eE+-]+)$', re.M)
-_CHAT_REPLIES = re.compile(
-    r'^rein_proxy_requests_total\{route="/v1/(?:chat/completions|responses|messages)",status="200"\}\s+([0-9.eE+-]+)$',
-    re.M,
-)
+_ANSWERS = re.compile(r'^rein_proxy_requests_total\{route="([^"]*)",status="200"\}\s+([0-9.eE+-]+)$', re.M)
 _ENGINE_ACTIVE = re.compile(r"^rein_engine_active_requests\s+([0-9.eE+-]+)$", re.M)
 _ENGINE_TOKENS = re.compile(r"^rein_engine_generated_tokens_total\s+([0-9.eE+-]+)$", re.M)
 
@@ -30,9 +29,14 @@ def proxy_tool_calls(url: str) -> dict[str, Any] | None:
         return None
     counts = {outcome: int(float(n)) for outcome, n in _TOOL_CALLS.findall(text)}
     calls, malformed = counts.get("calls", 0), counts.get("malformed", 0)
-    replies = sum(int(float(n)) for n in _CHAT_REPLIES.findall(text))
+    replies = chat_replies(text)
     return {"replies": replies, "replies_with_calls": calls, "malformed": malformed,
             "well_formed_share": calls / (calls + malformed) if calls + malformed else None}
+
+
+def chat_replies(text: str) -> int:
+    """The proxy's 200 answers on its chat routes, those of every wire it serves, from its ``/metrics`` text."""
+    return sum(int(float(n)) for route, n in _ANSWERS.findall(text) if route in WIRES)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 ``rein replay`` (``ops/commands/replay.py``) reads a run either from the
 ``rollout.groups`` + ``weights`` (+ ``staleness.decisions`` for order) topics or
 from a JSONL file (format in ``docs/replay.md``), and folds it through the same
-:func:`shared.staleness.window_step` the collector runs against Redis, with an
+:func:`shared.window_rule.window_step` the collector runs against Redis, with an
 in-memory :class:`shared.versions.VersionRegistry`. Nothing here touches live state.
 A JSONL file is where its labels enter, so :func:`parse_event` normalises them; the
 topics' records come normalised by their schema.
@@ -22,9 +22,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shared.schemas import CompletedGroup
-from shared.staleness import UNTRAINED_CAUSES, Decision, TokenTally, WindowConfig, WindowGroup, WindowReplay
+from shared.staleness import UNTRAINED_CAUSES, Decision, TokenTally, WindowConfig, WindowGroup
 from shared.version_window import SegmentEnd
 from shared.versions import VersionRegistry, real_version
+from shared.window_rule import WindowReplay
 from shared.window_view import group_rewards, segment_ends, window_group_from_samples
 
 # --------------------------------------------------------------------------- recorded events

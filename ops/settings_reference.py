@@ -1,7 +1,8 @@
 """docs/settings.md: every ``REIN_*`` variable, generated from the settings classes.
 
 Each service reads its configuration through one settings class; a field's docstring is its
-description. This renders them all (name, type, default, meaning) so the reference cannot drift
+description, and the type of a field named from a registry (``shared.registry``) is the names
+registered. This renders them all (name, type, default, meaning) so the reference cannot drift
 from the code: ``tests/unit/ops/test_settings_reference.py`` fails when the file is stale.
 Regenerate with ``python -m ops.settings_reference``.
 """
@@ -21,6 +22,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from shared.registry import Registry
 from shared.settings import ENV_PREFIX, NESTED_DELIMITER, ServiceSettings
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
@@ -88,7 +90,9 @@ def rows(cls: type[BaseModel], prefix: tuple[str, ...] = ()) -> Iterator[tuple[s
             yield from rows(ann, (*prefix, name))
             continue
         env = ENV_PREFIX + NESTED_DELIMITER.join(p.upper() for p in (*prefix, name))
-        yield env, _type(ann), _default(field), _text(field)
+        registry = next((m for m in field.metadata if isinstance(m, Registry)), None)
+        kind = " \\| ".join(f"`{n}`" for n in registry) if registry is not None else _type(ann)
+        yield env, kind, _default(field), _text(field)
 
 
 def _table(found: list[tuple[str, str, str, str]]) -> str:

@@ -1,4 +1,4 @@
-"""The window's view of a completed group, pure: what :func:`shared.staleness.window_step` judges.
+"""The window's view of a completed group, pure: what :func:`shared.window_rule.window_step` judges.
 
 A ``rollout.groups`` record carries every token's version; the window only needs one end
 version per trajectory (the last trainable, versioned token of its highest segment),

@@ -27,8 +27,9 @@ import redis
 from shared import log
 from shared.bus import Delivered
 from shared.names import RedisKeys
-from shared.schemas import Record, decode, encode
+from shared.schemas import Record
 from shared.state import Replication
+from shared.wire import decode, encode
 
 _log = log.get(__name__)
 

@@ -26,30 +26,25 @@ from kafka.errors import KafkaError
 from services.collector.assembly import (
     Assembler,
     Position,
-    RecentSpans,
-    SeenOnce,
-    partial_rollout_rejected_samples,
-    version_spans,
 )
+from services.collector.decision_report import DecisionReport
 from services.collector.metrics import CollectorMetrics
 from services.collector.settings import CollectorSettings
 from services.collector.weights_follower import WeightsFollower
-from services.collector.window_store import StepOutcome, WindowStore
+from services.collector.window_store import WindowStore
 from shared import log
 from shared.bus import Consumer, Delivered, Polled, Producer, ensure_topology, topic_configs
 from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
-from shared.schemas import CompletedGroup, DecodeError, GroupRef, Record
-from shared.staleness import Decision, NoSignalGroups, StepResult, WindowConfig, WindowGroup
+from shared.schemas import CompletedGroup, GroupRef, Record
+from shared.staleness import WindowConfig
 from shared.state import Replication, connect
 from shared.status_server import StatusServer
 from shared.topology import TopicSpec
 from shared.window_view import window_group
+from shared.wire import DecodeError
 
 _log = log.get(__name__)
-
-NO_SIGNAL_WARN_BATCHES = 4
-"""Warn each time this many batches' worth of groups in a row (all replicas) carried no signal."""
 
 _LOOP_ERRORS: tuple[type[BaseException], ...] = (*DEPENDENCY_ERRORS, TimeoutError)
 """What one loop iteration waits out and redoes (TimeoutError: the weights catch-up, the outbox lease)."""
@@ -76,8 +71,7 @@ class Collector:
             settings.stale_groups,
         )
         self.assembler = Assembler()
-        self.spans = RecentSpans()
-        self.rejected_prompts = SeenOnce()
+        self.report = DecisionReport(self.metrics, self.config)
         self.last_loop = time.monotonic()
         self.ready = threading.Event()
         self.http: StatusServer | None = None
@@ -266,11 +260,11 @@ class Collector:
                 view, GroupRef(group_id=group.group_id, partition=ref.partition, offset=ref.offset), group.prompt
             )
             self.metrics.groups.labels(status="failed" if group.failed else "ok").inc()
-            self._count(outcome)
+            self.report.outcome(outcome)
             if outcome.result is not None:
-                self._count_staleness(group)
+                self.report.staleness(group)
                 if not view.failed:
-                    self._count_signal(view, outcome.result)
+                    self.report.signal(view, outcome.result)
         self._publish_outbox()
         for group in completed:
             self.assembler.release(group.group_id)
@@ -285,79 +279,6 @@ class Collector:
         if unknown:
             self.weights.catch_up(self.settings.kafka.request_timeout_ms / 1000)
             self._caught_up_for.update(unknown)
-
-    def _count(self, outcome: StepOutcome) -> None:
-        if outcome.result is None:
-            return
-        for d in outcome.result.decisions:
-            self.metrics.decisions.labels(decision=d.decision.value).inc()
-            self.metrics.decided_tokens.labels(decision=d.decision.value).inc(d.tokens)
-            if d.decision is not Decision.KEPT and d.decision is not Decision.FAILED_RETRY:
-                self.metrics.dropped.labels(reason=d.decision.value).inc()
-            log_fn = _log.info if d.decision is Decision.KEPT else _log.warning
-            log_fn(
-                "group_decided",
-                group_id=d.group_id,
-                prompt_id=d.prompt_id,
-                attempt=d.attempt,
-                decision=d.decision.value,
-                versions=list(d.versions),
-                tokens=d.tokens,
-                current=d.window.current_version,
-                cutoff_index=d.window.cutoff_index,
-                step=outcome.step,
-            )
-        snap = outcome.result.decisions[-1].window
-        if snap.current_index is not None:
-            self.metrics.current_index.set(snap.current_index)
-        if snap.cutoff_index is not None:
-            self.metrics.cutoff_index.set(snap.cutoff_index)
-        batch = outcome.result.batch
-        if batch is not None:
-            self.metrics.batches.inc()
-            if batch.gap is not None:
-                self.metrics.gap_min.set(batch.gap.min)
-                self.metrics.gap_max.set(batch.gap.max)
-                self.metrics.gap_mean.set(batch.gap.mean)
-            _log.info("batch_taken", index=batch.index, groups=len(batch.groups), drops=len(batch.dropped))
-
-    def _count_signal(self, view: WindowGroup, result: StepResult) -> None:
-        """Counts a non-failed group without signal; warns each time the shared run of them reaches
-        another ``NO_SIGNAL_WARN_BATCHES`` batches' worth (one replica's step reaches each multiple)."""
-        run = result.state.no_signal_run
-        self.metrics.no_signal_run.set(run)
-        if view.signal:
-            return
-        self.metrics.no_signal.inc()
-        every = self.config.batch_groups * NO_SIGNAL_WARN_BATCHES
-        if run % every == 0:
-            dropping = self.config.no_signal_groups is NoSignalGroups.DROP
-            _log.warning(
-                "no_signal_groups_in_a_row",
-                groups=run,
-                no_signal_groups=self.config.no_signal_groups.value,
-                note=(
-                    "every trajectory of each of these groups got the same reward: "
-                    + ("they were dropped, so the trainer gets no batch until a group carries signal"
-                       if dropping else "the batches they fill train nothing")
-                    + " (check the task's rewards, or the policy's collapse)"
-                ),
-            )
-
-    def _count_staleness(self, group: CompletedGroup) -> None:
-        """Span gauges and partial-rollout rejection counters of one newly decided group."""
-        self.spans.add(version_spans(group))
-        stats = self.spans.stats()
-        if stats is not None:
-            self.metrics.span_min.set(stats.min)
-            self.metrics.span_max.set(stats.max)
-            self.metrics.span_mean.set(stats.mean)
-        samples = partial_rollout_rejected_samples(group)
-        if samples:
-            self.metrics.partial_rejected_groups.inc()
-            self.metrics.partial_rejected_samples.inc(samples)
-            if self.rejected_prompts.add(group.prompt_id):
-                self.metrics.partial_rejected_prompts.inc()
 
     def _publish_outbox(self) -> None:
         before = self.store.conflicts

@@ -3,7 +3,7 @@
 Each completed group goes through :meth:`WindowStore.step`: an optimistic
 WATCH/MULTI transaction that loads the window (current label, pending groups,
 counters), gets every needed label's index from the :class:`RedisRegistry`, runs
-the pure :func:`shared.staleness.window_step` (the only copy of the rules), and
+the pure :func:`shared.window_rule.window_step` (the only copy of the rules), and
 writes back the new state, the ``decided`` mark of every group it decided, and the
 records to publish (decisions, a manifest, a retry request) onto the Redis outbox
 list (:mod:`services.collector.outbox`, which also publishes it), all in one EXEC.
@@ -42,18 +42,10 @@ from shared.schemas import (
     RetryRequest,
     WindowInfo,
 )
-from shared.staleness import (
-    Decision,
-    StepResult,
-    WindowConfig,
-    WindowGroup,
-    WindowSnapshot,
-    WindowState,
-    next_attempt,
-    window_step,
-)
+from shared.staleness import Decision, StepResult, WindowConfig, WindowGroup, WindowSnapshot, WindowState, next_attempt
 from shared.state import RedisRegistry, Replication
 from shared.window_layout import decode_window, drops_field, encode_config, encode_window
+from shared.window_rule import window_step
 
 
 class WindowConflict(RuntimeError):

@@ -21,9 +21,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Histogram
 from pydantic import ValidationError
 
-from services.engine.batcher import AdmissionError, Batcher, SamplingParams, StepReport, Weights, limits
+from services.engine.batcher import AdmissionError, Batcher, StepReport, Weights, limits
 from services.engine.batcher import Request as EngineRequest
 from services.engine.runner import EngineRunner, EngineUnavailableError, WeightUpdateError
+from services.engine.sampling import SamplingParams
 from services.engine.schemas import (
     AbortBody,
     AbortManyBody,

@@ -22,7 +22,8 @@ from pathlib import Path
 import structlog
 import torch
 
-from services.engine.batcher import Batcher, Request, SamplingParams, StepReport, Weights, limits
+from services.engine.batcher import Batcher, Request, StepReport, Weights, limits
+from services.engine.sampling import SamplingParams
 from shared import checkpoint
 from shared.model.base import Loaded, ModelError
 

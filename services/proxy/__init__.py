@@ -1,8 +1,9 @@
 """The OpenAI-compatible gateway every agent talks to.
 
-Consumes: agents' chat calls (``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages``) named by a
-session key, or by ``X-Session-Id`` (``X-Group-Id`` for training sessions, ``X-Turn-Id``, ``X-Prompt-Id``,
-``X-Attempt``, ``X-Rein-Soft-Reject``) with the runner's token; the runner's ``POST /v1/sessions`` and
+Consumes: agents' chat calls on each registered wire (``wires``: ``/v1/chat/completions``,
+``/v1/responses``, ``/v1/messages``) named by a session key, or by ``X-Session-Id`` (``X-Group-Id`` for
+training sessions, ``X-Turn-Id``, ``X-Prompt-Id``, ``X-Attempt``, ``X-Rein-Soft-Reject``) with the runner's
+token; the runner's ``POST /v1/sessions`` and
 ``POST /v1/sessions/{id}/finish`` (bearer ``REIN_RUNNER_TOKEN``); the weight broadcaster's
 ``/v1/rollout/pause|resume`` (bearer ``REIN_ADMIN_TOKEN``). Who may do what: ``auth``.
 
@@ -20,6 +21,7 @@ requests in flight, and each engine's last known weight version.
 Modules: ``settings`` (ProxySettings), ``auth`` and ``session_keys`` (credentials, pure), ``sessions``
 (pure store, TITO),
 ``generation`` (pause controller + preemptible loop), ``engine_client`` (httpcore),
-``publisher`` (Kafka), ``service`` (what each endpoint does), ``openai_api``
-(request/response shapes), ``app`` (routes, middleware, error mapping).
+``publisher`` (Kafka), ``service`` (what each endpoint does), ``wire`` and ``wires`` (what a wire is, the
+registered ones: ``openai_api``, ``responses_api``, ``messages_api``), ``app`` (the routes, as a table of
+contents: ``lifespan``, ``chat_route``, ``routes``, ``middleware`` for error mapping and request counts).
 """

@@ -31,6 +31,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.proxy.fields import ANTHROPIC_HARMLESS, refused_fields
+from services.proxy.openai_api import ChatRequest
+from services.proxy.wire import Call, Wire, parse, validate
 from shared.errors import UnsupportedContent, UnsupportedParameter
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
@@ -228,3 +230,11 @@ def error_body(detail: dict[str, Any], status: int) -> dict[str, Any]:
 def error_event(detail: dict[str, Any], status: int) -> str:
     """A failure after the stream began, as the Messages API streams one (rein's detail under ``detail``)."""
     return f"event: error\ndata: {json.dumps(error_body(detail, status), separators=(',', ':'))}\n\n"
+
+
+def _call(raw: bytes) -> Call:
+    return Call(validate(ChatRequest, to_chat(parse(MessagesRequest, raw))), answer, events, error_event)
+
+
+WIRE = Wire("/v1/messages", _call, error_body)
+"""Anthropic's Messages API."""

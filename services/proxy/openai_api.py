@@ -1,4 +1,4 @@
-"""The OpenAI chat-completions subset the proxy speaks: request model, response bodies, SSE frames.
+"""The OpenAI chat-completions subset the proxy speaks: request model, response bodies, SSE frames, its wire.
 
 Pure functions of their inputs. Messages reach the model's chat template as plain
 dicts in OpenAI's shape (roles system, user, assistant, tool; an assistant's
@@ -21,7 +21,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.proxy.fields import OPENAI_HARMLESS, refused_fields
-from services.proxy.session_machine import ForceCall, ToolCalls
+from services.proxy.replies import ForceCall, ToolCalls
+from services.proxy.wire import Call, Wire, parse
 from shared.errors import InvalidRequest, UnsupportedContent, UnsupportedParameter
 from shared.schemas import new_id
 
@@ -148,7 +149,7 @@ class ChatRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     """``auto`` (the default), ``none`` (the reply is content, never calls), ``required`` and a named function
     (``{"type": "function", "function": {"name": ...}}``: the reply opens with the family's call opener, see
-    :class:`~services.proxy.session_machine.ForceCall`) are honoured."""
+    :class:`~services.proxy.replies.ForceCall`) are honoured."""
     parallel_tool_calls: bool | None = None
     """``false``: the answer carries the reply's first call only (the recorded ids keep every token)."""
     response_format: dict[str, Any] | None = None
@@ -234,49 +235,6 @@ def _known_tool_choice(choice: str | dict[str, Any] | None) -> bool:
         function = choice.get("function")
         return choice.get("type") == "function" and isinstance(function, dict) and isinstance(function.get("name"), str)
     return choice in (None, "auto", "none", "required")
-
-
-class OpenSessionBody(BaseModel):
-    """``POST /v1/sessions``: what a black-box agent's calls will be recorded as (``X-Group-Id`` etc.)."""
-
-    model_config = ConfigDict(extra="forbid")
-    group_id: str = Field(min_length=1, max_length=256)
-    prompt_id: str = Field(default="", max_length=256)
-    attempt: int = Field(default=0, ge=0)
-    session_id: str | None = Field(default=None, min_length=1, max_length=256)
-    """Absent: a fresh id."""
-
-
-class FinishBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    reward: float = Field(allow_inf_nan=False)
-    """A NaN or infinite reward would poison every advantage of its group: refused with 422."""
-    status: Literal["completed", "truncated", "failed"] = "completed"
-    error: str = Field(default="", max_length=200)
-    """Why a ``failed`` session failed (the agent's error name); recorded on ``SessionFinished``."""
-
-
-class PauseBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    reason: str = "weight_update"
-    timeout_s: float | None = Field(default=None, gt=0, le=3600)
-    pause_id: str | None = Field(default=None, min_length=1, max_length=128)
-    """The caller's id for this pause (renew and resume name it); the proxy makes one when absent."""
-    lease_s: float | None = Field(default=None, gt=0, le=3600)
-
-
-class RenewBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    pause_id: str = Field(min_length=1, max_length=128)
-    lease_s: float | None = Field(default=None, gt=0, le=3600)
-
-
-class ResumeBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    version: str | None = None
-    reason: str = "weight_update"
-    pause_id: str | None = Field(default=None, min_length=1, max_length=128)
-    """Resume only if this is the current pause (409 ``stale_pause`` otherwise); absent: resume whatever it is."""
 
 
 def completion(
@@ -393,3 +351,13 @@ def sse_error_frame(detail: dict[str, Any], status: int) -> str:
     raises), as :func:`error_body`, then ``[DONE]``."""
     body = error_body(detail, status)
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\ndata: [DONE]\n\n"
+
+
+def _call(raw: bytes) -> Call:
+    request = parse(ChatRequest, raw)
+    usage = bool((request.stream_options or {}).get("include_usage"))
+    return Call(request, lambda body: body, lambda body: sse_frames(body, usage), sse_error_frame)
+
+
+WIRE = Wire("/v1/chat/completions", _call, error_body)
+"""OpenAI's chat completions: the session machine's own request, its answer as it is."""

@@ -34,8 +34,9 @@ from services.proxy.metrics import ProxyMetrics
 from shared import log
 from shared.bus import BusUnavailable, Producer
 from shared.errors import KafkaUnavailable
-from shared.schemas import Chunk, Record, encode
+from shared.schemas import Chunk, Record
 from shared.settings import KafkaSettings
+from shared.wire import encode
 
 _log = log.get(__name__)
 

@@ -29,7 +29,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.proxy.fields import OPENAI_HARMLESS, refused_fields
-from services.proxy.openai_api import OPENAI_CODES
+from services.proxy.openai_api import OPENAI_CODES, ChatRequest, error_body
+from services.proxy.wire import Call, Wire, parse, validate
 from shared.errors import UnsupportedContent, UnsupportedParameter
 from shared.schemas import new_id
 
@@ -274,3 +275,13 @@ def failed_events(detail: dict[str, Any], request: ResponsesRequest) -> str:
     return "".join(
         f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': n, **data}, separators=(',', ':'))}\n\n"
         for n, (kind, data) in enumerate(events))
+
+
+def _call(raw: bytes) -> Call:
+    request = parse(ResponsesRequest, raw)
+    return Call(validate(ChatRequest, to_chat(request)), lambda body: answer(body, request),
+                lambda body: events(body, request), lambda detail, _status: failed_events(detail, request))
+
+
+WIRE = Wire("/v1/responses", _call, error_body)
+"""OpenAI's Responses API; its errors in OpenAI's shape."""

@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from services.proxy.replies import ChatOutcome, ForceCall, ToolCalls, read_reply
 from services.proxy.transcript import (
     Answer,
     Messages,
@@ -74,7 +75,7 @@ from shared.errors import (
 )
 from shared.model.chat import ChatTokenizer
 from shared.model.tiny_chat import TinyChatTokenizer
-from shared.model.tool_calls import ParsedReply, ToolCallFormat, new_call_id, parse_reply
+from shared.model.tool_calls import ToolCallFormat
 from shared.schemas import Chunk, Record, SessionFinished, SessionRejected
 from shared.span_cap import check_span
 from shared.versions import distinct_real, encode_runs
@@ -82,8 +83,7 @@ from shared.versions import distinct_real, encode_runs
 if TYPE_CHECKING:
     from services.proxy.generation import ChunkOutcome, Generation
 
-__all__ = ["ChatOutcome", "ForceCall", "NewSegmentReason", "SegmentState", "Session", "Step", "TurnPlan",
-           "VersionRules"]
+__all__ = ["NewSegmentReason", "SegmentState", "Session", "Step", "TurnPlan", "VersionRules"]
 
 
 @dataclass(frozen=True)
@@ -93,51 +93,6 @@ class VersionRules:
     partial_rollout: bool = True
     max_preempts: int | None = None
     """Span cap with partial rollout (``None``: no cap)."""
-
-
-ToolCalls = Literal["all", "none", "first"]
-"""Which tool calls of a reply an answer carries (the request's ``tool_choice`` and ``parallel_tool_calls``)."""
-
-
-@dataclass(frozen=True)
-class ForceCall:
-    """``tool_choice`` ``required`` (``name`` None) or a named function: the reply opens with a call.
-
-    Served without constrained decoding: the family's call opener (and the function's name) follows the
-    generation prompt as context the engine did not sample, never trained; everything after it is sampled
-    from the policy's own distribution, and the chunk's ``forced_ids`` say what was forced."""
-
-    name: str | None = None
-
-
-def until_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
-    """``text`` before the earliest of ``stops`` in it (all of it when none occurs), and that stop string."""
-    found = [(at, -len(s), s) for s in stops if s and (at := text.find(s)) != -1]
-    if not found:
-        return text, None
-    at, _, stop = min(found)  # the earliest; at one position, the longest
-    return text[:at], stop
-
-
-@dataclass(frozen=True)
-class ChatOutcome:
-    """A finished chat call: the text and what the response's ``rein`` field reports."""
-
-    content: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    rein: dict[str, Any]
-    soft_rejected: bool = False
-    tool_calls: tuple[dict[str, Any], ...] = ()
-    """OpenAI ``tool_calls`` parsed from the reply (then ``finish_reason`` is ``tool_calls``)."""
-    stop_sequence: str | None = None
-    """The request's ``stop`` string the reply ended at (left out of the content), if one."""
-    reasoning: str | None = None
-    """A reasoning model's thinking (``<think>…</think>``), answered apart from the content; None without."""
-    call_markup: Literal["calls", "malformed", "empty"] | None = None
-    """What the reply's call markup was, if it had any: parsed ``calls``, ``malformed`` (answered whole as
-    content), or ``empty`` (an empty list of calls, the model's own "no call": answered as the text around it)."""
 
 
 @dataclass(frozen=True)
@@ -282,29 +237,13 @@ class Session(Transcript):
 
     def complete(self, gen: Generation, stop: Sequence[str] = (), calls: ToolCalls = "all") -> ChatOutcome:
         """The generation ended: the answer is the text of the sampled ids (a final stop id is no text),
-        up to the first of the request's ``stop`` strings (OpenAI leaves it out; the ids keep it), split
-        into content and tool calls when the model ended its turn (a reply cut by its budget is content:
-        its calls may be cut too). ``calls``: ``none`` (``tool_choice: none``) answers the text as
-        content, ``first`` (``parallel_tool_calls: false``) only the first call. A reasoning model's
-        thinking (:mod:`shared.model.reasoning`) is answered apart, as ``reasoning``; the calls and the
-        content are read from the text after it."""
+        read by :func:`~services.proxy.replies.read_reply` (the request's ``stop`` strings, the thinking
+        of a reasoning model, content and tool calls). ``calls``: ``none`` (``tool_choice: none``) answers
+        the text as content, ``first`` (``parallel_tool_calls: false``) only the first call."""
         plan = self._call()
         text = self.tokenizer.decode([*plan.forced, *gen.output_ids])  # a forced opener is the reply's start
-        shown, matched = until_stop(text, stop) if gen.finish_reason == "stop" else (text, None)
-        thinking, shown = (None, shown) if self.tokenizer.reasoning is None else self.tokenizer.reasoning.split(shown)
-        if thinking is not None:
-            thinking, shown = thinking.strip(), shown.lstrip()
-        parse = gen.finish_reason == "stop" and calls != "none"
-        reply = parse_reply(shown, self.tool_calls) if parse else None
-        found = reply.calls[:1] if reply is not None and calls == "first" else reply.calls if reply else ()
-        calls_out = tuple(c.openai(new_call_id(self.tool_calls)) for c in found)
-        content = reply.content if reply is not None and (calls_out or reply.empty) else shown
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if thinking is not None:
-            message["reasoning_content"] = thinking
-        if calls_out:
-            message["tool_calls"] = list(calls_out)
-        self.answered(plan, Answer(message, text))
+        reply = read_reply(text, gen.finish_reason, self.tokenizer.reasoning, self.tool_calls, stop, calls)
+        self.answered(plan, Answer(reply.message, text))
         self._leave_call()
         rein = {
             "session_id": self.session_id, "engine": self.engine, "segment_index": plan.segment_index,
@@ -313,10 +252,10 @@ class Session(Transcript):
             "chunks": [{"rid": c.output.rid, "version": c.output.version, "finish_reason": c.output.finish_reason,
                         "num_tokens": len(c.output.output_ids)} for c in gen.chunks],
         }
-        return ChatOutcome(content=content, finish_reason="tool_calls" if calls_out else gen.finish_reason,
+        return ChatOutcome(content=reply.content, finish_reason="tool_calls" if reply.tool_calls else gen.finish_reason,
                            prompt_tokens=len(plan.prompt_ids), completion_tokens=len(gen.output_ids), rein=rein,
-                           tool_calls=calls_out, call_markup=_markup(reply), stop_sequence=matched,
-                           reasoning=thinking)
+                           tool_calls=reply.tool_calls, call_markup=reply.call_markup,
+                           stop_sequence=reply.stop_sequence, reasoning=reply.reasoning)
 
     def fail(self, error: Exception, *, soft: bool = False) -> Step:
         """The call stopped on ``error``. A staleness rule rejects the session (softly when asked);
@@ -440,12 +379,6 @@ class Session(Transcript):
             "and partial rollout is off",
             previous_versions=recorded, new_versions=new, session_id=self.session_id,
         )
-
-
-def _markup(reply: ParsedReply | None) -> Literal["calls", "malformed", "empty"] | None:
-    if reply is None:
-        return None
-    return "calls" if reply.calls else "malformed" if reply.malformed else "empty" if reply.empty else None
 
 
 def _jsonable(value: Any) -> Any:

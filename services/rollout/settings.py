@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from services.rollout.tasks import TASKS
 from shared.settings import ServiceSettings, StopSettings
 
 
@@ -23,8 +24,8 @@ class RolloutSettings(ServiceSettings, StopSettings):
     request_model: str = "rein-tiny"
     """Model name put in each chat request (the proxy accepts any). Not ``REIN_MODEL``: that is the weights
     the engine, the proxy and the trainer load."""
-    task: Literal["guess_number", "arithmetic", "calculator"] = "guess_number"
-    """Built-in task to play (``services.rollout.tasks.TASKS``): ``guess_number`` for the tiny policy,
+    task: Annotated[str, TASKS] = "guess_number"
+    """Task to play, by its name in ``services.rollout.tasks.TASKS``: ``guess_number`` for the tiny policy,
     ``arithmetic`` for an instruct model (``REIN_MODEL`` = a Hugging Face model; docs/task.md), ``calculator``
     for one that calls tools (docs/agents.md)."""
     seed: int = 0

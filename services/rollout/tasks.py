@@ -1,4 +1,4 @@
-"""The built-in tasks by name (``REIN_TASK``)."""
+"""The tasks by name (``REIN_TASK``, ``make demo --task``): a new task is its module plus one entry here."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ from collections.abc import Callable
 from services.rollout.arithmetic import ArithmeticTask
 from services.rollout.calculator import CalculatorTask
 from services.rollout.task import NumberGuessTask, Task
+from shared.registry import Registry
 
-TASKS: dict[str, Callable[[], Task]] = {
-    "guess_number": NumberGuessTask, "arithmetic": ArithmeticTask, "calculator": CalculatorTask,
-}
-"""Task name (``REIN_TASK``) -> factory."""
+TASKS: Registry[Callable[[], Task]] = Registry("task", {
+    "guess_number": NumberGuessTask,
+    "arithmetic": ArithmeticTask,
+    "calculator": CalculatorTask,
+})
+"""Task name -> factory of the task the rollout runner plays."""

@@ -20,20 +20,22 @@ whole ratio π_θ/μ. The other corrections come in two shapes:
 Every correction keeps the loss's denominator: a token it removes still counts in ``n`` (or in
 ``normalizer``) and adds 0, so removing tokens never scales up the others, and micro-batches
 sharing one token-mean add up exactly.
+
+A correction is a function from the detached :class:`Ratios` to a :class:`Weighting` (which tokens
+stay, and their ``w``, if any), registered by name in :data:`CORRECTIONS`; the trainer settings, the
+demo's ``--correction`` and docs/settings.md take their names from there.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
 
 from services.trainer.loss import MAX_LOG_RATIO, LossStats, ppo_clip_loss
-
-Correction = Literal["none", "tis", "icepop", "geo_mask", "m2po", "decoupled"]
-CORRECTIONS: tuple[str, ...] = get_args(Correction)
+from shared.registry import Registry
 
 
 def band_error(band: tuple[float, float]) -> str | None:
@@ -49,7 +51,8 @@ def band_error(band: tuple[float, float]) -> str | None:
 class CorrectionConfig:
     """Which correction the loss applies and its knobs (mirrors the trainer settings)."""
 
-    kind: Correction = "none"
+    kind: str = "none"
+    """A name in :data:`CORRECTIONS`."""
     tis_cap: float = 2.0
     """C in ``w = min(k, C)`` (``tis`` and ``decoupled``); at least 1, so a ratio of 1 keeps weight 1."""
     icepop_band: tuple[float, float] = (0.5, 5.0)
@@ -60,8 +63,7 @@ class CorrectionConfig:
     """τ of ``m2po``: bound on the mean squared log-ratio of the batch's tokens that stay."""
 
     def __post_init__(self) -> None:
-        if self.kind not in CORRECTIONS:
-            raise ValueError(f"unknown correction {self.kind!r}; one of {', '.join(CORRECTIONS)}")
+        CORRECTIONS.check(self.kind)
         if not self.tis_cap >= 1.0:
             raise ValueError(f"tis_cap ({self.tis_cap}) must be >= 1")
         for name, band in (("icepop_band", self.icepop_band), ("geo_mask_band", self.geo_mask_band)):
@@ -69,6 +71,46 @@ class CorrectionConfig:
                 raise ValueError(f"{name} {error}")
         if not self.m2po_threshold > 0.0:
             raise ValueError(f"m2po_threshold ({self.m2po_threshold}) must be > 0")
+
+
+@dataclass(frozen=True)
+class Ratios:
+    """What a correction reads of one loss evaluation, detached (all ``[B, T]``)."""
+
+    log_ratio: torch.Tensor
+    """``log(π_prox/μ)`` per token (``k = exp``): 0 off ``keep``, bounded to ±``MAX_LOG_RATIO``."""
+    keep: torch.Tensor
+    """The trained tokens (bool)."""
+    batch_statistic: float | None = None
+    """:attr:`Correction.batch_statistic` over the whole batch when this evaluation sees a part of it; None: the
+    correction takes it from these tokens."""
+
+
+@dataclass(frozen=True)
+class Weighting:
+    """What a correction decides for one loss evaluation's trained tokens (all ``[B, T]``)."""
+
+    stays: torch.Tensor
+    """Trained tokens left in the loss (bool); the others add 0 and still count in the token-mean."""
+    weight: torch.Tensor | None = None
+    """The detached ``w >= 0`` of the behaviour-weighted objective, 0 where a token leaves; None: ``none``'s
+    objective (PPO-clip on π_θ/μ, with the dual clip) on the tokens that stay."""
+    clipped: torch.Tensor | None = None
+    """Trained tokens whose weight was truncated (bool); None: none."""
+
+
+@dataclass(frozen=True)
+class Correction:
+    """One off-policy correction, as :data:`CORRECTIONS` registers it."""
+
+    weigh: Callable[[CorrectionConfig, Ratios], Weighting]
+    batch_statistic: Callable[[CorrectionConfig, torch.Tensor], float] | None = None
+    """A number ``weigh`` reads over the whole batch (M2PO's cutoff), from the log-ratios of its trained tokens
+    (1-D): when the batch is split (micro-batches, ranks) the trainer computes it over all of them first, so
+    the split changes nothing."""
+    proximal: bool = False
+    """Whether ``weigh`` reads a π_prox apart from π_θ when the loss is given one (``decoupled``); else π_prox
+    is π_θ detached."""
 
 
 @dataclass(frozen=True)
@@ -115,8 +157,8 @@ class CorrectionStats:
 
 def behaviour_log_ratio(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Detached ``log(π/μ)`` per token ``[B, T]``, 0 off the mask and bounded to ±``MAX_LOG_RATIO``:
-    what the masks of this module read (the trainer computes it once more, per micro-batch, for M2PO's
-    batch-wide cutoff, so it must be this very function)."""
+    what the corrections read (the trainer computes it once more, per micro-batch, for a correction's
+    batch statistic, so it must be this very function)."""
     keep = mask.to(torch.bool)
     with torch.no_grad():
         current = torch.where(keep, logprobs.detach(), torch.zeros_like(logprobs))
@@ -163,30 +205,56 @@ def geo_mask_rows(log_ratio: torch.Tensor, keep: torch.Tensor, band: tuple[float
     return (geo >= band[0]) & (geo <= band[1])
 
 
-def behaviour_weights(
-    cfg: CorrectionConfig, log_ratio: torch.Tensor, keep: torch.Tensor, m2po_cutoff_value: float | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The detached weight ``w`` of a behaviour-weighted correction (``tis``, ``icepop``, ``m2po``,
-    ``decoupled``) from ``log_ratio`` = ``log(π_prox/μ)``, with the tokens that stay in the loss and
-    those whose weight was truncated (all ``[B, T]``; ``w`` is 0 wherever a token does not stay)."""
-    if cfg.kind not in ("tis", "icepop", "m2po", "decoupled"):
-        raise ValueError(f"{cfg.kind!r} is no behaviour-weighted correction")
-    with torch.no_grad():
-        k = torch.exp(log_ratio)
-        stays = keep
-        clipped = torch.zeros_like(keep)
-        if cfg.kind in ("tis", "decoupled"):
-            clipped = keep & (k > cfg.tis_cap)
-            w = torch.clamp(k, max=cfg.tis_cap)
-        elif cfg.kind == "icepop":
-            stays = keep & (k >= cfg.icepop_band[0]) & (k <= cfg.icepop_band[1])
-            w = k
-        else:  # m2po
-            sq = log_ratio.to(torch.float64) ** 2  # float64: the cutoff lies strictly between two float32 values
-            cutoff = m2po_cutoff(sq[keep], cfg.m2po_threshold) if m2po_cutoff_value is None else m2po_cutoff_value
-            stays = keep & (sq <= cutoff)
-            w = k
-        return torch.where(stays, w, torch.zeros_like(w)), stays, clipped
+def _on(stays: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` on the tokens that stay, 0 on the others."""
+    return torch.where(stays, weight, torch.zeros_like(weight))
+
+
+def ppo(cfg: CorrectionConfig, t: Ratios) -> Weighting:
+    """``none``: every trained token, under :func:`ppo_clip_loss`'s objective."""
+    return Weighting(t.keep)
+
+
+def tis(cfg: CorrectionConfig, t: Ratios) -> Weighting:
+    """``tis`` (and ``decoupled``, whose ``k`` is π_prox/μ): ``w = min(k, C)``."""
+    k = torch.exp(t.log_ratio)
+    return Weighting(t.keep, _on(t.keep, torch.clamp(k, max=cfg.tis_cap)), t.keep & (k > cfg.tis_cap))
+
+
+def icepop(cfg: CorrectionConfig, t: Ratios) -> Weighting:
+    """``icepop``: ``w = k`` for ``k`` in [α, β]; the other tokens leave the loss."""
+    k = torch.exp(t.log_ratio)
+    stays = t.keep & (k >= cfg.icepop_band[0]) & (k <= cfg.icepop_band[1])
+    return Weighting(stays, _on(stays, k))
+
+
+def geo_mask(cfg: CorrectionConfig, t: Ratios) -> Weighting:
+    """``geo_mask``: ``none``'s objective on the samples whose geometric-mean ratio lies in the band."""
+    return Weighting(t.keep & geo_mask_rows(t.log_ratio, t.keep, cfg.geo_mask_band).unsqueeze(-1))
+
+
+def m2po_batch_cutoff(cfg: CorrectionConfig, log_ratios: torch.Tensor) -> float:
+    """M2PO's :func:`m2po_cutoff` over the log-ratios of a batch's trained tokens (float64: the cutoff lies
+    strictly between two float32 values)."""
+    return m2po_cutoff(log_ratios.to(torch.float64) ** 2, cfg.m2po_threshold)
+
+
+def m2po(cfg: CorrectionConfig, t: Ratios) -> Weighting:
+    """``m2po``: ``w = k`` for the tokens the batch's cutoff keeps (``(log k)² <= cutoff``); the others leave."""
+    cutoff = m2po_batch_cutoff(cfg, t.log_ratio[t.keep]) if t.batch_statistic is None else t.batch_statistic
+    stays = t.keep & (t.log_ratio.to(torch.float64) ** 2 <= cutoff)
+    return Weighting(stays, _on(stays, torch.exp(t.log_ratio)))
+
+
+CORRECTIONS: Registry[Correction] = Registry("correction", {
+    "none": Correction(ppo),
+    "tis": Correction(tis),
+    "icepop": Correction(icepop),
+    "geo_mask": Correction(geo_mask),
+    "m2po": Correction(m2po, batch_statistic=m2po_batch_cutoff),
+    "decoupled": Correction(tis, proximal=True),
+})
+"""Every correction by name (``REIN_OFFPOLICY_CORRECTION``, ``make demo --correction``): one entry each."""
 
 
 def corrected_loss(
@@ -200,27 +268,28 @@ def corrected_loss(
     is_truncation: float | None = 2.0,
     normalizer: float | None = None,
     proximal_logprobs: torch.Tensor | None = None,
-    m2po_cutoff_value: float | None = None,
+    batch_statistic: float | None = None,
 ) -> tuple[torch.Tensor, LossStats, CorrectionStats]:
     """The policy loss under ``correction`` (None: ``none``); shapes and mask as :func:`ppo_clip_loss`.
 
-    - ``none``: exactly :func:`ppo_clip_loss`.
-    - ``tis``: ``w = min(k, C)``.
-    - ``icepop``: ``w = k`` for ``k`` in [α, β], else 0 (the token leaves the loss).
-    - ``geo_mask``: :func:`ppo_clip_loss` on the samples whose geometric-mean ``π_θ/μ`` over their
-      trained tokens lies in the band; the others leave the loss whole.
-    - ``m2po``: ``w = k`` for the tokens :func:`m2po_cutoff` keeps (``(log k)² <= cutoff``), else 0.
-      ``m2po_cutoff_value``: the batch's cutoff when this call sees one micro-batch of it; None
-      takes it from this call's tokens.
-    - ``decoupled``: ``w = min(π_prox/μ, C)`` and the PPO clip on ``π_θ/π_prox``;
-      ``proximal_logprobs`` ``[B, T]`` (None: ``logprobs`` detached, the one-update case, where
-      it equals ``tis``).
+    The registered :class:`Correction` of its kind weighs the trained tokens; its :class:`Weighting`
+    picks the objective:
+
+    - no ``weight``: :func:`ppo_clip_loss` on the tokens that stay (``none``: all of them, exactly
+      :func:`ppo_clip_loss`);
+    - a ``weight``: ``w · min(r·A, clip(r, 1−ε, 1+ε)·A)`` with ``r = π_θ/π_prox``.
+
+    ``proximal_logprobs`` ``[B, T]``: π_prox for a correction that reads one (``decoupled``; None:
+    ``logprobs`` detached, the one-update case, where ``decoupled`` equals ``tis``).
+    ``batch_statistic``: the correction's statistic over the whole batch when this call sees one
+    micro-batch of it (M2PO's cutoff); None takes it from this call's tokens.
 
     Returns the scalar loss, :class:`LossStats` over every trained token (``ratio_mean`` and the
     |diff| compare π_θ with μ; ``clip_fraction`` counts PPO clips of the ratio the objective
     clips) and :class:`CorrectionStats`.
     """
     cfg = correction or CorrectionConfig()
+    kind = CORRECTIONS[cfg.kind]
     keep = mask.to(torch.bool)
     if logprobs.shape != rollout_logprobs.shape or logprobs.shape != keep.shape:
         raise ValueError(
@@ -233,21 +302,23 @@ def corrected_loss(
     ratio = torch.exp(log_ratio)
     count = int(keep.sum().item())
     denom = float(normalizer) if normalizer is not None else float(max(count, 1))
-
-    if cfg.kind == "none":
-        loss, stats = ppo_clip_loss(
-            logprobs, rollout_logprobs, advantages, mask,
-            clip_eps=clip_eps, is_truncation=is_truncation, normalizer=normalizer,
-        )
-        return loss, stats, _correction_stats(keep, torch.where(keep, ratio, torch.zeros_like(ratio)), 0, 0)
-
+    if kind.proximal and proximal_logprobs is not None:
+        if proximal_logprobs.shape != logprobs.shape:
+            raise ValueError(f"proximal_logprobs {tuple(proximal_logprobs.shape)} must be {tuple(logprobs.shape)}")
+        proximal = torch.where(keep, proximal_logprobs.detach().to(logprobs.dtype), torch.zeros_like(logprobs))
+        proximal_log_ratio = behaviour_log_ratio(proximal, rollout_logprobs, keep)
+    else:
+        proximal, proximal_log_ratio = current.detach(), log_ratio
+    with torch.no_grad():
+        weighting = kind.weigh(cfg, Ratios(proximal_log_ratio, keep, batch_statistic))
+    stays = weighting.stays
+    masked = int((keep & ~stays).sum().item())
+    clipped = 0 if weighting.clipped is None else int(weighting.clipped.sum().item())
     adv = advantages.to(logprobs.dtype)
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1).expand_as(logprobs)
 
-    if cfg.kind == "geo_mask":
-        kept_rows = geo_mask_rows(log_ratio, keep, cfg.geo_mask_band)
-        stays = keep & kept_rows.unsqueeze(-1)
+    if weighting.weight is None:
         loss, _ = ppo_clip_loss(
             logprobs, rollout_logprobs, advantages, stays,
             clip_eps=clip_eps, is_truncation=is_truncation, normalizer=denom,
@@ -257,33 +328,23 @@ def corrected_loss(
             truncated = (
                 stays & (adv < 0) & (ratio > is_truncation) if is_truncation is not None else torch.zeros_like(keep)
             )
-            weights = torch.where(stays, ratio, torch.zeros_like(ratio))
-        masked = int((keep & ~stays).sum().item())
         return (
             loss,
             _loss_stats(current, rollout, ratio, keep, clip_hit, truncated),
-            _correction_stats(keep, weights, masked, 0),
+            _correction_stats(keep, _on(stays, ratio), masked, clipped),
         )
 
-    if cfg.kind == "decoupled" and proximal_logprobs is not None:
-        if proximal_logprobs.shape != logprobs.shape:
-            raise ValueError(f"proximal_logprobs {tuple(proximal_logprobs.shape)} must be {tuple(logprobs.shape)}")
-        proximal = torch.where(keep, proximal_logprobs.detach().to(logprobs.dtype), torch.zeros_like(logprobs))
-        proximal_log_ratio = behaviour_log_ratio(proximal, rollout_logprobs, keep)
-    else:
-        proximal, proximal_log_ratio = current.detach(), log_ratio
-    w, stays, clipped = behaviour_weights(cfg, proximal_log_ratio, keep, m2po_cutoff_value)
+    w = weighting.weight
     r = torch.exp((current - proximal).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     surrogate = torch.minimum(r * adv, torch.clamp(r, 1.0 - clip_eps, 1.0 + clip_eps) * adv)
     objective = torch.where(stays, w * surrogate, torch.zeros_like(surrogate))
     loss = -objective.sum() / denom
     with torch.no_grad():
         clip_hit = stays & (((adv > 0) & (r > 1.0 + clip_eps)) | ((adv < 0) & (r < 1.0 - clip_eps)))
-    masked = int((keep & ~stays).sum().item())
     return (
         loss,
         _loss_stats(current, rollout, ratio, keep, clip_hit, torch.zeros_like(keep)),
-        _correction_stats(keep, w, masked, int(clipped.sum().item())),
+        _correction_stats(keep, w, masked, clipped),
     )
 
 

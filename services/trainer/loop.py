@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -67,22 +67,24 @@ from shared.model import ModelFamily, load_family
 from shared.model.compute import context_window_of, set_gradient_checkpointing
 from shared.outage import Outage
 from shared.policy import PolicyConfig, resolve_device
-from shared.schemas import BatchManifest, BatchSkipped, DecodeError, WeightPublished
+from shared.schemas import BatchManifest, BatchSkipped, WeightPublished
 from shared.status_server import StatusServer
 from shared.tokenizer import TOKENIZER
+from shared.wire import DecodeError
 
 _log = log.get(__name__)
 
 
 def hyper_from(settings: TrainerSettings) -> Hyper:
+    """The step's settings; every knob of :class:`CorrectionConfig` is the trainer setting of the same name."""
     return Hyper(
         lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, grad_clip=settings.grad_clip,
         ppo_clip=settings.ppo_clip, is_truncation=settings.is_truncation, normalize_std=settings.normalize_std,
         temperature=settings.temperature, micro_batch_size=settings.micro_batch_size,
         entropy_coef=settings.entropy_coef,
         correction=CorrectionConfig(
-            kind=settings.offpolicy_correction, tis_cap=settings.tis_cap, icepop_band=settings.icepop_band,
-            geo_mask_band=settings.geo_mask_band, m2po_threshold=settings.m2po_threshold,
+            kind=settings.offpolicy_correction,
+            **{f.name: getattr(settings, f.name) for f in fields(CorrectionConfig) if f.name != "kind"},
         ),
     )
 

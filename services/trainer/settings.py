@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from services.trainer.corrections import CORRECTIONS
 from shared.settings import ModelServiceSettings, StopSettings
 
 
@@ -67,10 +68,10 @@ class TrainerSettings(ModelServiceSettings, StopSettings):
     than its last trainable one: ``mask`` leaves them out of the loss; ``weight`` trains them, each against its
     own behaviour logprob, weighted by the importance weight of ``offpolicy_correction`` (under ``none`` and
     ``geo_mask``: PPO's clipped ratio)."""
-    offpolicy_correction: Literal["none", "tis", "icepop", "geo_mask", "m2po", "decoupled"] = "none"
-    """Off-policy correction of the loss (docs/architecture.md, "Off-policy corrections in the loss"):
-    ``none`` (PPO-clip on the trainer/rollout ratio), ``tis``, ``icepop``, ``geo_mask``, ``m2po`` or
-    ``decoupled``. Each logs the share of trained tokens it masked or clipped and the weights' ESS."""
+    offpolicy_correction: Annotated[str, CORRECTIONS] = "none"
+    """Off-policy correction of the loss, by its name in ``services.trainer.corrections.CORRECTIONS``
+    (docs/architecture.md, "Off-policy corrections in the loss"); ``none`` is PPO-clip on the trainer/rollout
+    ratio. Each logs the share of trained tokens it masked or clipped and the weights' ESS."""
     tis_cap: float = Field(default=2.0, ge=1.0)
     """C of ``tis`` and ``decoupled``: the behaviour importance weight is min(ratio, C) (slime's and verl's 2.0)."""
     icepop_band: tuple[float, float] = (0.5, 5.0)

@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from services.trainer.corrections import (
+    CORRECTIONS,
     CorrectionConfig,
     CorrectionStats,
     behaviour_log_ratio,
     corrected_loss,
-    m2po_cutoff,
 )
 from services.trainer.loss import entropy_bonus, grpo_advantages
 from services.trainer.parallel import ALONE, Ranks
@@ -202,12 +202,12 @@ class PolicyTrainer:
         same_count = 0
         corrected = CorrectionStats()
         mine = batch.samples[self.ranks.rank :: self.ranks.world]  # this rank's shard (all of it alone)
-        cutoff = self._m2po_cutoff(mine, advantages, version)
+        statistic = self._batch_statistic(mine, advantages, version)
         for chunk in self._micro_batches(mine):
             t, logprobs, entropy = self._score(chunk, advantages, version, with_entropy=h.entropy_coef > 0)
             loss, stats, correction_stats = corrected_loss(
                 logprobs, t["rollout"], t["adv"], t["mask"], correction=h.correction,
-                clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total), m2po_cutoff_value=cutoff,
+                clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total), batch_statistic=statistic,
             )
             if entropy is not None:
                 bonus = entropy_bonus(entropy, t["mask"], normalizer=float(total))
@@ -291,18 +291,19 @@ class PolicyTrainer:
                 return t, logprobs, entropy
             return t, token_logprobs(self.model, t["ids"], sampling=sampling, where=where), None
 
-    def _m2po_cutoff(self, mine: list[Sample], advantages: torch.Tensor, version: str | None) -> float | None:
-        """M2PO's cutoff over the whole batch when it is split, into micro-batches or over ranks (None
-        otherwise: the loss takes it from the one it sees). Costs one forward pass without gradient per
-        micro-batch; the ranks gather each other's squared log ratios."""
+    def _batch_statistic(self, mine: list[Sample], advantages: torch.Tensor, version: str | None) -> float | None:
+        """The correction's batch statistic (M2PO's cutoff) over the whole batch when it is split, into
+        micro-batches or over ranks (None otherwise, or for a correction without one: the loss takes it from
+        what it sees). Costs one forward pass without gradient per micro-batch; the ranks gather each other's
+        log ratios."""
         h = self.hyper
+        statistic = CORRECTIONS[h.correction.kind].batch_statistic
         chunks = list(self._micro_batches(mine))
-        if h.correction.kind != "m2po" or (len(chunks) < 2 and self.ranks.world == 1):
+        if statistic is None or (len(chunks) < 2 and self.ranks.world == 1):
             return None
-        squares = [torch.zeros(0, dtype=torch.float64)]
+        ratios = [torch.zeros(0, dtype=torch.float64)]
         with torch.no_grad():
             for chunk in chunks:
                 t, logprobs, _ = self._score(chunk, advantages, version)
-                ratio = behaviour_log_ratio(logprobs, t["rollout"], t["mask"])[t["mask"]]
-                squares.append(ratio.to(torch.float64).cpu() ** 2)
-        return m2po_cutoff(torch.cat(self.ranks.all_gather(torch.cat(squares))), h.correction.m2po_threshold)
+                ratios.append(behaviour_log_ratio(logprobs, t["rollout"], t["mask"])[t["mask"]].to(torch.float64).cpu())
+        return statistic(h.correction, torch.cat(self.ranks.all_gather(torch.cat(ratios))))

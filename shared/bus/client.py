@@ -10,8 +10,9 @@ from kafka.errors import NoBrokersAvailable
 
 from shared import log
 from shared.offsets import TopicPartition as TP
-from shared.schemas import DecodeError, Record
+from shared.schemas import Record
 from shared.settings import KafkaSettings
+from shared.wire import DecodeError
 
 _log = log.get(__name__)
 

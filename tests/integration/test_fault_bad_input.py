@@ -52,7 +52,6 @@ from shared.bus import Consumer, Producer, create_topics
 from shared.names import Topics
 from shared.policy import PolicyConfig
 from shared.schemas import (
-    SCHEMA_VERSION,
     BatchManifest,
     CompletedGroup,
     GapInfo,
@@ -67,6 +66,7 @@ from shared.schemas import (
 )
 from shared.settings import KafkaSettings
 from shared.tokenizer import TOKENIZER
+from shared.wire import SCHEMA_VERSION
 from tests.support.procs import start_service
 from tests.support.stack import Engine, ProxyProcess, engine_and_proxy
 from tests.support.wait import wait_until

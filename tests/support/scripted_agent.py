@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from services.rollout.calculator import INSTRUCTION, evaluate
-from shared.model.hf import HFChatTokenizer, HFFamily
+from shared.model.hf import HFFamily
+from shared.model.hf_chat import HFChatTokenizer
 from shared.schemas import Chunk
 from tests.support.proxy import Proxy, ProxyFactory
 from tests.support.sglang_engine import ScriptedServers, ScriptedSGLang

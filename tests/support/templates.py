@@ -15,7 +15,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from shared.model.hf import HFChatTokenizer
+from shared.model.hf_chat import HFChatTokenizer
 
 QWEN_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 """Added to the tokenizer as tokens that are not *special*, as Qwen-family tokenizers add them."""

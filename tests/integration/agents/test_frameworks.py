@@ -25,7 +25,8 @@ import pytest
 
 from services.collector.settings import CollectorSettings
 from services.rollout.calculator import evaluate
-from shared.model.hf import HFChatTokenizer, HFFamily
+from shared.model.hf import HFFamily
+from shared.model.hf_chat import HFChatTokenizer
 from shared.schemas import Chunk, CompletedGroup, GroupDispatched
 from tests.support.collector import Running, Source, Tail, make_settings
 from tests.support.proxy import ProxyFactory, proxy_factory

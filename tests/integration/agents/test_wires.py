@@ -16,7 +16,8 @@ import openai
 import pytest
 
 from services.rollout.calculator import TOOLS
-from shared.model.hf import HFChatTokenizer, HFFamily
+from shared.model.hf import HFFamily
+from shared.model.hf_chat import HFChatTokenizer
 from shared.schemas import Chunk
 from tests.support.proxy import ProxyFactory, in_background, proxy_factory
 from tests.support.scripted_agent import ANSWER_TEXT, QUESTION, Scripted, calculator, scripted

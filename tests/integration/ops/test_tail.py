@@ -22,8 +22,9 @@ from kafka import KafkaProducer
 
 from ops.cli import main
 from shared.bus import Producer
-from shared.schemas import Chunk, GroupDispatched, Record, SessionFinished, encode
+from shared.schemas import Chunk, GroupDispatched, Record, SessionFinished
 from shared.settings import KafkaSettings
+from shared.wire import encode
 
 pytestmark = pytest.mark.integration
 

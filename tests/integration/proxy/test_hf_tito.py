@@ -19,7 +19,7 @@ import torch
 
 from shared.model import load_family
 from shared.model.compute import token_logprobs
-from shared.model.hf import HFChatTokenizer
+from shared.model.hf_chat import HFChatTokenizer
 from shared.schemas import Chunk, SessionFinished
 from tests.support.proxy import ProxyFactory, proxy_factory, rein
 from tests.support.stack import Engine, engine_process

@@ -12,7 +12,8 @@ import pytest
 
 from ops.demo_metrics import proxy_tool_calls
 from services.rollout.calculator import CalculatorEpisode
-from shared.model.hf import HFChatTokenizer, HFFamily
+from shared.model.hf import HFFamily
+from shared.model.hf_chat import HFChatTokenizer
 from shared.schemas import Chunk
 from tests.support.proxy import ProxyFactory, proxy_factory, rein
 from tests.support.sglang_engine import ScriptedServers, sglang

@@ -38,10 +38,9 @@ from shared.schemas import (
     SessionFinished,
     SessionRejected,
     WeightApplied,
-    decode,
-    encode,
 )
 from shared.tokenizer import TOKENIZER
+from shared.wire import decode, encode
 from tests.support.procs import REPO_ROOT
 from tests.support.rebalance import ForeignMember
 from tests.support.stack import engine_and_proxy

@@ -39,10 +39,10 @@ from shared.schemas import (
     Trajectory,
     WeightPublished,
     WindowInfo,
-    encode,
 )
 from shared.settings import KafkaSettings, load
 from shared.tokenizer import TOKENIZER
+from shared.wire import encode
 from tests.support.procs import REPO_ROOT, start_service
 from tests.support.rebalance import ForeignMember
 from tests.support.wait import wait_until

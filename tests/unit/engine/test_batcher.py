@@ -9,15 +9,8 @@ import pytest
 import torch
 
 from services.engine import batcher as batcher_module
-from services.engine.batcher import (
-    AdmissionError,
-    Batcher,
-    DuplicateRidError,
-    SamplingParams,
-    Weights,
-    completes_stop,
-    sample_next,
-)
+from services.engine.batcher import AdmissionError, Batcher, DuplicateRidError, Weights
+from services.engine.sampling import SamplingParams, completes_stop, sample_next
 from shared.checkpoint import digest
 from shared.policy import PolicyConfig, TinyPolicy, init_policy
 from shared.tokenizer import TOKENIZER

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.batcher import AdmissionError, Batcher, SamplingParams, Weights
+from services.engine.batcher import AdmissionError, Batcher, Weights
+from services.engine.sampling import SamplingParams
 from shared.policy import PolicyConfig, TinyPolicy, init_policy
 from shared.tokenizer import TOKENIZER
 

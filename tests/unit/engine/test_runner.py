@@ -10,8 +10,9 @@ from typing import TypeVar
 import pytest
 import torch
 
-from services.engine.batcher import Batcher, SamplingParams, StepReport, Weights
+from services.engine.batcher import Batcher, StepReport, Weights
 from services.engine.runner import EngineRunner, EngineUnavailableError, WeightUpdateError
+from services.engine.sampling import SamplingParams
 from shared import checkpoint
 from shared.policy import PolicyConfig, init_policy
 from shared.tokenizer import TOKENIZER

@@ -18,8 +18,9 @@ from transformers import AutoTokenizer
 
 from services.proxy.engine_client import EngineOutput
 from services.proxy.generation import ChunkOutcome, Generation
-from services.proxy.session_machine import ForceCall, Session
-from shared.model.hf import HFChatTokenizer
+from services.proxy.replies import ForceCall
+from services.proxy.session_machine import Session
+from shared.model.hf_chat import HFChatTokenizer
 from shared.model.tool_calls import ToolCallFormat
 from shared.schemas import Chunk
 

@@ -19,7 +19,8 @@ from services.proxy.engine_client import EngineOutput
 from services.proxy.generation import ChunkOutcome, Generation
 from services.proxy.session_machine import Session
 from shared.model.base import ChatTokenizer, Turn
-from shared.model.hf import HFChatTokenizer, HFFamily
+from shared.model.hf import HFFamily
+from shared.model.hf_chat import HFChatTokenizer
 from shared.model.tiny_chat import TinyChatTokenizer
 from shared.model.tool_calls import ToolCallFormat
 from shared.tokenizer import TOKENIZER as TOK

@@ -18,7 +18,7 @@ from services.proxy.engine_client import EngineOutput
 from services.proxy.generation import ChunkOutcome, Generation
 from services.proxy.session_machine import Session
 from shared.model.base import UnrenderableMessages
-from shared.model.hf import HFChatTokenizer
+from shared.model.hf_chat import HFChatTokenizer
 from shared.model.tool_calls import ToolCallFormat, new_call_id
 
 ADDED = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[AVAILABLE_TOOLS]",

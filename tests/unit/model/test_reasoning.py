@@ -12,8 +12,9 @@ import pytest
 from services.proxy.engine_client import EngineOutput
 from services.proxy.generation import ChunkOutcome, Generation
 from services.proxy.openai_api import completion, sse_frames
-from services.proxy.session_machine import ChatOutcome, Session
-from shared.model.hf import HFChatTokenizer
+from services.proxy.replies import ChatOutcome
+from services.proxy.session_machine import Session
+from shared.model.hf_chat import HFChatTokenizer
 from shared.model.reasoning import THINK, detect_reasoning
 from shared.model.tool_calls import ToolCallFormat
 from tests.support.templates import QWEN3_TEMPLATE, qwen3_style

@@ -1,8 +1,11 @@
-""""No span cap" is spelled ``none`` everywhere: ``rein up``, ``make demo`` and the proxy's variable."""
+"""Argument types of `rein up` and `make demo`: "no span cap" spelled ``none`` everywhere (also the proxy's variable);
+registry choices read on first use."""
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
@@ -34,3 +37,10 @@ def test_anything_else_is_refused(text: str, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("REIN_MAX_PREEMPTS", text)
     with pytest.raises(SettingsError, match="REIN_MAX_PREEMPTS"):
         load(ProxySettings)
+
+
+def test_the_demo_reads_the_corrections_registry_only_when_a_correction_is_named() -> None:
+    """``make demo`` on its defaults does not import torch in its own process for the flag's choices."""
+    code = ("import sys, ops.demo; ops.demo.parse_args([]); assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert ops.demo.parse_args(['--correction', 'tis']).correction == 'tis'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

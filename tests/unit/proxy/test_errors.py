@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from services.proxy.app import _error
 from services.proxy.engine_client import parse_generate
+from services.proxy.middleware import error_response
 from shared.errors import (
     ContextOverflow,
     EngineError,
@@ -90,7 +90,7 @@ def test_parse_generate_rejects_malformed(body: dict[str, object]) -> None:
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/sessions/rein-sk-x/v1/chat/completions"])
 def test_openai_routes_answer_openais_error_shape_with_reins_detail_beside_it(path: str) -> None:
     error = ContextOverflow("prompt of 90 tokens leaves no room", context_window=64, input_tokens=90)
-    response = _error(path, error)
+    response = error_response(path, error)
     body = json.loads(response.body)
     assert response.status_code == 400, "OpenAI's status for a context overflow (413 before)"
     assert body["error"] == {"message": "prompt of 90 tokens leaves no room", "type": "invalid_request_error",
@@ -100,7 +100,7 @@ def test_openai_routes_answer_openais_error_shape_with_reins_detail_beside_it(pa
 
 def test_an_openai_error_names_the_parameter() -> None:
     error = UnsupportedParameter("unsupported parameter(s): seed", fields=[{"field": "seed", "message": "m"}])
-    body = json.loads(_error("/v1/chat/completions", error).body)
+    body = json.loads(error_response("/v1/chat/completions", error).body)
     assert (body["error"]["param"], body["error"]["code"]) == ("seed", "unsupported_parameter")
 
 
@@ -111,7 +111,7 @@ def test_an_openai_error_names_the_parameter() -> None:
     (EngineUnavailable("down"), 503, "overloaded_error"),
 ])
 def test_the_messages_route_answers_anthropics_error_shape(error: ReinError, status: int, kind: str) -> None:
-    response = _error("/sessions/rein-sk-x/v1/messages", error)
+    response = error_response("/sessions/rein-sk-x/v1/messages", error)
     body = json.loads(response.body)
     assert response.status_code == status
     assert body == {"type": "error", "error": {"type": kind, "message": error.message, "detail": error.detail()},
@@ -119,5 +119,5 @@ def test_the_messages_route_answers_anthropics_error_shape(error: ReinError, sta
 
 
 def test_reins_own_routes_keep_reins_body() -> None:
-    body = json.loads(_error("/v1/sessions/s-1/finish", SessionNotFound("gone", session_id="s-1")).body)
+    body = json.loads(error_response("/v1/sessions/s-1/finish", SessionNotFound("gone", session_id="s-1")).body)
     assert body == {"detail": {"error": "session_not_found", "message": "gone", "session_id": "s-1"}}

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.proxy.openai_api import ChatRequest
-from services.proxy.session_machine import ForceCall
+from services.proxy.replies import ForceCall
 from shared.errors import InvalidRequest, UnsupportedContent
 
 

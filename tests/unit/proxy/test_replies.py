@@ -11,9 +11,11 @@ import pytest
 
 from services.proxy.engine_client import EngineOutput
 from services.proxy.generation import ChunkOutcome, Generation
-from services.proxy.session_machine import ChatOutcome, ForceCall, Session, ToolCalls
+from services.proxy.replies import ChatOutcome, ForceCall, ToolCalls
+from services.proxy.session_machine import Session
 from shared.errors import UnsupportedParameter
-from shared.model.hf import HFChatTokenizer, HFFamily
+from shared.model.hf import HFFamily
+from shared.model.hf_chat import HFChatTokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 QUESTION = {"role": "user", "content": "add 2 and 3"}

@@ -19,7 +19,7 @@ from services.proxy.engine_client import EngineOutput
 from services.proxy.generation import ChunkOutcome, Generation
 from services.proxy.session_machine import Session
 from services.proxy.transcript import RewrittenHistory
-from shared.model.hf import HFChatTokenizer
+from shared.model.hf_chat import HFChatTokenizer
 from tests.support.templates import qwen3_style
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. Think before you answer."}

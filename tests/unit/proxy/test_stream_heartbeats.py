@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 
-from services.proxy.app import _Call, _chat_wire, _heartbeats, _messages_wire, _responses_wire
-from services.proxy.session_machine import ChatOutcome
+from services.proxy import messages_api, openai_api, responses_api
+from services.proxy.chat_route import _heartbeats
+from services.proxy.replies import ChatOutcome
+from services.proxy.wire import Call
 from shared.errors import ContextOverflow, EngineUnavailable
 
-CHAT = _chat_wire(b'{"messages": [{"role": "user", "content": "x"}]}')
+CHAT = openai_api.WIRE.call(b'{"messages": [{"role": "user", "content": "x"}]}')
 
 
-async def _collect(result: ChatOutcome | Exception, heartbeats: int = 2, wire: _Call = CHAT) -> list[str]:
+async def _collect(result: ChatOutcome | Exception, heartbeats: int = 2, wire: Call = CHAT) -> list[str]:
     """Frames of a call that ends only after ``heartbeats`` comments were sent (no timing involved)."""
     release = asyncio.Event()
 
@@ -49,7 +51,7 @@ def test_an_error_after_the_200_is_openais_streamed_error_frame() -> None:
 
 
 def test_an_error_after_the_200_on_the_messages_wire_is_anthropics_error_event() -> None:
-    wire = _messages_wire(b'{"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}')
+    wire = messages_api.WIRE.call(b'{"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}')
     frames = asyncio.run(_collect(EngineUnavailable("no engine answered"), wire=wire))
     assert all(f == ": keep-alive\n\n" for f in frames[:-1])
     event, data = frames[-1].removesuffix("\n\n").split("\n")
@@ -63,7 +65,7 @@ def test_an_error_after_the_200_on_the_messages_wire_is_anthropics_error_event()
 def test_an_error_after_the_200_on_the_responses_wire_ends_with_response_failed() -> None:
     """A stream that ended with only an ``error`` event left the openai client raising "Didn't receive a
     `response.completed` event"; ``response.failed`` carries the error where a client reads OpenAI's."""
-    wire = _responses_wire(b'{"model": "m", "input": "x"}')
+    wire = responses_api.WIRE.call(b'{"model": "m", "input": "x"}')
     frames = asyncio.run(_collect(ContextOverflow("no room", context_window=8), wire=wire))
     events = [frame.removesuffix("\n\n").split("\n") for frame in frames[-1].split("\n\n") if frame]
     assert [event for event, _ in events] == ["event: response.created", "event: response.failed"]

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from services.proxy import messages_api, responses_api
 from services.proxy.messages_api import MessagesRequest
 from services.proxy.openai_api import ChatRequest, completion
+from services.proxy.replies import ForceCall
 from services.proxy.responses_api import ResponsesRequest
-from services.proxy.session_machine import ForceCall
 from shared.errors import UnsupportedContent, UnsupportedParameter
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 * 3"}'}}

@@ -15,7 +15,6 @@ from shared.schemas import (
     Chunk,
     CompletedGroup,
     DecisionRecord,
-    DecodeError,
     GroupRef,
     SamplingParams,
     Segment,
@@ -23,9 +22,8 @@ from shared.schemas import (
     WeightApplied,
     WeightPublished,
     WindowInfo,
-    decode,
-    encode,
 )
+from shared.wire import SCHEMA_VERSION, DecodeError, decode, encode
 
 
 def _chunk(**kw: object) -> Chunk:
@@ -180,7 +178,7 @@ def test_chunk_version_runs_must_cover_the_output_exactly(runs: list[tuple[str, 
 
 def _wire(kind: str, data: dict[str, object]) -> bytes:
     """A record as another producer might write it: the envelope only, no schema on the way out."""
-    packed: bytes = msgpack.packb({"schema": schemas.SCHEMA_VERSION, "type": kind, "data": data})
+    packed: bytes = msgpack.packb({"schema": SCHEMA_VERSION, "type": kind, "data": data})
     return packed
 
 

@@ -13,11 +13,9 @@ from shared.staleness import (
     TokenTally,
     WindowConfig,
     WindowGroup,
-    WindowReplay,
     WindowState,
     carries_signal,
     next_attempt,
-    window_step,
 )
 from shared.version_window import (
     SegmentEnd,
@@ -28,6 +26,7 @@ from shared.version_window import (
     version_gaps,
 )
 from shared.versions import VersionRegistry
+from shared.window_rule import WindowReplay, window_step
 
 # --------------------------------------------------------------------------- span cap
 

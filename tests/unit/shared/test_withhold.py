@@ -6,18 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.staleness import (
-    Decision,
-    NoSignalGroups,
-    StaleGroups,
-    TokenTally,
-    WindowConfig,
-    WindowGroup,
-    WindowReplay,
-    stale_members,
-)
+from shared.staleness import Decision, NoSignalGroups, StaleGroups, TokenTally, WindowConfig, WindowGroup
 from shared.version_window import SegmentEnd
 from shared.versions import VersionRegistry
+from shared.window_rule import WindowReplay, stale_members
 from shared.window_view import window_group_from_samples
 
 

@@ -61,7 +61,7 @@ Case = tuple[Hyper, list[BatchSamples]]
 def _cases() -> dict[str, Case]:
     """Each correction on two batches with signal, and a batch whose one sample leaves rank 1's shard empty."""
     cases: dict[str, Case] = {
-        kind: (Hyper(lr=1e-2, correction=CorrectionConfig(kind=kind, m2po_threshold=0.3)),  # type: ignore[arg-type]
+        kind: (Hyper(lr=1e-2, correction=CorrectionConfig(kind=kind, m2po_threshold=0.3)),
                [_batch([1.0, 0.0, 0.5, 0.0, 0.2]), _batch([0.0, 1.0, 1.0])])
         for kind in CORRECTIONS
     }

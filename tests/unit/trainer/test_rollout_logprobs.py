@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from services.engine.batcher import Batcher, Request, SamplingParams, Weights
+from services.engine.batcher import Batcher, Request, Weights
+from services.engine.sampling import SamplingParams
 from services.trainer.samples import BatchSamples, Sample
 from services.trainer.step import Hyper, PolicyTrainer
 from shared.policy import PolicyConfig, init_policy

@@ -205,7 +205,7 @@ def test_step_on_trained_tokens_only_equals_the_full_paths_step(name: str, corre
     make, split = FAMILIES[name]
     model = make()
     batch = step_batch(model)
-    hyper = Hyper(micro_batch_size=micro, correction=CorrectionConfig(kind=correction))  # type: ignore[arg-type]
+    hyper = Hyper(micro_batch_size=micro, correction=CorrectionConfig(kind=correction))
     trainers = [PolicyTrainer(copy.deepcopy(model), hyper, torch.device("cpu")) for _ in range(2)]
     trainers[1].score_every_position = True
     stepped = [record_stepped_gradients(trainer) for trainer in trainers]
