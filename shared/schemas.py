@@ -1,4 +1,4 @@
-"""Record types of every Kafka topic (their msgpack wire form is :mod:`shared.wire`).
+"""Record types of every Kafka topic (their msgpack wire form is :mod:`shared.codec`).
 
 A record is where a version label enters its consumers: every version field is
 normalised on construction and decode (``Label``, ``RealLabel``), so a record from any

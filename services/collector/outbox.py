@@ -26,10 +26,10 @@ import redis
 
 from shared import log
 from shared.bus import Delivered
+from shared.codec import decode, encode
 from shared.names import RedisKeys
 from shared.schemas import Record
 from shared.state import Replication
-from shared.wire import decode, encode
 
 _log = log.get(__name__)
 

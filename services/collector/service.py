@@ -34,6 +34,7 @@ from services.collector.weights_follower import WeightsFollower
 from services.collector.window_store import WindowStore
 from shared import log
 from shared.bus import Consumer, Delivered, Polled, Producer, ensure_topology, topic_configs
+from shared.codec import DecodeError
 from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.schemas import CompletedGroup, GroupRef, Record
@@ -42,7 +43,6 @@ from shared.state import Replication, connect
 from shared.status_server import StatusServer
 from shared.topology import TopicSpec
 from shared.window_view import window_group
-from shared.wire import DecodeError
 
 _log = log.get(__name__)
 

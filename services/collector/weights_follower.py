@@ -16,9 +16,9 @@ from services.collector.metrics import CollectorMetrics
 from services.collector.settings import CollectorSettings
 from shared import log
 from shared.bus import Consumer
+from shared.codec import DecodeError
 from shared.schemas import WeightApplied, WeightPublished
 from shared.state import RedisRegistry
-from shared.wire import DecodeError
 
 _log = log.get(__name__)
 

@@ -33,10 +33,10 @@ from kafka.errors import KafkaError
 from services.proxy.metrics import ProxyMetrics
 from shared import log
 from shared.bus import BusUnavailable, Producer
+from shared.codec import encode
 from shared.errors import KafkaUnavailable
 from shared.schemas import Chunk, Record
 from shared.settings import KafkaSettings
-from shared.wire import encode
 
 _log = log.get(__name__)
 

@@ -29,9 +29,9 @@ from services.rollout.settings import RolloutSettings
 from services.rollout.task import Task
 from shared import log
 from shared.bus import BusUnavailable, Consumer, Polled
+from shared.codec import DecodeError
 from shared.schemas import BatchSkipped, RetryRequest, WeightApplied
 from shared.settings import KafkaSettings
-from shared.wire import DecodeError
 
 _log = log.get(__name__)
 

@@ -16,9 +16,9 @@ from kafka import TopicPartition
 
 from shared import log
 from shared.bus import Consumer
+from shared.codec import DecodeError, decode
 from shared.schemas import CompletedGroup, GroupRef
 from shared.settings import KafkaSettings
-from shared.wire import DecodeError, decode
 
 _log = log.get(__name__)
 

@@ -63,6 +63,7 @@ from services.trainer.store import (
 )
 from shared import log
 from shared.bus import BusUnavailable, Consumer, Producer
+from shared.codec import DecodeError
 from shared.model import ModelFamily, load_family
 from shared.model.compute import context_window_of, set_gradient_checkpointing
 from shared.outage import Outage
@@ -70,7 +71,6 @@ from shared.policy import PolicyConfig, resolve_device
 from shared.schemas import BatchManifest, BatchSkipped, WeightPublished
 from shared.status_server import StatusServer
 from shared.tokenizer import TOKENIZER
-from shared.wire import DecodeError
 
 _log = log.get(__name__)
 

@@ -20,13 +20,13 @@ from services.weight_broadcaster.metrics import BroadcasterMetrics
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import log
 from shared.bus import Consumer, Polled, Producer, read_topic
+from shared.codec import DecodeError
 from shared.members import Members, PauseRecord
 from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.schemas import WeightPublished
 from shared.state import RedisRegistry, Replication, connect
 from shared.status_server import StatusServer
-from shared.wire import DecodeError
 
 _log = log.get(__name__)
 

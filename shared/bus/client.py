@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from kafka.errors import NoBrokersAvailable
 
 from shared import log
+from shared.codec import DecodeError
 from shared.offsets import TopicPartition as TP
 from shared.schemas import Record
 from shared.settings import KafkaSettings
-from shared.wire import DecodeError
 
 _log = log.get(__name__)
 

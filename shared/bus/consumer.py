@@ -21,11 +21,11 @@ from kafka.structs import OffsetAndMetadata
 
 from shared import log
 from shared.bus.client import DecodeHook, Polled, RebalanceHook, connect, servers
+from shared.codec import DecodeError, decode
 from shared.offsets import Offsets
 from shared.offsets import TopicPartition as TP
 from shared.schemas import Record
 from shared.settings import KafkaSettings
-from shared.wire import DecodeError, decode
 
 _log = log.get(__name__)
 

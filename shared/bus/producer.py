@@ -9,9 +9,9 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaError, KafkaTimeoutError
 
 from shared.bus.client import BusUnavailable, Delivered, connect, servers
+from shared.codec import DEFAULT_MAX_BYTES, encode
 from shared.schemas import Record
 from shared.settings import KafkaSettings
-from shared.wire import DEFAULT_MAX_BYTES, encode
 
 
 class Producer:

@@ -49,6 +49,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ops.local.ports import free_port
 from shared.bus import Consumer, Producer, create_topics
+from shared.codec import SCHEMA_VERSION
 from shared.names import Topics
 from shared.policy import PolicyConfig
 from shared.schemas import (
@@ -66,7 +67,6 @@ from shared.schemas import (
 )
 from shared.settings import KafkaSettings
 from shared.tokenizer import TOKENIZER
-from shared.wire import SCHEMA_VERSION
 from tests.support.procs import start_service
 from tests.support.stack import Engine, ProxyProcess, engine_and_proxy
 from tests.support.wait import wait_until

@@ -25,10 +25,10 @@ from kafka import KafkaConsumer, TopicPartition
 from ops.local.ports import free_port
 from services.proxy.app import create_app
 from services.proxy.settings import ProxySettings
+from shared.codec import decode
 from shared.names import Topics
 from shared.schemas import Record
 from shared.settings import KafkaSettings
-from shared.wire import decode
 from tests.support.stack import Engine
 
 ADMIN = "test-admin-token-0123"

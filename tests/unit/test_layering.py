@@ -26,7 +26,7 @@ PURE: dict[str, frozenset[str]] = {
     "shared/versions.py": IO_CLIENTS,
     "shared/offsets.py": IO_CLIENTS,
     "shared/schemas.py": IO_CLIENTS,
-    "shared/wire.py": IO_CLIENTS,
+    "shared/codec.py": IO_CLIENTS,
     "shared/names.py": IO_CLIENTS,
     "shared/window_view.py": IO_CLIENTS,
     "shared/lender.py": IO_CLIENTS,

@@ -29,13 +29,13 @@ from services.weight_broadcaster.service import run
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import checkpoint
 from shared.bus import Consumer, Producer, read_topic
+from shared.codec import encode
 from shared.names import RedisKeys, Topics
 from shared.policy import PolicyConfig, init_policy
 from shared.schemas import WeightApplied, WeightPublished
 from shared.settings import KafkaSettings, RedisSettings, load
 from shared.state import RedisRegistry, connect
 from shared.tokenizer import TOKENIZER
-from shared.wire import encode
 from tests.support.procs import start_service
 from tests.support.rebalance import ForeignMember
 from tests.support.stack import engine_and_proxy

@@ -13,11 +13,11 @@ from kafka import KafkaProducer
 
 from services.collector.synthetic import group_records
 from shared.bus import read_at
+from shared.codec import encode
 from shared.names import RedisKeys
 from shared.schemas import CompletedGroup, DecisionRecord, RetryRequest, SessionFinished
 from shared.staleness import TokenTally
 from shared.window_layout import WindowReader, decode_window
-from shared.wire import encode
 from tests.support.collector import (
     Running,
     Source,

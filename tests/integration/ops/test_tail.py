@@ -22,9 +22,9 @@ from kafka import KafkaProducer
 
 from ops.cli import main
 from shared.bus import Producer
+from shared.codec import encode
 from shared.schemas import Chunk, GroupDispatched, Record, SessionFinished
 from shared.settings import KafkaSettings
-from shared.wire import encode
 
 pytestmark = pytest.mark.integration
 

@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry
 
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.publisher import Publisher
+from shared.codec import encode
 from shared.schemas import Chunk
 from shared.settings import KafkaSettings
-from shared.wire import encode
 from tests.support.proxy import read_records
 
 pytestmark = [pytest.mark.integration]

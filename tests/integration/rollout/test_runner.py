@@ -28,6 +28,7 @@ from kafka.admin import KafkaAdminClient
 from ops.local.ports import free_port
 from services.rollout.task import NumberGuessTask
 from shared.bus import create_topics
+from shared.codec import decode, encode
 from shared.names import RedisKeys, Topics
 from shared.schemas import (
     BatchSkipped,
@@ -40,7 +41,6 @@ from shared.schemas import (
     WeightApplied,
 )
 from shared.tokenizer import TOKENIZER
-from shared.wire import decode, encode
 from tests.support.procs import REPO_ROOT
 from tests.support.rebalance import ForeignMember
 from tests.support.stack import engine_and_proxy

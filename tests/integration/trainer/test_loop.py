@@ -26,6 +26,7 @@ from services.trainer.loop import RunResult, TrainerLoop, run
 from services.trainer.settings import TrainerSettings
 from shared import checkpoint
 from shared.bus import Consumer, Delivered, Producer
+from shared.codec import encode
 from shared.model import load_family
 from shared.names import Topics
 from shared.schemas import (
@@ -42,7 +43,6 @@ from shared.schemas import (
 )
 from shared.settings import KafkaSettings, load
 from shared.tokenizer import TOKENIZER
-from shared.wire import encode
 from tests.support.procs import REPO_ROOT, start_service
 from tests.support.rebalance import ForeignMember
 from tests.support.wait import wait_until

@@ -8,9 +8,9 @@ import pytest
 
 from ops.cli import main
 from ops.tail import Start, Tailer, TailError, TailOptions, parse_duration, parse_offset, render, session_matches
+from shared.codec import encode
 from shared.schemas import SessionFinished
 from shared.settings import KafkaSettings
-from shared.wire import encode
 
 
 @pytest.mark.parametrize(

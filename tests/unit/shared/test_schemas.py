@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared import schemas
+from shared.codec import SCHEMA_VERSION, DecodeError, decode, encode
 from shared.schemas import (
     BatchManifest,
     BatchSkipped,
@@ -23,7 +24,6 @@ from shared.schemas import (
     WeightPublished,
     WindowInfo,
 )
-from shared.wire import SCHEMA_VERSION, DecodeError, decode, encode
 
 
 def _chunk(**kw: object) -> Chunk:
