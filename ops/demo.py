@@ -80,6 +80,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="log-normal sigma of that wait (REIN_ENV_TIME_SIGMA; default 0: always the median)")
     p.add_argument("--lr", type=float, help="trainer learning rate (tiny: the trainer's 1e-3, HF: 2e-5)")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay (tiny: the trainer's 0.01, HF: 0)")
+    p.add_argument("--epochs", type=int, help="trainer optimizer steps per batch (REIN_EPOCHS; default the trainer's 1)")
     p.add_argument("--keep-checkpoints", type=int, help="newest trainer steps kept on disk (tiny: 0 = all, HF: 2)")
     p.add_argument("--mode", choices=["async", "sync"],
                    help="async (tiny's default) or sync (HF's: it learned faster on SmolLM2, docs/benchmarks.md)")
@@ -154,6 +155,7 @@ def stack_config(args: argparse.Namespace, model: str, run_dir: Path) -> StackCo
         max_tokens=args.max_tokens,
         lr=args.lr,
         weight_decay=args.weight_decay,
+        epochs=args.epochs,
         keep_checkpoints=args.keep_checkpoints,
         startup_timeout_s=600.0 if hf else 120.0,
         stop_timeout_s=120.0 if hf else 20.0,

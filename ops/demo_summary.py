@@ -108,6 +108,7 @@ def summarize(
             "max_tokens": config.max_tokens,
             "lr": config.lr,
             "weight_decay": config.weight_decay,
+            "epochs": config.epochs,
             "keep_checkpoints": config.keep_checkpoints,
             "rollout_env": config.extra_env.get("rollout") or None,  # --temperature, --agent-command, --env-time
         },

@@ -91,6 +91,8 @@ class StackConfig:
     """Trainer learning rate; None: the trainer's default (tuned for the tiny policy)."""
     weight_decay: float | None = None
     """Trainer AdamW weight decay; None: the trainer's default."""
+    epochs: int | None = None
+    """Trainer optimizer steps per batch (``REIN_EPOCHS``); None: the trainer's default (1)."""
     keep_checkpoints: int = 0
     """Trainer keeps the newest N durable steps (0: all); an HF step is ~0.5 GB of weights plus optimizer state."""
     startup_timeout_s: float = 120.0
@@ -188,7 +190,8 @@ def start(config: StackConfig) -> LocalStack:
                         "REIN_METRICS_PORT": port_of("trainer"),
                         "REIN_KEEP_CHECKPOINTS": str(config.keep_checkpoints),
                         **model,
-                        **optional({"REIN_LR": config.lr, "REIN_WEIGHT_DECAY": config.weight_decay}),
+                        **optional({"REIN_LR": config.lr, "REIN_WEIGHT_DECAY": config.weight_decay,
+                                    "REIN_EPOCHS": config.epochs}),
                     },
                 ),
                 f"{urls['trainer']}/health",

@@ -81,7 +81,7 @@ def hyper_from(settings: TrainerSettings) -> Hyper:
         lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, grad_clip=settings.grad_clip,
         ppo_clip=settings.ppo_clip, is_truncation=settings.is_truncation, normalize_std=settings.normalize_std,
         temperature=settings.temperature, micro_batch_size=settings.micro_batch_size,
-        entropy_coef=settings.entropy_coef,
+        entropy_coef=settings.entropy_coef, epochs=settings.epochs,
         correction=CorrectionConfig(
             kind=settings.offpolicy_correction,
             **{f.name: getattr(settings, f.name) for f in fields(CorrectionConfig) if f.name != "kind"},

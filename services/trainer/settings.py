@@ -59,6 +59,10 @@ class TrainerSettings(ModelServiceSettings, StopSettings):
     others bound their own weight); must exceed 1 + ppo_clip. None: no cap."""
     normalize_std: bool = False
     """Divide GRPO advantages by the group's reward std; off because it destabilised the tiny policy."""
+    epochs: int = Field(default=1, ge=1)
+    """Optimizer steps per batch (PPO's epochs): each a pass over the whole batch, the passes after the first
+    on weights already moved from the rollout's, so the PPO clip bounds how far. The batch still makes one
+    version; statistics are the first pass's."""
     entropy_coef: float = Field(default=0.0, ge=0)
     """Weight of the entropy bonus: the loss subtracts ``entropy_coef`` x the token-mean entropy of the policy
     over trained tokens (``services/trainer/loss.py``, ``entropy_bonus``), which keeps a policy trained from

@@ -49,6 +49,8 @@ class Hyper:
     temperature: float = 1.0
     """Temperature of tokens whose chunk recorded no sampling parameters (older records)."""
     micro_batch_size: int = 0
+    epochs: int = 1
+    """Optimizer steps per batch, each a pass over all of it; statistics are the first pass's."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (:func:`~services.trainer.loss.entropy_bonus`); 0: none (not even scored)."""
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
@@ -182,7 +184,8 @@ class PolicyTrainer:
         they sampled are scored apart (:attr:`StepStats.same_version_tokens`).
 
         Every statistic is taken before the update: micro-batches accumulate gradients on the same
-        weights and the optimizer steps once, after the last of them. A batch without a trained
+        weights and the optimizer steps once, after the last of them; with ``Hyper.epochs`` > 1 more
+        passes follow, each one more step, their statistics not kept. A batch without a trained
         token of non-zero advantage is skipped before the forward pass.
         """
         h = self.hyper
@@ -240,6 +243,9 @@ class PolicyTrainer:
         if skipped is None:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # the gradients are spent either way; free them
+        if skipped is None:
+            for _ in range(1, h.epochs):
+                self._another_pass(mine, advantages, version, total)
         self.model.eval()
         return StepStats(
             loss=loss_sum,
@@ -258,6 +264,26 @@ class PolicyTrainer:
             offpolicy_ess=corrected.ess,
             entropy=entropy_sum if h.entropy_coef > 0 else None,
         )
+
+    def _another_pass(self, mine: list[Sample], advantages: torch.Tensor, version: str | None, total: int) -> None:
+        """One more optimizer step on the batch (``Hyper.epochs``), scored on the weights the last one left:
+        the same loss, its batch statistic taken anew, no statistics kept."""
+        h = self.hyper
+        statistic = self._batch_statistic(mine, advantages, version)
+        for chunk in self._micro_batches(mine):
+            t, logprobs, entropy = self._score(chunk, advantages, version, with_entropy=h.entropy_coef > 0)
+            loss, _, _ = corrected_loss(
+                logprobs, t["rollout"], t["adv"], t["mask"], correction=h.correction,
+                clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total), batch_statistic=statistic,
+            )
+            if entropy is not None:
+                loss = loss - h.entropy_coef * entropy_bonus(entropy, t["mask"], normalizer=float(total))
+            loss.backward()  # type: ignore[no-untyped-call]
+        if self.ranks.world > 1:
+            self._sum_gradients()
+        if float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip).item()) > 0.0:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _sum_gradients(self) -> None:
         """Sum every parameter's gradient over the ranks in one collective (a rank whose shard was empty

@@ -231,3 +231,34 @@ def test_entropy_coef_setting_reaches_the_trainer() -> None:
     assert hyper_from(TrainerSettings(entropy_coef=0.003)).entropy_coef == 0.003
     with pytest.raises(ValueError):
         TrainerSettings(entropy_coef=-0.1)
+
+
+def test_epochs_step_the_batch_again_on_the_moved_weights_and_report_the_first_pass() -> None:
+    """``epochs=2`` is the same as stepping the batch twice with ``epochs=1`` (the second pass scores it on the
+    weights the first left, against the same rollout logprobs), and its statistics are the first pass's."""
+    once, twice = init_policy(CFG, 0), init_policy(CFG, 0)
+    batch = _batch(once, [1.0, 0.0, 0.5])
+    single = PolicyTrainer(once, Hyper(lr=1e-2), torch.device("cpu"))
+    double = PolicyTrainer(twice, Hyper(lr=1e-2, epochs=2), torch.device("cpu"))
+    first = single.step(batch)
+    second = single.step(batch)
+    assert second.train_rollout_logprob_abs_diff is not None and second.train_rollout_logprob_abs_diff > 1e-4
+    stats = double.step(batch)
+    assert stats == first
+    assert _state(double) == _state(single)
+
+
+def test_epochs_take_no_step_on_a_batch_without_signal() -> None:
+    model = init_policy(CFG, 0)
+    trainer = PolicyTrainer(model, Hyper(epochs=3), torch.device("cpu"))
+    before = _state(trainer)
+    assert trainer.step(_batch(model, [0.5, 0.5])).skipped == "no_signal"
+    assert _state(trainer) == before
+
+
+def test_epochs_setting_reaches_the_trainer() -> None:
+    from services.trainer.loop import hyper_from
+
+    assert hyper_from(TrainerSettings()).epochs == 1 and hyper_from(TrainerSettings(epochs=2)).epochs == 2
+    with pytest.raises(ValueError):
+        TrainerSettings(epochs=0)
