@@ -33,7 +33,7 @@ from ops.demo_presets import PRESETS
 from ops.demo_summary import progress_line, summarize, write_outputs
 from ops.local.launcher import LaunchError
 from ops.local.stack import LocalStack, StackConfig, start
-from ops.report import optimizer_steps, rows_so_far
+from ops.report import MetricsTail, optimizer_steps, rows_so_far
 from services.rollout.tasks import TASKS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="log-normal sigma of that wait (REIN_ENV_TIME_SIGMA; default 0: always the median)")
     p.add_argument("--lr", type=float, help="trainer learning rate (tiny: the trainer's 1e-3, HF: 2e-5)")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay (tiny: the trainer's 0.01, HF: 0)")
-    p.add_argument("--epochs", type=int, help="trainer optimizer steps per batch (REIN_EPOCHS; default the trainer's 1)")
+    p.add_argument("--epochs", type=int, help="optimizer steps per batch (REIN_EPOCHS; the trainer's 1)")
     p.add_argument("--keep-checkpoints", type=int, help="newest trainer steps kept on disk (tiny: 0 = all, HF: 2)")
     p.add_argument("--mode", choices=["async", "sync"],
                    help="async (tiny's default) or sync (HF's: it learned faster on SmolLM2, docs/benchmarks.md)")
@@ -202,8 +202,9 @@ def run(args: argparse.Namespace) -> int:
         deadline = started + args.timeout_min * 60
         budget = (up_at, args.minutes * 60) if args.minutes else None
         shown = 0
+        metrics = MetricsTail(local.trainer_metrics)
         while True:
-            rows = rows_so_far(local.trainer_metrics)
+            rows = metrics.read()
             if len(rows) > shown:
                 rejections = proxy_rejections(local.urls["proxy"])
                 for row in rows[shown:]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,19 +74,52 @@ def read_metrics(path: Path) -> Loaded:
     """Parse ``metrics.jsonl``; blank lines are ignored, non-object or non-JSON lines counted."""
     out = Loaded()
     with path.open(encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                out.malformed += 1
-                continue
-            if not isinstance(row, dict):
-                out.malformed += 1
-                continue
-            out.rows.append(row)
+        _parse(handle, out)
     return out
+
+
+def _parse(lines: Iterable[str], out: Loaded) -> None:
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            out.malformed += 1
+            continue
+        if not isinstance(row, dict):
+            out.malformed += 1
+            continue
+        out.rows.append(row)
+
+
+class MetricsTail:
+    """The rows of a ``metrics.jsonl`` that a live trainer appends to, read as it grows: each :meth:`read`
+    parses only the complete lines added since the last (the demo polls twice a second, and reading the
+    whole file each time cost 17 ms at 1100 rows). The trainer only appends, or cuts a torn last line,
+    which is never read; a file that shrank below what was read is read again from its start."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._read = Loaded()
+        self._offset = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every row so far (none while the file does not exist)."""
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return self._read.rows
+        if size < self._offset:
+            self._read, self._offset = Loaded(), 0
+        if size > self._offset:
+            with self.path.open("rb") as handle:
+                handle.seek(self._offset)
+                data = handle.read(size - self._offset)
+            complete = data[: data.rfind(b"\n") + 1]
+            self._offset += len(complete)
+            _parse(complete.decode("utf-8", errors="replace").splitlines(), self._read)
+        return self._read.rows
 
 
 def load_metrics(path: Path) -> list[dict[str, Any]]:

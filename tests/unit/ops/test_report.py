@@ -1,4 +1,4 @@
-"""``rein report`` and :mod:`ops.report`: a recorded run renders to a non-empty PNG."""
+"""``rein report`` and :mod:`ops.report`: a recorded run renders to a PNG; a live metrics file is read as it grows."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from ops.cli import main
-from ops.report import load_metrics, plot_run, present_panels, read_metrics, series, waste
+from ops.report import MetricsTail, load_metrics, plot_run, present_panels, read_metrics, series, waste
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -142,3 +142,17 @@ def test_the_untrained_panel_sums_the_masked_tokens(tmp_path: Path) -> None:
     assert series(WASTE_ROWS, "untrained_failed_cumulative") == ([2.0, 2.0], [0.0, 8.0])
     assert [p.title for p in present_panels(WASTE_ROWS)] == ["untrained tokens"]
     _assert_png(plot_run(WASTE_ROWS * 4, tmp_path / "w.png", "waste"))
+
+
+def test_metrics_tail_reads_complete_lines_as_the_file_grows(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    tail = MetricsTail(path)
+    assert tail.read() == []  # not written yet
+    path.write_text('{"step": 1}\n{"step": 2}\n{"ste')  # a line the trainer is still writing
+    assert [r["step"] for r in tail.read()] == [1, 2]
+    with path.open("a") as fh:
+        fh.write('p": 3}\nnot json\n[4]\n\n{"step": 5}\n')
+    assert [r["step"] for r in tail.read()] == [1, 2, 3, 5]
+    assert tail.read() == read_metrics(path).rows
+    path.write_text('{"step": 9}\n')  # shorter than what was read: read again from the start
+    assert [r["step"] for r in tail.read()] == [9]
