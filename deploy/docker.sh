@@ -11,19 +11,13 @@
 # DOCKERD_STOP_TIMEOUT (default 30).
 set -euo pipefail
 
-# shellcheck source=deploy/apt.sh
-source "$(dirname "${BASH_SOURCE[0]}")/apt.sh"
+# shellcheck source=deploy/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 CACHE="${REIN_CACHE:-$HOME/.cache/rein}"
 COMPOSE_VERSION=2.40.3
 PLUGIN="$HOME/.docker/cli-plugins/docker-compose"
 STATE="$CACHE/dockerd"
-
-die() {
-    echo "docker.sh: error: $*" >&2
-    exit 1
-}
-log() { echo "docker.sh: $*" >&2; }
 
 need_root() { [[ $EUID -eq 0 ]] || die "$1 needs root (dockerd runs as root here)"; }
 
@@ -79,20 +73,12 @@ cmd_start() {
 cmd_stop() {
     local pid
     pid="$(cat "$STATE/started.pid" 2>/dev/null || true)"
-    if [[ -z "$pid" ]] || ! kill -0 "$pid" 2>/dev/null; then
+    if ! pid_alive "$pid"; then
         log "no dockerd started by this script is running"
         rm -f "$STATE/started.pid"
         return 0
     fi
-    kill -TERM "$pid"
-    local deadline=$((SECONDS + ${DOCKERD_STOP_TIMEOUT:-30}))
-    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.5; done
-    if kill -0 "$pid" 2>/dev/null; then
-        log "dockerd did not stop within ${DOCKERD_STOP_TIMEOUT:-30}s: killing it"
-        kill -KILL "$pid" 2>/dev/null || true
-    fi
-    rm -f "$STATE/started.pid"
-    log "dockerd stopped"
+    stop_pidfile "$STATE/started.pid" dockerd "${DOCKERD_STOP_TIMEOUT:-30}" true
 }
 
 case "${1:-}" in

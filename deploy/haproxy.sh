@@ -11,15 +11,9 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# shellcheck source=deploy/apt.sh
-source "$HERE/apt.sh"
+# shellcheck source=deploy/common.sh
+source "$HERE/common.sh"
 HOST=127.0.0.1
-
-die() {
-    echo "haproxy.sh: error: $*" >&2
-    exit 1
-}
-log() { echo "haproxy.sh: $*" >&2; }
 
 cmd_install() {
     if command -v haproxy >/dev/null 2>&1; then
@@ -29,7 +23,7 @@ cmd_install() {
     apt_install haproxy haproxy
 }
 
-pid_alive() { [[ -n "$1" ]] && kill -0 "$1" 2>/dev/null; }
+is_haproxy() { grep -q haproxy "/proc/$1/comm" 2>/dev/null; }
 
 cmd_start() {
     local dir="${1:-}" port servers="" i=0 target deadline
@@ -43,7 +37,7 @@ cmd_start() {
         servers+="    server p$i $target"$'\n'
         i=$((i + 1))
     done
-    port="$(python3 "$HERE/../ops/local/ports.py" 1 ${REIN_PORT_BLOCK:+--block "$REIN_PORT_BLOCK"})"
+    port="$(free_ports 1)"
     sed -e "s|@BIND@|$HOST:$port|" -e "s|@DIR@|$dir|" "$HERE/haproxy/rein.cfg.in" |
         awk -v servers="$servers" '{ if ($0 == "@SERVERS@") printf "%s", servers; else print }' >"$dir/haproxy.cfg"
     haproxy -c -q -f "$dir/haproxy.cfg" || die "invalid configuration $dir/haproxy.cfg"
@@ -60,19 +54,9 @@ cmd_start() {
 }
 
 cmd_stop() {
-    local dir="${1:-}" pid deadline
+    local dir="${1:-}"
     [[ -n "$dir" ]] || die "usage: haproxy.sh stop DATA_DIR"
-    pid="$(cat "$dir/haproxy.pid" 2>/dev/null || true)"
-    if ! pid_alive "$pid" || ! grep -q haproxy "/proc/$pid/comm" 2>/dev/null; then
-        log "no haproxy running for $dir"
-        return 0
-    fi
-    kill -TERM "$pid"
-    deadline=$((SECONDS + 10))
-    while pid_alive "$pid" && ((SECONDS < deadline)); do sleep 0.1; done
-    pid_alive "$pid" && kill -KILL "$pid" 2>/dev/null
-    rm -f "$dir/haproxy.pid"
-    log "haproxy pid $pid stopped"
+    stop_pidfile "$dir/haproxy.pid" haproxy 10 is_haproxy
 }
 
 case "${1:-}" in

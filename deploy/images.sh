@@ -23,18 +23,12 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/.." && pwd)"
-# shellcheck source=deploy/apt.sh
-source "$HERE/apt.sh"
+# shellcheck source=deploy/common.sh
+source "$HERE/common.sh"
 CACHE="${REIN_CACHE:-$HOME/.cache/rein}"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 SUITE=bookworm
 WHEELS_PORT="${REIN_WHEELS_PORT:-18631}"
-
-die() {
-    echo "images.sh: error: $*" >&2
-    exit 1
-}
-log() { echo "images.sh: $*" >&2; }
 
 kafka_version() { bash "$HERE/kafka.sh" version; }
 

@@ -37,12 +37,8 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 POM="$HERE/kafka/pom.xml"
 CACHE="${REIN_CACHE:-$HOME/.cache/rein}"
 HOST=127.0.0.1
-
-die() {
-    echo "kafka.sh: error: $*" >&2
-    exit 1
-}
-log() { echo "kafka.sh: $*" >&2; }
+# shellcheck source=deploy/common.sh
+source "$HERE/common.sh"
 
 kafka_version() {
     local v
@@ -119,10 +115,6 @@ cmd_fetch() {
     log "Kafka $KAFKA_VERSION jars ready ($(ls "$LIBS" | wc -l) jars)"
 }
 
-# Prints N distinct free TCP ports on 127.0.0.1, below the ephemeral range (see ops/local/ports.py).
-# REIN_PORT_BLOCK=I/N (parallel test workers): from block I of N of that range only.
-free_ports() { python3 "$HERE/../ops/local/ports.py" "$1" ${REIN_PORT_BLOCK:+--block "$REIN_PORT_BLOCK"}; }
-
 # A Kafka Uuid: 16 random bytes, url-safe base64 without padding, never starting with '-'.
 random_cluster_id() {
     python3 -c '
@@ -136,12 +128,6 @@ while True:
 }
 
 port_open() { (exec 3<>"/dev/tcp/$HOST/$1") 2>/dev/null; }
-
-# Alive and not a zombie (an unreaped zombie still answers kill -0).
-pid_alive() {
-    [[ -n "$1" ]] && kill -0 "$1" 2>/dev/null || return 1
-    [[ "$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" != "Z" ]]
-}
 
 # True when PID is a kafka.Kafka JVM started for DATA_DIR (guards against a recycled pid).
 is_our_broker() {
@@ -334,20 +320,14 @@ cmd_start() {
 }
 
 cmd_kill() {
-    local dir="${1:-}" pid
+    local dir="${1:-}"
     [[ -n "$dir" && -d "$dir" ]] || die "usage: kafka.sh kill DATA_DIR (one broker's directory)"
     dir="$(cd "$dir" && pwd)"
-    pid="$(cat "$dir/pid" 2>/dev/null || true)"
-    if [[ -n "$pid" ]] && pid_alive "$pid" && is_our_broker "$pid" "$dir"; then
-        kill -KILL "$pid"
-        while pid_alive "$pid"; do sleep 0.05; done
-        log "broker pid $pid killed"
-    fi
-    rm -f "$dir/pid"
+    kill_pidfile "$dir/pid" broker is_our_broker "$dir"
 }
 
 cmd_stop() {
-    local dir="${1:-}" pid deadline i
+    local dir="${1:-}" i
     [[ -n "$dir" ]] || die "usage: kafka.sh stop DATA_DIR"
     [[ -d "$dir" ]] || { log "no such data dir $dir: nothing to stop"; return 0; }
     dir="$(cd "$dir" && pwd)"
@@ -358,22 +338,7 @@ cmd_stop() {
         return 0
     fi
     [[ -f "$dir/pid" ]] || { log "no pid file in $dir: nothing to stop"; return 0; }
-    pid="$(cat "$dir/pid")"
-    if ! pid_alive "$pid" || ! is_our_broker "$pid" "$dir"; then
-        log "broker pid $pid is not running"
-        rm -f "$dir/pid"
-        return 0
-    fi
-    kill -TERM "$pid" 2>/dev/null || true
-    deadline=$((SECONDS + ${KAFKA_STOP_TIMEOUT:-30}))
-    while pid_alive "$pid" && ((SECONDS < deadline)); do sleep 0.2; done
-    if pid_alive "$pid"; then
-        log "broker pid $pid ignored SIGTERM for ${KAFKA_STOP_TIMEOUT:-30}s: SIGKILL"
-        kill -KILL "$pid" 2>/dev/null || true
-        while pid_alive "$pid"; do sleep 0.1; done
-    fi
-    rm -f "$dir/pid"
-    log "broker pid $pid stopped"
+    stop_pidfile "$dir/pid" broker "${KAFKA_STOP_TIMEOUT:-30}" is_our_broker "$dir"
     keep_class_archive "$dir"
 }
 

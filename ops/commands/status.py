@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
+from ops.commands import add_command, add_redis, add_run_dir
 from ops.status import (
     DEFAULT_GROUPS,
     RunDir,
@@ -44,17 +44,15 @@ Examples:
 
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "status",
-        help="window, registry, consumer lag, proxy pause state and engine versions of a running system",
+    parser = add_command(
+        subparsers, "status",
+        summary="window, registry, consumer lag, proxy pause state and engine versions of a running system",
         description="Show the state of a running rein system: version window, consumer lag, proxies, engines.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--run-dir", type=Path, metavar="DIR", help="a `rein up` / `make demo` run directory")
+    add_run_dir(parser)
     parser.add_argument("--kafka", metavar="HOST:PORT", help="Kafka bootstrap servers")
-    parser.add_argument("--redis", metavar="URL", help="Redis URL (redis://host:port/db)")
-    parser.add_argument("--key-prefix", metavar="P", help="Redis key prefix of the deployment (default: rein)")
+    add_redis(parser)
     parser.add_argument("--proxy", action="append", metavar="URL", help="a proxy base URL (repeatable)")
     parser.add_argument("--engine", action="append", metavar="URL", help="an engine base URL (repeatable)")
     parser.add_argument("--admin-token", metavar="T", help="bearer token of the proxies' admin endpoints")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
+from ops.commands import add_command, add_run_dir
 from ops.status import read_run_dir
 from ops.tail import Start, Tailer, TailError, TailOptions, parse_duration, parse_offset
 from shared.settings import ServiceSettings, SettingsError, load
@@ -35,12 +35,11 @@ Examples:
 
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "tail",
-        help="print a topic's records as JSON lines",
+    parser = add_command(
+        subparsers, "tail",
+        summary="print a topic's records as JSON lines",
         description="Decode a topic's msgpack records to JSON lines, for replaying a topic while debugging.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("topic", metavar="TOPIC", help="topic name, e.g. rollout.chunks")
     start = parser.add_mutually_exclusive_group()
@@ -51,7 +50,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--session", metavar="S", help="only records of session S (session_id / session_ids)")
     parser.add_argument("--follow", "-f", action="store_true", help="keep reading new records until Ctrl-C")
     parser.add_argument("--bootstrap", metavar="HOST:PORT", help="Kafka bootstrap servers (default: settings)")
-    parser.add_argument("--run-dir", type=Path, metavar="DIR", help="a `rein up` / `make demo` run directory")
+    add_run_dir(parser)
     parser.add_argument("--max", type=int, metavar="N", dest="max_records", help="stop after printing N lines")
     parser.add_argument(
         "--timeout",

@@ -6,6 +6,9 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from shared import metrics
 
+PAUSE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+"""Seconds, for both pause histograms: a pause's wait for quiescence and the time admission stays closed."""
+
 
 class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -54,12 +57,12 @@ class ProxyMetrics:
         self.sessions = metrics.gauge(registry, "proxy/live_sessions", "Sessions neither finished nor rejected")
         self.pause_seconds = Histogram(
             metrics.prom_name("proxy/pause_wait_seconds"), "Time a pause waited for quiescence",
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300), registry=registry,
+            buckets=PAUSE_BUCKETS, registry=registry,
         )
         self.pause_closed_seconds = Histogram(
             metrics.prom_name("proxy/pause_closed_seconds"),
             "Time admission stayed closed per pause: from the pause request to the resume",
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300), registry=registry,
+            buckets=PAUSE_BUCKETS, registry=registry,
         )
         self.engine_seconds = Histogram(
             metrics.prom_name("proxy/engine_call_seconds"), "Duration of one engine /generate call",

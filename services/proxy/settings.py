@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from shared.settings import ModelServiceSettings, ReplicaSettings, StopSettings
+from shared.settings import ModelServiceSettings, ReplicaSettings, StopSettings, http_urls
 
 
 class ProxySettings(ModelServiceSettings, ReplicaSettings, StopSettings):
@@ -131,13 +131,7 @@ class ProxySettings(ModelServiceSettings, ReplicaSettings, StopSettings):
     @field_validator("engine_urls")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
-        cleaned = [u.strip().rstrip("/") for u in urls]
-        bad = [u for u in cleaned if not u.startswith(("http://", "https://"))]
-        if bad:
-            raise ValueError(f"engine_urls must be http(s) URLs, got {bad}")
-        if len(set(cleaned)) != len(cleaned):
-            raise ValueError(f"engine_urls has duplicates: {cleaned}")
-        return cleaned
+        return http_urls(urls, "engine_urls")
 
     @model_validator(mode="after")
     def _credentials(self) -> ProxySettings:

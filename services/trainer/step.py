@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from services.trainer.corrections import (
     behaviour_log_ratio,
     corrected_loss,
 )
-from services.trainer.loss import entropy_bonus, grpo_advantages
+from services.trainer.loss import LossStats, entropy_bonus, grpo_advantages
 from services.trainer.parallel import ALONE, Ranks
 from services.trainer.samples import BatchSamples, Sample
 from shared.model.compute import token_logprobs, token_logprobs_and_entropy
@@ -144,6 +144,18 @@ def collate(
     }
 
 
+class _ChunkLoss(NamedTuple):
+    """A micro-batch's collated tensors, logprobs and loss, with what the first pass records of it."""
+
+    tensors: dict[str, torch.Tensor]
+    logprobs: torch.Tensor
+    loss: torch.Tensor
+    stats: LossStats
+    corrections: CorrectionStats
+    entropy_bonus: float
+    """The entropy bonus's value; 0.0 when ``Hyper.entropy_coef`` is 0 (not scored)."""
+
+
 class PolicyTrainer:
     """The model, its optimizer and the update rule."""
 
@@ -207,15 +219,10 @@ class PolicyTrainer:
         mine = batch.samples[self.ranks.rank :: self.ranks.world]  # this rank's shard (all of it alone)
         statistic = self._batch_statistic(mine, advantages, version)
         for chunk in self._micro_batches(mine):
-            t, logprobs, entropy = self._score(chunk, advantages, version, with_entropy=h.entropy_coef > 0)
-            loss, stats, correction_stats = corrected_loss(
-                logprobs, t["rollout"], t["adv"], t["mask"], correction=h.correction,
-                clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total), batch_statistic=statistic,
+            t, logprobs, loss, stats, correction_stats, bonus = self._chunk_loss(
+                chunk, advantages, version, total, statistic
             )
-            if entropy is not None:
-                bonus = entropy_bonus(entropy, t["mask"], normalizer=float(total))
-                loss = loss - h.entropy_coef * bonus
-                entropy_sum += float(bonus.item())
+            entropy_sum += bonus
             corrected += correction_stats
             loss.backward()  # type: ignore[no-untyped-call]
             same = t["same"] & t["mask"]
@@ -271,19 +278,31 @@ class PolicyTrainer:
         h = self.hyper
         statistic = self._batch_statistic(mine, advantages, version)
         for chunk in self._micro_batches(mine):
-            t, logprobs, entropy = self._score(chunk, advantages, version, with_entropy=h.entropy_coef > 0)
-            loss, _, _ = corrected_loss(
-                logprobs, t["rollout"], t["adv"], t["mask"], correction=h.correction,
-                clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total), batch_statistic=statistic,
-            )
-            if entropy is not None:
-                loss = loss - h.entropy_coef * entropy_bonus(entropy, t["mask"], normalizer=float(total))
-            loss.backward()  # type: ignore[no-untyped-call]
+            self._chunk_loss(chunk, advantages, version, total, statistic).loss.backward()  # type: ignore[no-untyped-call]
         if self.ranks.world > 1:
             self._sum_gradients()
         if float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), h.grad_clip).item()) > 0.0:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _chunk_loss(
+        self, chunk: list[Sample], advantages: torch.Tensor, version: str | None, total: int,
+        statistic: float | None,
+    ) -> _ChunkLoss:
+        """One micro-batch's loss, normalised by the batch's ``total`` trained tokens, less the entropy bonus
+        (``Hyper.entropy_coef``): the first pass and every further ``epochs`` pass train on the same loss."""
+        h = self.hyper
+        t, logprobs, entropy = self._score(chunk, advantages, version, with_entropy=h.entropy_coef > 0)
+        loss, stats, correction_stats = corrected_loss(
+            logprobs, t["rollout"], t["adv"], t["mask"], correction=h.correction,
+            clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total), batch_statistic=statistic,
+        )
+        bonus = 0.0
+        if entropy is not None:
+            bonus_t = entropy_bonus(entropy, t["mask"], normalizer=float(total))
+            loss = loss - h.entropy_coef * bonus_t
+            bonus = float(bonus_t.item())
+        return _ChunkLoss(t, logprobs, loss, stats, correction_stats, bonus)
 
     def _sum_gradients(self) -> None:
         """Sum every parameter's gradient over the ranks in one collective (a rank whose shard was empty

@@ -7,17 +7,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from shared.settings import ServiceSettings, StopSettings
-
-
-def _clean_urls(urls: list[str], field: str) -> list[str]:
-    cleaned = [u.strip().rstrip("/") for u in urls]
-    bad = [u for u in cleaned if not u.startswith(("http://", "https://"))]
-    if bad:
-        raise ValueError(f"{field} must be http(s) URLs, got {bad}")
-    if len(set(cleaned)) != len(cleaned):
-        raise ValueError(f"{field} has duplicates: {cleaned}")
-    return cleaned
+from shared.settings import ServiceSettings, StopSettings, http_urls
 
 
 class BroadcasterSettings(ServiceSettings, StopSettings):
@@ -69,12 +59,12 @@ class BroadcasterSettings(ServiceSettings, StopSettings):
     @field_validator("proxy_urls")
     @classmethod
     def _proxies(cls, urls: list[str]) -> list[str]:
-        return _clean_urls(urls, "proxy_urls (REIN_PROXY_URLS)")
+        return http_urls(urls, "proxy_urls (REIN_PROXY_URLS)")
 
     @field_validator("engine_urls")
     @classmethod
     def _engines(cls, urls: list[str]) -> list[str]:
-        return _clean_urls(urls, "engine_urls (REIN_ENGINE_URLS)")
+        return http_urls(urls, "engine_urls (REIN_ENGINE_URLS)")
 
     @model_validator(mode="after")
     def _check(self) -> BroadcasterSettings:

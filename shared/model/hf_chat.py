@@ -8,7 +8,7 @@ segment continued from the ids that were sampled.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any
 
 from jinja2 import TemplateError
@@ -288,17 +288,7 @@ class HFChatTokenizer:
         non-special added token the model sampled, ``(text, False)`` between. One piece without such a token."""
         if not self._kept.intersection(sampled):
             return [(self.decode(sampled), False)]
-        pieces: list[tuple[str, bool]] = []
-        start = 0
-        for k, i in enumerate(sampled):
-            if i in self._kept:
-                if k > start:
-                    pieces.append((self.decode(sampled[start:k]), False))
-                pieces.append((self._spellings[i], True))
-                start = k + 1
-        if start < len(sampled):
-            pieces.append((self.decode(sampled[start:]), False))
-        return pieces
+        return self._split(sampled, self._kept, self.decode)
 
     def _seen(self, context: Sequence[int]) -> list[tuple[str, bool]]:
         """``context``'s exact text in pieces: ``(text, True)`` to compare verbatim (a special id's
@@ -307,16 +297,23 @@ class HFChatTokenizer:
         text = self._text(context)
         if len(self._special.find(text)) == sum(i in self._spellings for i in context):
             return [(text, True)]
+        return self._split(context, self._spellings.keys(), self._text)
+
+    def _split(
+        self, ids: Sequence[int], marks: Container[int], text: Callable[[Sequence[int]], str]
+    ) -> list[tuple[str, bool]]:
+        """``ids`` in pieces: ``(spelling, True)`` for each id in ``marks``, ``(text(run), False)`` for each
+        run of ids between them (what :meth:`_answer` and :meth:`_seen` compare)."""
         pieces: list[tuple[str, bool]] = []
         start = 0
-        for k, i in enumerate(context):
-            if i in self._spellings:
+        for k, i in enumerate(ids):
+            if i in marks:
                 if k > start:
-                    pieces.append((self._text(context[start:k]), False))
+                    pieces.append((text(ids[start:k]), False))
                 pieces.append((self._spellings[i], True))
                 start = k + 1
-        if start < len(context):
-            pieces.append((self._text(context[start:]), False))
+        if start < len(ids):
+            pieces.append((text(ids[start:]), False))
         return pieces
 
     def _text(self, ids: Sequence[int]) -> str:
