@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Callable
 
-import httpx
 import pytest
 
 from ops.local.stack import LocalStack, StackConfig, start
@@ -23,6 +21,7 @@ from shared.names import Topics
 from shared.schemas import BatchManifest, Chunk, CompletedGroup, WeightApplied, WeightPublished
 from shared.settings import KafkaSettings
 from shared.versions import real_version
+from tests.support.readback import small_stack, wait_bounded_run
 from tests.support.wait import wait_on_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
@@ -30,10 +29,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900
 STEPS = 5
 COLLECTORS = 2
 RESTART_AT = 2
-
-
-def _wait(what: str, cond: Callable[[], bool], timeout_s: float, local: LocalStack) -> None:
-    wait_on_stack(what, cond, timeout_s, local, allow_dead=("trainer",))  # the trainer exits at max_steps
 
 
 def _steps(local: LocalStack) -> int:
@@ -49,47 +44,30 @@ def _last_trainable_version(mask: list[int], versions: list[str | None]) -> str 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    config = StackConfig(
-        run_dir=tmp_path_factory.mktemp("closed-loop"),
+    config = small_stack(
+        tmp_path_factory.mktemp("closed-loop"),
         steps=STEPS,
-        keep_versions=2,
-        max_preempts=2,
         collectors=COLLECTORS,
-        group_size=4,
-        batch_groups=4,
-        max_concurrent_groups=8,
-        engine_step_delay_s=0.01,
         # Unpaced: the engine keeps generating while the trainer steps, so updates land on
         # generations in flight and the token mask is exercised. Paced, the runner starts a batch's
         # prompts right after an update and they finish before the next (that is pacing's purpose,
         # tested in tests/integration/rollout/test_runner.py), leaving the mask nothing to do.
         pacing="off",
-        extra_env={
-            "rollout": {"REIN_MAX_TOKENS": "6"},
-            # Six-token replies to the tiny task mostly score alike: dropped as groups without signal
-            # (tested with a real collector in tests/integration/collector), they would leave a
-            # handful of groups to train and to check here.
-            **{f"collector-{i}": {"REIN_NO_SIGNAL_GROUPS": "keep"} for i in range(COLLECTORS)},
-        },
+        max_tokens=6,
+        # Six-token replies to the tiny task mostly score alike: dropped as groups without signal
+        # (tested with a real collector in tests/integration/collector), they would leave a
+        # handful of groups to train and to check here; small_stack keeps them.
     )
     local = start(config)
     try:
         trainer = next(s for s in local.stack.services if s.name == "trainer")
-        _wait(f"trainer step {RESTART_AT}", lambda: _steps(local) >= RESTART_AT, 300, local)
+        wait_on_stack(f"trainer step {RESTART_AT}", lambda: _steps(local) >= RESTART_AT, 300, local,
+                      allow_dead=("trainer",))
         assert trainer.proc is not None
         trainer.proc.kill()  # kill -9 in the middle of the run
         trainer.proc.wait(timeout=30)
         trainer.start()
-        _wait(f"trainer step {STEPS}", lambda: _steps(local) >= STEPS, 420, local)
-        _wait("trainer exit after max_steps", lambda: not trainer.alive(), 60, local)
-        final = f"v{STEPS}"
-
-        def engine_on_final() -> bool:
-            info = httpx.get(f"{local.urls['engine']}/get_model_info", timeout=5).json()
-            return bool(info.get("weight_version") == final)
-
-        _wait(f"engine serving {final}", engine_on_final, 120, local)
-        engine_info = httpx.get(f"{local.urls['engine']}/get_model_info", timeout=5).json()
+        engine_info = wait_bounded_run(local, STEPS, 420, 60, 120)
         kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
         topics = Topics()
         data = {

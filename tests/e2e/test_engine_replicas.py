@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-import httpx
 import pytest
 
 from ops.local.stack import LocalStack, start
@@ -24,6 +23,7 @@ from shared.state import client_for
 from tests.support.readback import (
     assert_every_manifest_trained_once,
     assert_groups_accounted_for,
+    engine_info,
     kill_replica,
     small_stack,
     stop_and_read,
@@ -38,8 +38,7 @@ ENGINES = ("engine-0", "engine-1")
 
 
 def _version(local: LocalStack, name: str) -> str:
-    info: dict[str, Any] = httpx.get(f"{local.urls[name]}/get_model_info", timeout=5).json()
-    return str(info["weight_version"])
+    return str(engine_info(local, name)["weight_version"])
 
 
 @pytest.fixture(scope="module")

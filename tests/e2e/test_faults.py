@@ -25,7 +25,7 @@ import pytest
 import redis
 
 from ops.local.launcher import Service
-from ops.local.stack import LocalStack, StackConfig, start
+from ops.local.stack import LocalStack, start
 from shared.bus import read_topic
 from shared.names import RedisKeys, Topics
 from shared.schemas import DecisionRecord, GroupDispatched, SessionRejected, WeightPublished
@@ -34,6 +34,7 @@ from tests.support.readback import (
     assert_every_manifest_trained_once,
     assert_groups_accounted_for,
     batches_made,
+    small_stack,
     stop_and_read,
     trained_index,
     trained_steps,
@@ -89,29 +90,19 @@ def _decided(kafka: KafkaSettings) -> set[str]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    config = StackConfig(
-        run_dir=tmp_path_factory.mktemp("faults"),
-        steps=0,  # unbounded: the test stops the trainer once every fault is behind it
-        keep_versions=2,
-        max_preempts=2,
-        collectors=2,
-        group_size=4,
-        batch_groups=4,
-        max_concurrent_groups=8,
-        engine_step_delay_s=0.01,
+    # Unbounded steps: the test stops the trainer once every fault is behind it. Groups without signal are
+    # kept (small_stack): six-token replies mostly score alike, and dropping them as groups without signal
+    # (tested in tests/integration/collector) made each trainer step wait for a rare group.
+    config = small_stack(
+        tmp_path_factory.mktemp("faults"),
         # Unpaced, so the runner always has sessions open when it is killed (paced, the tiny engine
         # finishes a batch's prompts long before the trainer's next step and then waits for it).
         pacing="off",
+        max_tokens=6,
         extra_env={
-            "rollout": {"REIN_MAX_TOKENS": "6"},
             "broadcaster": {"REIN_RECONCILE_INTERVAL_S": "2"},
             "proxy": {"REIN_SESSION_IDLE_TIMEOUT_S": str(SESSION_IDLE_S)},
-            # Kept: six-token replies mostly score alike, and dropping them as groups without signal
-            # (tested in tests/integration/collector) made each trainer step wait for a rare group.
-            **{
-                f"collector-{i}": {"REIN_INCOMPLETE_TIMEOUT_S": str(INCOMPLETE_S), "REIN_NO_SIGNAL_GROUPS": "keep"}
-                for i in range(2)
-            },
+            **{f"collector-{i}": {"REIN_INCOMPLETE_TIMEOUT_S": str(INCOMPLETE_S)} for i in range(2)},
         },
     )
     local = start(config)

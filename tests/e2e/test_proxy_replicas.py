@@ -26,6 +26,7 @@ from shared.state import client_for
 from tests.support.readback import (
     assert_every_manifest_trained_once,
     assert_groups_accounted_for,
+    engine_info,
     kill_replica,
     small_stack,
     stop_and_read,
@@ -84,8 +85,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _served_version(local: LocalStack) -> str:
-    info = httpx.get(f"{local.urls['engine']}/get_model_info", timeout=5).json()
-    return str(info["weight_version"])
+    return str(engine_info(local)["weight_version"])
 
 
 def _requests(local: LocalStack, name: str) -> float:

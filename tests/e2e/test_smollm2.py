@@ -15,15 +15,13 @@ sampled tokens is close to the engine's (``train_rollout_logprob_abs_diff``, pri
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
-from ops.local.stack import LocalStack, StackConfig, start
+from ops.local.stack import StackConfig, start
 from ops.report import optimizer_steps, rows_so_far
 from shared.bus import read_topic
 from shared.model import load_family
@@ -31,7 +29,7 @@ from shared.names import Topics
 from shared.schemas import BatchManifest, Chunk, CompletedGroup, WeightApplied
 from shared.settings import KafkaSettings
 from shared.versions import real_version
-from tests.support.wait import wait_on_stack
+from tests.support.readback import wait_bounded_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -40,10 +38,6 @@ MAX_ABS_DIFF = 1e-3
 """Bound on the mean |trainer - engine| logprob of trained tokens: both run the same fp32 weights
 on CPU, the engine with a KV cache one token at a time, the trainer in one padded forward.
 Measured: ~3.5e-6 per step; a shifted token, a wrong temperature or a stale weight is far above 1e-3."""
-
-
-def _wait(what: str, cond: Callable[[], bool], timeout_s: float, local: LocalStack) -> None:
-    wait_on_stack(what, cond, timeout_s, local, allow_dead=("trainer",))  # the trainer exits at max_steps
 
 
 @pytest.fixture(scope="module")
@@ -69,22 +63,12 @@ def run(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     )
     local = start(config)
     try:
-        trainer = next(s for s in local.stack.services if s.name == "trainer")
-        _wait(f"trainer step {STEPS}",  # a batch without gradient is consumed without a step
-              lambda: len(optimizer_steps(rows_so_far(local.trainer_metrics))) >= STEPS, 600, local)
-        _wait("trainer exit after max_steps", lambda: not trainer.alive(), 120, local)
-        final = f"v{STEPS}"
-
-        def engine_on_final() -> bool:
-            info = httpx.get(f"{local.urls['engine']}/get_model_info", timeout=5).json()
-            return bool(info.get("weight_version") == final)
-
-        _wait(f"engine serving {final}", engine_on_final, 180, local)
+        engine_info = wait_bounded_run(local, STEPS, 600, 120, 180)
         kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
         topics = Topics()
         data: dict[str, Any] = {
             "config": config,
-            "engine_info": httpx.get(f"{local.urls['engine']}/get_model_info", timeout=5).json(),
+            "engine_info": engine_info,
             "rows": rows_so_far(local.trainer_metrics),
             "chunks": [c for c in read_topic(kafka, topics.chunks, 60) if isinstance(c, Chunk)],
             "groups": [g for g in read_topic(kafka, topics.groups, 60) if isinstance(g, CompletedGroup)],

@@ -33,6 +33,7 @@ import os
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from kafka.admin import KafkaAdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from ops.local.ports import free_port
-from shared.bus import Consumer, Producer, create_topics
+from shared.bus import Consumer, Delivered, Producer, create_topics
 from shared.codec import SCHEMA_VERSION
 from shared.names import Topics
 from shared.policy import PolicyConfig
@@ -58,6 +59,7 @@ from shared.schemas import (
     GapInfo,
     GroupDispatched,
     GroupRef,
+    Record,
     RetryRequest,
     Segment,
     Trajectory,
@@ -67,7 +69,7 @@ from shared.schemas import (
 )
 from shared.settings import KafkaSettings
 from shared.tokenizer import TOKENIZER
-from tests.support.procs import start_service
+from tests.support.procs import Proc, start_service
 from tests.support.stack import Engine, ProxyProcess, engine_and_proxy
 from tests.support.wait import wait_until
 
@@ -143,6 +145,39 @@ def expected_reasons(records: dict[str, tuple[str, bytes | None]]) -> dict[str, 
 
 INJECTED: Counter[str] = Counter()
 """Poison records produced per topic role, for the printed figures."""
+
+
+def inject_poison(bootstrap: str, topic: str, record_type: str, role: str) -> dict[str, tuple[str, bytes | None]]:
+    """Every :func:`poison` record of ``record_type`` on ``topic``, counted under ``role``; the records."""
+    records = poison(record_type)
+    inject(bootstrap, topic, [v for _, v in records.values()])
+    INJECTED[role] += len(records)
+    return records
+
+
+def send(bootstrap: str, topic: str, record: Record) -> Delivered:
+    """One valid record, through the services' own producer."""
+    producer = Producer(KafkaSettings(bootstrap_servers=bootstrap), client_suffix="fault-test")
+    try:
+        return producer.send(topic, record)
+    finally:
+        producer.close()
+
+
+@contextmanager
+def service(name: str, module: str, env: dict[str, str], log_dir: Path, *, start_timeout_s: float = 60,
+            stop_timeout_s: float = 20) -> Iterator[tuple[Proc, str]]:
+    """``python -m module`` with ``env`` on a free metrics port: (the process, its base URL). Stopped on the
+    way out by SIGTERM, after which it must have exited 0."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_service(module, {**env, "REIN_METRICS_PORT": str(port)}, f"{url}/health", timeout_s=start_timeout_s,
+                         log_dir=log_dir)
+    try:
+        yield proc, url
+    finally:
+        code = proc.stop(timeout_s=stop_timeout_s)
+    assert code == 0, f"{name} exited {code} on SIGTERM; log:\n{proc.tail()}"
 
 
 # --------------------------------------------------------------------------- the stack
@@ -488,23 +523,16 @@ def test_trainer_skips_and_counts_poison_manifests_and_group_records(
     kafka_bootstrap: str, unique_topic: Callable[..., str], unique_group: str, tmp_path: Path
 ) -> None:
     topics = Topics(groups=unique_topic(1), batches=unique_topic(1), weights=unique_topic(1))
-    bad_batches = poison("batch")
-    inject(kafka_bootstrap, topics.batches, [v for _, v in bad_batches.values()])
-    INJECTED["train.batches"] += len(bad_batches)
+    bad_batches = inject_poison(kafka_bootstrap, topics.batches, "batch", "train.batches")
     # rollout.groups is read by reference: one good group, one garbage record a manifest points at.
-    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap)
-    producer = Producer(kafka, client_suffix="fault-test")
-    try:
-        good = producer.send(topics.groups, _group("g-good"))
-        inject(kafka_bootstrap, topics.groups, [b"\xc1 garbage group"], key=b"g-bad")
-        INJECTED["rollout.groups"] += 1
-        bad_ref = GroupRef(group_id="g-bad", partition=0, offset=good.offset + 1)
-        producer.send(topics.batches, _manifest(0, [GroupRef(group_id="g-good", partition=0, offset=good.offset),
-                                                    bad_ref]))
-    finally:
-        producer.close()
-    port = free_port()
-    proc = start_service(
+    good = send(kafka_bootstrap, topics.groups, _group("g-good"))
+    inject(kafka_bootstrap, topics.groups, [b"\xc1 garbage group"], key=b"g-bad")
+    INJECTED["rollout.groups"] += 1
+    bad_ref = GroupRef(group_id="g-bad", partition=0, offset=good.offset + 1)
+    send(kafka_bootstrap, topics.batches, _manifest(0, [GroupRef(group_id="g-good", partition=0, offset=good.offset),
+                                                        bad_ref]))
+    with service(
+        "trainer",
         "services.trainer",
         {
             "REIN_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
@@ -515,17 +543,13 @@ def test_trainer_skips_and_counts_poison_manifests_and_group_records(
             "REIN_WEIGHTS_DIR": str(tmp_path / "weights"),
             "REIN_RUN_DIR": str(tmp_path / "run"),
             "REIN_CONSUMER_GROUP": unique_group,
-            "REIN_METRICS_PORT": str(port),
             "REIN_TORCH_THREADS": "1",
             "REIN_FETCH_TIMEOUT_S": "20",
             "REIN_LOG_LEVEL": "warning",
         },
-        f"http://127.0.0.1:{port}/health",
-        timeout_s=60,
-        log_dir=tmp_path / "logs",
-    )
-    try:
-        metrics_url = f"http://127.0.0.1:{port}/metrics"
+        tmp_path / "logs",
+    ) as (proc, url):
+        metrics_url = f"{url}/metrics"
         lines_path = tmp_path / "run" / "metrics.jsonl"
         wait_until(lambda: lines_path.exists() and lines_path.read_text().strip(), 60, "step 1 (manifest 0)", proc)
         want = expected_reasons(bad_batches)
@@ -534,18 +558,11 @@ def test_trainer_skips_and_counts_poison_manifests_and_group_records(
         assert (line["manifest_index"], line["bad_group_refs"]) == (0, 1), line
         assert scrape(metrics_url)[("rein_trainer_bad_group_refs_total", ())] == 1
         # A manifest whose every reference is unusable must not kill the trainer either.
-        producer = Producer(kafka, client_suffix="fault-test")
-        try:
-            producer.send(topics.batches, _manifest(1, [bad_ref]))
-        finally:
-            producer.close()
+        send(kafka_bootstrap, topics.batches, _manifest(1, [bad_ref]))
         wait_until(lambda: scrape(metrics_url)[("rein_trainer_bad_group_refs_total", ())] == 2, 30,
                    "manifest 1 (only unusable refs) handled", proc)
         assert proc.alive(), proc.tail()
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
-    finally:
-        code = proc.stop()
-    assert code == 0, f"trainer exited {code} on SIGTERM; log:\n{proc.tail()}"
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     print(f"\ntrainer: injected {len(bad_batches)} on train.batches + 1 on rollout.groups; skipped and counted")
 
 
@@ -553,19 +570,13 @@ def test_broadcaster_skips_and_counts_poison_weight_records(
     stack: Stack, unique_topic: Callable[..., str], unique_group: str, redis_db_url: str, tmp_path: Path
 ) -> None:
     weights_topic = unique_topic(1)
-    bad = poison("weight_published")
-    inject(stack.bootstrap, weights_topic, [v for _, v in bad.values()])
-    INJECTED["weights"] += len(bad)
+    bad = inject_poison(stack.bootstrap, weights_topic, "weight_published", "weights")
     path, digest = stack.checkpoint("v-after-poison", seed=11)
     event = WeightPublished(version="v-after-poison", seq=1, path=str(path), digest=digest, step=1)
+    send(stack.bootstrap, weights_topic, event)
     kafka = KafkaSettings(bootstrap_servers=stack.bootstrap)
-    producer = Producer(kafka, client_suffix="fault-test")
-    try:
-        producer.send(weights_topic, event)
-    finally:
-        producer.close()
-    port = free_port()
-    proc = start_service(
+    with service(
+        "broadcaster",
         "services.weight_broadcaster",
         {
             "REIN_KAFKA__BOOTSTRAP_SERVERS": stack.bootstrap,
@@ -577,15 +588,11 @@ def test_broadcaster_skips_and_counts_poison_weight_records(
             "REIN_ENGINE_URLS": json.dumps([stack.engine]),
             "REIN_ADMIN_TOKEN": ADMIN,
             "REIN_CONSUMER_GROUP": unique_group,
-            "REIN_METRICS_PORT": str(port),
             "REIN_LOG_LEVEL": "warning",
         },
-        f"http://127.0.0.1:{port}/health",
-        timeout_s=60,
-        log_dir=tmp_path / "logs",
-    )
-    try:
-        metrics_url = f"http://127.0.0.1:{port}/metrics"
+        tmp_path / "logs",
+    ) as (proc, url):
+        metrics_url = f"{url}/metrics"
         wait_until(lambda: httpx.get(f"{stack.engine}/get_model_info", timeout=10).json()["digest"] == digest, 60,
                    "the valid version after the poison to reach the engine", proc)
         reader = Consumer(kafka, [weights_topic], f"{unique_group}-reader", client_suffix="fault-reader")
@@ -598,29 +605,20 @@ def test_broadcaster_skips_and_counts_poison_weight_records(
         wait_until(lambda: decode_errors(metrics_url, weights_topic) == want, 30, f"decode errors {want}", proc)
         assert proc.alive(), proc.tail()
         assert httpx.get(f"{stack.proxy}/health", timeout=10).json()["paused"] is False
-    finally:
-        code = proc.stop()
-    assert code == 0, f"broadcaster exited {code} on SIGTERM; log:\n{proc.tail()}"
 
 
 def test_rollout_runner_skips_and_counts_poison_retry_records(
     stack: Stack, unique_topic: Callable[..., str], unique_group: str, redis_db_url: str, tmp_path: Path
 ) -> None:
     retries = unique_topic()
-    bad = poison("retry")
-    inject(stack.bootstrap, retries, [v for _, v in bad.values()])
-    INJECTED["rollout.retries"] += len(bad)
+    bad = inject_poison(stack.bootstrap, retries, "retry", "rollout.retries")
     payload = {"task": "guess_number", "secret": 3, "low": 0, "high": 15, "max_turns": 2}
     retry = RetryRequest(prompt_id=f"gn-fault-{uuid.uuid4().hex[:6]}", attempt=1, previous_group_id="g-old",
                          prompt=payload)
+    send(stack.bootstrap, retries, retry)
     kafka = KafkaSettings(bootstrap_servers=stack.bootstrap)
-    producer = Producer(kafka, client_suffix="fault-test")
-    try:
-        producer.send(retries, retry)
-    finally:
-        producer.close()
-    port = free_port()
-    proc = start_service(
+    with service(
+        "rollout runner",
         "services.rollout",
         {
             "REIN_PROXY_URL": stack.proxy,
@@ -633,19 +631,17 @@ def test_rollout_runner_skips_and_counts_poison_retry_records(
             "REIN_TOPICS__WEIGHTS": unique_topic(),
             "REIN_RETRY_CONSUMER_GROUP": unique_group,
             "REIN_REDIS__URL": redis_db_url,
-            "REIN_METRICS_PORT": str(port),
             "REIN_GROUP_SIZE": "1",
             "REIN_MAX_CONCURRENT_GROUPS": "1",
             "REIN_REQUEST_TIMEOUT_S": "30",
             "REIN_STARTUP_TIMEOUT_S": "60",
             "REIN_LOG_LEVEL": "warning",
         },
-        f"http://127.0.0.1:{port}/health",
-        timeout_s=90,
-        log_dir=tmp_path / "logs",
-    )
-    try:
-        metrics_url = f"http://127.0.0.1:{port}/metrics"
+        tmp_path / "logs",
+        start_timeout_s=90,
+        stop_timeout_s=60,
+    ) as (proc, url):
+        metrics_url = f"{url}/metrics"
         want = expected_reasons(bad)
         wait_until(lambda: decode_errors(metrics_url, retries) == want, 60, f"decode errors {want}", proc)
         wait_until(lambda: scrape(metrics_url).get(("rein_rollout_groups_dispatched_total", (("kind", "retry"),)))
@@ -657,9 +653,6 @@ def test_rollout_runner_skips_and_counts_poison_retry_records(
         finally:
             reader.close()
         assert proc.alive(), proc.tail()
-    finally:
-        code = proc.stop(timeout_s=60)
-    assert code == 0, f"rollout runner exited {code} on SIGTERM; log:\n{proc.tail()}"
     print(f"\npoison records injected per topic so far: {dict(INJECTED)}")
 
 

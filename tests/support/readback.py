@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from ops.local.stack import LocalStack, StackConfig
-from ops.report import rows_so_far
+from ops.report import optimizer_steps, rows_so_far
 from ops.status_parts import kafka_part
 from services.collector.settings import CollectorSettings
 from shared.bus import read_topic
@@ -36,10 +39,31 @@ def small_stack(run_dir: Path, **overrides: Any) -> StackConfig:
     groups and batches so that a step comes every few seconds; groups without signal are kept."""
     values: dict[str, Any] = {
         "steps": 0, "collectors": 2, "group_size": 4, "batch_groups": 4, "max_concurrent_groups": 8,
-        "engine_step_delay_s": 0.01,
-        "extra_env": {f"collector-{i}": {"REIN_NO_SIGNAL_GROUPS": "keep"} for i in range(2)},
+        "engine_step_delay_s": 0.01, "no_signal_groups": "keep",
     }
     return StackConfig(run_dir=run_dir, **(values | overrides))
+
+
+def engine_info(local: LocalStack, name: str = "engine") -> dict[str, Any]:
+    """An engine's ``/get_model_info``: the version it serves and its digest."""
+    info: dict[str, Any] = httpx.get(f"{local.urls[name]}/get_model_info", timeout=5).json()
+    return info
+
+
+def wait_bounded_run(local: LocalStack, steps: int, step_timeout_s: float, exit_timeout_s: float,
+                     serve_timeout_s: float) -> dict[str, Any]:
+    """A run with ``steps`` set: wait for that many optimizer steps (a batch without gradient is consumed
+    without one), the trainer's exit after them and the engine serving ``v{steps}``; the engine's model info."""
+    trainer = next(s for s in local.stack.services if s.name == "trainer")
+
+    def wait(what: str, cond: Callable[[], bool], timeout_s: float) -> None:
+        wait_on_stack(what, cond, timeout_s, local, allow_dead=("trainer",))  # the trainer exits at max_steps
+
+    wait(f"trainer step {steps}", lambda: len(optimizer_steps(rows_so_far(local.trainer_metrics))) >= steps,
+         step_timeout_s)
+    wait("trainer exit after max_steps", lambda: not trainer.alive(), exit_timeout_s)
+    wait(f"engine serving v{steps}", lambda: engine_info(local).get("weight_version") == f"v{steps}", serve_timeout_s)
+    return engine_info(local)
 
 
 def trained_steps(local: LocalStack) -> int:

@@ -7,6 +7,9 @@ Qwen-style one.
   model's history rule: an assistant's thinking (``reasoning_content``, or the content's ``<think>…</think>``)
   is rendered only for the turns after the last user message; earlier turns lose it. So the template
   rewrites history whenever a new user message arrives.
+
+:data:`QWEN_CALLS_AND_RESULTS` is the end every Qwen-style template here shares (an assistant's calls, the tool
+turn, the generation prompt); :func:`with_template` builds a tokenizer from markers and a template.
 """
 
 from __future__ import annotations
@@ -19,6 +22,24 @@ from shared.model.hf_chat import HFChatTokenizer
 
 QWEN_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 """Added to the tokenizer as tokens that are not *special*, as Qwen-family tokenizers add them."""
+
+QWEN_CALLS_AND_RESULTS = """{% endif %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == 'tool' -%}
+<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}
+"""
+"""The end of a Qwen-style template, after the line that opens an assistant's calls
+(``{%- for call in message.tool_calls or [] %}{% if … or not loop.first %}``, closed by its first
+``{% endif %}``): each call as ``<tool_call>\\n{json}\\n</tool_call>``, a tool's result inside
+``<tool_response>`` in a user turn, and the generation prompt."""
 
 QWEN3_TEMPLATE = """
 {%- set ns = namespace(last_query=-1) -%}
@@ -59,24 +80,17 @@ QWEN3_TEMPLATE = """
 {% endif -%}
 {{ content.lstrip('\\n') }}
 {%- for call in message.tool_calls or [] %}{% if content.strip() or not loop.first %}
-{% endif %}<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% elif message.role == 'tool' -%}
-<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif -%}
-"""
+""" + QWEN_CALLS_AND_RESULTS
+
+
+def with_template(smollm2_dir: Path, added: list[str], template: str) -> HFChatTokenizer:
+    """SmolLM2's tokenizer with ``added`` as tokens that are not special and ``template`` as its chat template."""
+    inner = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+    assert inner.add_tokens(added, special_tokens=False) == len(added)
+    inner.chat_template = template
+    return HFChatTokenizer(inner)
 
 
 def qwen3_style(smollm2_dir: Path) -> HFChatTokenizer:
     """SmolLM2's tokenizer with Qwen's added tokens and :data:`QWEN3_TEMPLATE`."""
-    inner = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
-    assert inner.add_tokens(QWEN_ADDED, special_tokens=False) == len(QWEN_ADDED)
-    inner.chat_template = QWEN3_TEMPLATE
-    return HFChatTokenizer(inner)
+    return with_template(smollm2_dir, QWEN_ADDED, QWEN3_TEMPLATE)

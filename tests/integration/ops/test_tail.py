@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import pytest
 from kafka import KafkaProducer
 
 from ops.cli import main
-from shared.bus import Producer
+from shared.bus import Delivered, Producer
 from shared.codec import encode
 from shared.schemas import Chunk, GroupDispatched, Record, SessionFinished
 from shared.settings import KafkaSettings
@@ -75,33 +75,43 @@ def raw_producer(kafka_bootstrap: str) -> Iterator[KafkaProducer]:
         p.close(timeout=10)
 
 
-def _tail(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[dict[str, Any]], str]:
+Tailed = tuple[int, list[dict[str, Any]], str]
+"""``rein tail``'s exit code, its output as JSON lines, and its stderr."""
+
+
+def _tail(capsys: pytest.CaptureFixture[str], *args: str) -> Tailed:
     code = main(["tail", *args])
     captured = capsys.readouterr()
     lines = [json.loads(line) for line in captured.out.splitlines() if line.strip()]
     return code, lines, captured.err
 
 
+@pytest.fixture
+def tail(kafka_bootstrap: str, capsys: pytest.CaptureFixture[str]) -> Callable[..., Tailed]:
+    """``rein tail ARGS --bootstrap <the test broker>``, in this process."""
+    return lambda *args: _tail(capsys, *args, "--bootstrap", kafka_bootstrap)
+
+
 def _positions(lines: list[dict[str, Any]]) -> set[tuple[int, int]]:
     return {(line["partition"], line["offset"]) for line in lines}
 
 
+def _delivered(deliveries: Iterable[Delivered]) -> set[tuple[int, int]]:
+    return {(d.partition, d.offset) for d in deliveries}
+
+
 def test_from_beginning_decodes_every_record_and_reports_malformed(
-    kafka_bootstrap: str,
-    unique_topic: Callable[..., str],
-    producer: Producer,
-    raw_producer: KafkaProducer,
-    capsys: pytest.CaptureFixture[str],
+    tail: Callable[..., Tailed], unique_topic: Callable[..., str], producer: Producer, raw_producer: KafkaProducer
 ) -> None:
     topic = unique_topic(2)
     sent = producer.send_many((topic, r) for r in _group_records())
     bad = raw_producer.send(topic, key=b"grp-bad", value=b"\xc1 not msgpack", partition=1).get(timeout=30)
     after = producer.send(topic, _chunk("sess-c", 0, group="grp-2"))  # read continues past the bad record
 
-    code, lines, err = _tail(capsys, topic, "--from-beginning", "--bootstrap", kafka_bootstrap)
+    code, lines, err = tail(topic, "--from-beginning")
 
     assert code == 0
-    expected = {(d.partition, d.offset) for d in [*sent, after]} | {(bad.partition, bad.offset)}
+    expected = _delivered([*sent, after]) | {(bad.partition, bad.offset)}
     assert _positions(lines) == expected
     errors = [line for line in lines if "error" in line]
     assert len(errors) == 1
@@ -118,10 +128,7 @@ def test_from_beginning_decodes_every_record_and_reports_malformed(
 
 
 def test_since_skips_older_records(
-    kafka_bootstrap: str,
-    unique_topic: Callable[..., str],
-    raw_producer: KafkaProducer,
-    capsys: pytest.CaptureFixture[str],
+    tail: Callable[..., Tailed], unique_topic: Callable[..., str], raw_producer: KafkaProducer
 ) -> None:
     topic = unique_topic(2)
     now_ms = int(time.time() * 1000)
@@ -130,54 +137,50 @@ def test_since_skips_older_records(
         raw_producer.send(topic, key=record.key().encode(), value=encode(record), timestamp_ms=ts)
     raw_producer.flush(timeout=30)
 
-    code, lines, _ = _tail(capsys, topic, "--since", "10m", "--bootstrap", kafka_bootstrap)
+    code, lines, _ = tail(topic, "--since", "10m")
     assert code == 0
     assert sorted(line["record"]["seq"] for line in lines) == [2, 3]
 
-    code, lines, _ = _tail(capsys, topic, "--since", "45m", "--bootstrap", kafka_bootstrap)
+    code, lines, _ = tail(topic, "--since", "45m")
     assert code == 0
     assert sorted(line["record"]["seq"] for line in lines) == [1, 2, 3]
 
 
 def test_offset_reads_one_partition_from_an_offset(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], producer: Producer, capsys: pytest.CaptureFixture[str]
+    tail: Callable[..., Tailed], unique_topic: Callable[..., str], producer: Producer
 ) -> None:
     topic = unique_topic(2)
     delivered = producer.send_many((topic, _chunk("sess-a", seq)) for seq in range(5))
     partition = delivered[0].partition  # one key: every record on one partition
     assert [d.offset for d in delivered] == [0, 1, 2, 3, 4]
 
-    code, lines, _ = _tail(capsys, topic, "--offset", f"{partition}:3", "--bootstrap", kafka_bootstrap)
+    code, lines, _ = tail(topic, "--offset", f"{partition}:3")
     assert code == 0
     assert [(line["partition"], line["offset"], line["record"]["seq"]) for line in lines] == [
         (partition, 3, 3),
         (partition, 4, 4),
     ]
 
-    code, lines, _ = _tail(capsys, topic, "--offset", f"{partition}:1", "--max", "2", "--bootstrap", kafka_bootstrap)
+    code, lines, _ = tail(topic, "--offset", f"{partition}:1", "--max", "2")
     assert code == 0
     assert [line["offset"] for line in lines] == [1, 2]
 
-    code, lines, err = _tail(capsys, topic, "--offset", f"{partition}:99", "--bootstrap", kafka_bootstrap)
+    code, lines, err = tail(topic, "--offset", f"{partition}:99")
     assert code == 1 and lines == []
     assert "outside" in err
 
-    code, _, err = _tail(capsys, topic, "--offset", "7:0", "--bootstrap", kafka_bootstrap)
+    code, _, err = tail(topic, "--offset", "7:0")
     assert code == 1 and "not 7" in err
 
 
 def test_session_filter(
-    kafka_bootstrap: str,
-    unique_topic: Callable[..., str],
-    producer: Producer,
-    raw_producer: KafkaProducer,
-    capsys: pytest.CaptureFixture[str],
+    tail: Callable[..., Tailed], unique_topic: Callable[..., str], producer: Producer, raw_producer: KafkaProducer
 ) -> None:
     topic = unique_topic(2)
     producer.send_many((topic, r) for r in _group_records())
     raw_producer.send(topic, key=b"x", value=None).get(timeout=30)  # a tombstone: shown as an error line
 
-    code, lines, err = _tail(capsys, topic, "--from-beginning", "--session", "sess-b", "--bootstrap", kafka_bootstrap)
+    code, lines, err = tail(topic, "--from-beginning", "--session", "sess-b")
 
     assert code == 0
     records = [line["record"] for line in lines if "record" in line]
@@ -188,27 +191,23 @@ def test_session_filter(
 
 
 def test_group_commits_so_a_second_run_resumes(
-    kafka_bootstrap: str,
-    unique_topic: Callable[..., str],
-    unique_group: str,
-    producer: Producer,
-    capsys: pytest.CaptureFixture[str],
+    tail: Callable[..., Tailed], unique_topic: Callable[..., str], unique_group: str, producer: Producer
 ) -> None:
     topic = unique_topic(2)
     first = producer.send_many((topic, _chunk(s, seq)) for s in SESSIONS for seq in range(2))
-    args = ("--group-id", unique_group, "--bootstrap", kafka_bootstrap, "--timeout", "60")
+    args = ("--group-id", unique_group, "--timeout", "60")
 
-    code, lines, _ = _tail(capsys, topic, *args)
+    code, lines, _ = tail(topic, *args)
     assert code == 0
-    assert _positions(lines) == {(d.partition, d.offset) for d in first}
+    assert _positions(lines) == _delivered(first)
 
-    code, lines, _ = _tail(capsys, topic, *args)
+    code, lines, _ = tail(topic, *args)
     assert code == 0 and lines == []
 
     second = producer.send(topic, _chunk("sess-z", 9, group="grp-9"))
-    code, lines, _ = _tail(capsys, topic, *args)
+    code, lines, _ = tail(topic, *args)
     assert code == 0
-    assert _positions(lines) == {(second.partition, second.offset)}
+    assert _positions(lines) == _delivered([second])
 
 
 def test_follow_prints_records_produced_while_running(
@@ -255,8 +254,8 @@ def test_follow_prints_records_produced_while_running(
             reader.join(timeout=10)
 
 
-def test_unknown_topic_is_an_error(kafka_bootstrap: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code, lines, err = _tail(capsys, "no.such.topic.for.tail", "--bootstrap", kafka_bootstrap)
+def test_unknown_topic_is_an_error(tail: Callable[..., Tailed]) -> None:
+    code, lines, err = tail("no.such.topic.for.tail")
     assert code == 1 and lines == []
     assert "does not exist" in err
 
@@ -274,7 +273,7 @@ def test_run_dir_gives_the_broker(
     (tmp_path / "stack.json").write_text(json.dumps({"infra": {"kafka_bootstrap": kafka_bootstrap}}))
     code, lines, _ = _tail(capsys, topic, "--from-beginning", "--run-dir", str(tmp_path))
     assert code == 0
-    assert _positions(lines) == {(d.partition, d.offset) for d in sent}
+    assert _positions(lines) == _delivered(sent)
 
 
 def test_unreadable_run_dir_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -80,6 +80,17 @@ def follow(messages: list[dict[str, str]], resp: Any, user: str = "higher") -> l
     ]
 
 
+def session_on(
+    engine: Engine, proxy_factory: ProxyFactory, version: str, headers: dict[str, str] | None = None, **settings: Any
+) -> tuple[Proxy, str, openai.OpenAI]:
+    """The engine serving ``version``, a proxy in front of it (``settings``: the factory's keywords) and the
+    runner's client of one fresh session in group ``g`` (with ``headers``): (proxy, session id, client)."""
+    engine.load(version)
+    proxy = proxy_factory([engine.url], **settings)
+    sid = f"s-{uuid.uuid4().hex}"
+    return proxy, sid, proxy.client(sid, "g", **(headers or {}))
+
+
 def chunks_of(proxy: Proxy, n: int) -> list[Chunk]:
     return [r for r in proxy.records("chunks", n) if isinstance(r, Chunk)]
 
@@ -103,10 +114,7 @@ def preempt(proxy: Proxy, engine: Engine, new_label: str) -> dict[str, Any]:
 
 def test_pause_update_resume_stitches_one_response(engine: Engine, proxy_factory: ProxyFactory) -> None:
     a, b = labels(2)
-    engine.load(a)
-    proxy = proxy_factory([engine.url])
-    sid = f"s-{uuid.uuid4().hex}"
-    client = proxy.client(sid, "g")
+    proxy, _, client = session_on(engine, proxy_factory, a)
     join = in_background(lambda: ask(client, USER, max_tokens=IN_FLIGHT_TOKENS))
     paused = preempt(proxy, engine, b)
     assert proxy.state()["paused"] is True
@@ -127,10 +135,7 @@ def test_pause_update_resume_stitches_one_response(engine: Engine, proxy_factory
 
 def test_max_preempts_1_rejects_third_version_before_generating(engine: Engine, proxy_factory: ProxyFactory) -> None:
     a, b, c = labels(3)
-    engine.load(a)
-    proxy = proxy_factory([engine.url], max_preempts=1)
-    sid = f"s-{uuid.uuid4().hex}"
-    client = proxy.client(sid, "g")
+    proxy, sid, client = session_on(engine, proxy_factory, a, max_preempts=1)
     m1 = USER
     r1 = ask(client, m1)
     engine.load(b)  # between turns: counts like a preempt
@@ -163,10 +168,7 @@ def test_max_preempts_1_rejects_third_version_before_generating(engine: Engine, 
 
 def test_max_preempts_0_rejects_first_switch_after_the_chunk(engine: Engine, proxy_factory: ProxyFactory) -> None:
     a, b = labels(2)
-    engine.load(a)
-    proxy = proxy_factory([engine.url], max_preempts=0)
-    sid = f"s-{uuid.uuid4().hex}"
-    client = proxy.client(sid, "g")
+    proxy, sid, client = session_on(engine, proxy_factory, a, max_preempts=0)
     r1 = ask(client, USER)
     engine.load(b)  # the proxy does not know yet: it finds out from the next chunk
     with pytest.raises(openai.APIStatusError) as info:
@@ -182,10 +184,7 @@ def test_max_preempts_0_rejects_first_switch_after_the_chunk(engine: Engine, pro
 
 def test_pre_check_rejects_when_cap_already_exhausted(engine: Engine, proxy_factory: ProxyFactory) -> None:
     a, b = labels(2)
-    engine.load(a)
-    proxy = proxy_factory([engine.url], max_preempts=0)
-    sid = f"s-{uuid.uuid4().hex}"
-    client = proxy.client(sid, "g")
+    proxy, _, client = session_on(engine, proxy_factory, a, max_preempts=0)
     r1 = ask(client, USER)
     engine.load(b)
     assert proxy.resume(b)["status"] == "already_running"  # the broadcaster tells the proxy the new label
@@ -200,9 +199,7 @@ def test_pre_check_rejects_when_cap_already_exhausted(engine: Engine, proxy_fact
 
 def test_unlimited_never_rejects(engine: Engine, proxy_factory: ProxyFactory) -> None:
     a, b, c = labels(3)
-    engine.load(a)
-    proxy = proxy_factory([engine.url])
-    client = proxy.client(f"s-{uuid.uuid4().hex}", "g")
+    proxy, _, client = session_on(engine, proxy_factory, a)
     r1 = ask(client, USER)
     engine.load(b)
     m2 = follow(USER, r1)
@@ -217,9 +214,7 @@ def test_unlimited_never_rejects(engine: Engine, proxy_factory: ProxyFactory) ->
 
 def test_unknown_versions_never_count(engine: Engine, proxy_factory: ProxyFactory) -> None:
     (a,) = labels(1)
-    engine.load(a)
-    proxy = proxy_factory([engine.url], max_preempts=0)
-    client = proxy.client(f"s-{uuid.uuid4().hex}", "g")
+    proxy, _, client = session_on(engine, proxy_factory, a, max_preempts=0)
     r1 = ask(client, USER)
     engine.load("unknown")
     m2 = follow(USER, r1)
@@ -235,9 +230,7 @@ def test_unknown_versions_never_count(engine: Engine, proxy_factory: ProxyFactor
 
 def test_partial_rollout_off_version_change(engine: Engine, proxy_factory: ProxyFactory) -> None:
     a, b = labels(2)
-    engine.load(a)
-    proxy = proxy_factory([engine.url], partial_rollout=False)
-    client = proxy.client(f"s-{uuid.uuid4().hex}", "g")
+    proxy, _, client = session_on(engine, proxy_factory, a, partial_rollout=False)
     r1 = ask(client, USER)
     engine.load(b)
     with pytest.raises(openai.APIStatusError) as info:
@@ -250,9 +243,7 @@ def test_partial_rollout_off_version_change(engine: Engine, proxy_factory: Proxy
 
 def test_partial_rollout_off_preempt(engine: Engine, proxy_factory: ProxyFactory) -> None:
     (a,) = labels(1)
-    engine.load(a)
-    proxy = proxy_factory([engine.url], partial_rollout=False)
-    client = proxy.client(f"s-{uuid.uuid4().hex}", "g")
+    proxy, _, client = session_on(engine, proxy_factory, a, partial_rollout=False)
     join = in_background(lambda: ask(client, USER, max_tokens=IN_FLIGHT_TOKENS))
     wait_until(generating(proxy, engine, 2), what="a generation in flight")
     assert proxy.pause()["quiesced"] is True
@@ -270,10 +261,7 @@ def test_partial_rollout_off_preempt(engine: Engine, proxy_factory: ProxyFactory
 @pytest.mark.parametrize("stream", [False, True])
 def test_soft_reject_gives_empty_assistant_message(engine: Engine, proxy_factory: ProxyFactory, stream: bool) -> None:
     a, b = labels(2)
-    engine.load(a)
-    proxy = proxy_factory([engine.url], max_preempts=0)
-    sid = f"s-{uuid.uuid4().hex}"
-    client = proxy.client(sid, "g", **{"X-Rein-Soft-Reject": "1"})
+    proxy, sid, client = session_on(engine, proxy_factory, a, max_preempts=0, headers={"X-Rein-Soft-Reject": "1"})
     r1 = ask(client, USER)
     engine.load(b)
     m2 = follow(USER, r1)

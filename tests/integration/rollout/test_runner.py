@@ -15,6 +15,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,27 @@ def _start_runner(stack: Stack, env: dict[str, str]) -> tuple[subprocess.Popen[b
     return proc, log_path
 
 
+@contextmanager
+def _running(stack: Stack, env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A runner process and its log, killed on the way out if it is still running."""
+    proc, log_path = _start_runner(stack, env)
+    try:
+        yield proc, log_path
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _health(port: int) -> dict[str, Any] | None:
+    """The runner's ``/health`` body; None while it does not answer."""
+    try:
+        body: dict[str, Any] = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+    except httpx.HTTPError:
+        return None
+    return body
+
+
 def _wait_exit(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = RUN_TIMEOUT_S) -> None:
     try:
         code = proc.wait(timeout_s)
@@ -147,11 +169,11 @@ def _read_all(bootstrap: str, topic: str, timeout_s: float = 30) -> list[Any]:
         consumer.close()
 
 
-def _produce(bootstrap: str, topic: str, record: Record) -> tuple[int, int]:
-    """Publish one record (acks=all); its (partition, offset)."""
+def _produce(bootstrap: str, topic: str, record: Record, partition: int | None = None) -> tuple[int, int]:
+    """Publish one record (acks=all; to ``partition``, else by its key); its (partition, offset)."""
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
     try:
-        meta = producer.send(topic, key=record.key().encode(), value=encode(record)).get(timeout=30)
+        meta = producer.send(topic, key=record.key().encode(), value=encode(record), partition=partition).get(30)
     finally:
         producer.close(timeout=10)
     return meta.partition, meta.offset
@@ -288,17 +310,13 @@ def test_sync_mode_waits_for_a_new_weight_version(
         REIN_GROUPS_PER_STEP="1",
         REIN_METRICS_PORT=str(port),
     )
-    proc, log_path = _start_runner(stack, env)
-    try:
+    with _running(stack, env) as (proc, log_path):
 
-        def health() -> dict[str, Any] | None:
-            try:
-                body: dict[str, Any] = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
-            except httpx.HTTPError:
-                return None
-            return body if body.get("waiting_for_weights") else None
+        def waiting() -> dict[str, Any] | None:
+            body = _health(port)
+            return body if body and body.get("waiting_for_weights") else None
 
-        state = _wait_for(health, 60, "the runner to wait for weights after its first wave")
+        state = _wait_for(waiting, 60, "the runner to wait for weights after its first wave")
         assert (state["dispatched"], state["in_flight"]) == (1, 0)
         assert len([g for g in _dispatched(stack) if g.group_id not in before]) == 1
         opens: Record = (
@@ -307,10 +325,6 @@ def test_sync_mode_waits_for_a_new_weight_version(
         )
         _produce(stack.bootstrap, weights, opens)
         _wait_exit(proc, log_path)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
     new = [g for g in _dispatched(stack) if g.group_id not in before]
     assert len(new) == 2
     _check_groups(stack, new)
@@ -329,38 +343,32 @@ def test_async_pacing_starts_prompts_only_while_the_window_can_train_them(
                                              "max_free_retries": "10"})
     env = _runner_env(stack, unique_group, retries, weights, REIN_MAX_GROUPS="7", REIN_SEED="13",
                       REIN_METRICS_PORT=str(port))
-    proc, log_path = _start_runner(stack, env)
 
     def settled(dispatched: int) -> Callable[[], dict[str, Any] | None]:
         def check() -> dict[str, Any] | None:
-            try:
-                body: dict[str, Any] = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
-            except httpx.HTTPError:
-                return None
-            return body if body["dispatched"] == dispatched and body["in_flight"] == 0 else None
+            body = _health(port)
+            return body if body and body["dispatched"] == dispatched and body["in_flight"] == 0 else None
         return check
 
     def new() -> list[GroupDispatched]:
         return [g for g in _dispatched(stack) if g.group_id not in before]
 
     try:
-        state = _wait_for(settled(2), 60, "the first two groups to end")
-        assert state["pacing"] == {"live": 2, "capacity": 2, "consumed_index": -1}
-        _wait_for(lambda: _pacing_held(port), 10, "the pacing gauge to say held")
-        assert len(new()) == 2  # held: nothing more starts while the trainer has consumed nothing
-        _produce(stack.bootstrap, weights, WeightApplied(version="v-1", seq=1, digest="d", last_index=0))
-        _wait_for(settled(4), 60, "two more groups after batch 0 was consumed")
-        _produce(stack.bootstrap, weights, BatchSkipped(index=1, batch_id="b-1", reason="no_signal", version="v-1"))
-        _wait_for(settled(6), 60, "two more groups after batch 1 was skipped")
-        client.hset(keys.window, "drops_total", "1")  # the window dropped one prompt for good
-        # The seventh group is the last (REIN_MAX_GROUPS): the runner exits after it, so its health
-        # may be gone before a poll sees it settled; the exit is what to await (then 7 groups below).
-        _wait_exit(proc, log_path, timeout_s=60)
+        with _running(stack, env) as (proc, log_path):
+            state = _wait_for(settled(2), 60, "the first two groups to end")
+            assert state["pacing"] == {"live": 2, "capacity": 2, "consumed_index": -1}
+            _wait_for(lambda: _pacing_held(port), 10, "the pacing gauge to say held")
+            assert len(new()) == 2  # held: nothing more starts while the trainer has consumed nothing
+            _produce(stack.bootstrap, weights, WeightApplied(version="v-1", seq=1, digest="d", last_index=0))
+            _wait_for(settled(4), 60, "two more groups after batch 0 was consumed")
+            _produce(stack.bootstrap, weights, BatchSkipped(index=1, batch_id="b-1", reason="no_signal", version="v-1"))
+            _wait_for(settled(6), 60, "two more groups after batch 1 was skipped")
+            client.hset(keys.window, "drops_total", "1")  # the window dropped one prompt for good
+            # The seventh group is the last (REIN_MAX_GROUPS): the runner exits after it, so its health
+            # may be gone before a poll sees it settled; the exit is what to await (then 7 groups below).
+            _wait_exit(proc, log_path, timeout_s=60)
     finally:
         client.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
     groups = new()
     assert len(groups) == 7 and all(g.attempt == 0 for g in groups)
     _check_groups(stack, groups)
@@ -388,38 +396,16 @@ def test_sigterm_drains_in_flight_groups_and_exits_zero(
         REIN_MAX_CONCURRENT_GROUPS="2",
         REIN_METRICS_PORT=str(port),
     )
-    proc, log_path = _start_runner(stack, env)
-    try:
-
-        def dispatched() -> int:
-            try:
-                body = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
-            except httpx.HTTPError:
-                return 0
-            return int(body.get("dispatched", 0)) >= 3
-
-        _wait_for(dispatched, 60, "the unbounded runner to dispatch a few groups")
+    with _running(stack, env) as (proc, log_path):
+        _wait_for(lambda: int((_health(port) or {}).get("dispatched", 0)) >= 3, 60,
+                  "the unbounded runner to dispatch a few groups")
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         assert "rein_rollout_groups_in_flight" in metrics and "rein_rollout_episodes_total" in metrics
         proc.terminate()
         _wait_exit(proc, log_path, timeout_s=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
     new = [g for g in _dispatched(stack) if g.group_id not in before]
     assert len(new) >= 3
     _check_groups(stack, new)  # every dispatched group ran to its end before the exit
-
-
-def _produce_at(bootstrap: str, topic: str, partition: int, record: Record) -> int:
-    """Publish one record to ``partition`` (acks=all); its offset."""
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
-    try:
-        meta = producer.send(topic, key=record.key().encode(), value=encode(record), partition=partition).get(30)
-    finally:
-        producer.close(timeout=10)
-    return int(meta.offset)
 
 
 N_RETRIES = 60
@@ -442,26 +428,24 @@ def test_retry_group_rebalances_lose_and_repeat_no_retry(
     wanted = []
     for i in range(N_RETRIES):
         retry = RetryRequest(prompt_id=f"rb-{tag}-{i}", attempt=1, previous_group_id="g-old", prompt=payload)
-        _produce_at(stack.bootstrap, retries, i % 4, retry)
+        _produce(stack.bootstrap, retries, retry, partition=i % 4)
         wanted.append(retry.prompt_id)
     port = free_port()
     env = _runner_env(stack, unique_group, retries, unique_topic(), REIN_SEED="9",
                       REIN_MAX_CONCURRENT_GROUPS="1", REIN_METRICS_PORT=str(port))
-    proc, log_path = _start_runner(stack, env)
+    with _running(stack, env) as (proc, log_path):
 
-    def health() -> dict[str, Any]:
-        try:
-            body: dict[str, Any] = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
-        except httpx.HTTPError:
-            return {}
-        assert proc.poll() is None, f"runner died; log:\n{log_path.read_text()[-4000:]}"
-        return body
+        def health() -> dict[str, Any]:
+            body = _health(port)
+            if body is None:
+                return {}
+            assert proc.poll() is None, f"runner died; log:\n{log_path.read_text()[-4000:]}"
+            return body
 
-    def retries_dispatched() -> Counter[str]:
-        assert proc.poll() is None, f"runner died; log:\n{log_path.read_text()[-4000:]}"
-        return Counter(g.prompt_id for g in _dispatched(stack) if g.group_id not in before and g.attempt == 1)
+        def retries_dispatched() -> Counter[str]:
+            assert proc.poll() is None, f"runner died; log:\n{log_path.read_text()[-4000:]}"
+            return Counter(g.prompt_id for g in _dispatched(stack) if g.group_id not in before and g.attempt == 1)
 
-    try:
         _wait_for(lambda: health().get("dispatched", 0) >= 1 and health().get("pending_retries", 0) >= 4, 90,
                   "a retry dispatched while others are queued")
         with ForeignMember(stack.bootstrap, unique_group, [retries]) as member:
@@ -482,10 +466,6 @@ def test_retry_group_rebalances_lose_and_repeat_no_retry(
         _wait_for(all_committed, 30, "every retry record committed")
         proc.terminate()
         _wait_exit(proc, log_path, timeout_s=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
     dispatched = Counter(g.prompt_id for g in _dispatched(stack) if g.group_id not in before and g.attempt == 1)
     assert dispatched == Counter(dict.fromkeys(wanted, 1)), "each retry dispatched exactly once"
     log_text = log_path.read_text()

@@ -25,6 +25,19 @@ def weights(seed: int = 0, version: str = "v0", cfg: PolicyConfig = CFG) -> Weig
     return Weights(model=model, version=version, digest=digest(model.state_dict()), step=0, model_path=None)
 
 
+class Held(TinyPolicy):
+    """Says it ``entered`` each forward, then waits for ``gate``: a step held mid-way."""
+
+    def __init__(self) -> None:
+        super().__init__(CFG)
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.entered.set()
+        assert self.gate.wait(10)
+        return super().forward(ids)
+
+
 class Forced(TinyPolicy):
     """Always puts (almost) all mass on one token; records the batch sizes it sees."""
 
@@ -158,23 +171,15 @@ def test_finished_rids_are_remembered_boundedly_and_forgotten_when_reused(monkey
 
 
 def test_abort_during_step_discards_that_steps_token() -> None:
-    gate, entered = threading.Event(), threading.Event()
-
-    class Slow(TinyPolicy):
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            entered.set()
-            assert gate.wait(10)
-            return super().forward(ids)
-
-    model = Slow(CFG).eval()
+    model = Held().eval()
     b = Batcher(Weights(model, "v0", "d", 0, None), end_id=TOKENIZER.end_id)
     req = b.admit("r", PROMPT, NO_STOP)
     result: list[object] = []
     t = threading.Thread(target=lambda: result.append(b.step()))
     t.start()
-    assert entered.wait(10)
+    assert model.entered.wait(10)
     assert b.abort("r") == [req]
-    gate.set()
+    model.gate.set()
     t.join(10)
     assert not t.is_alive()
     assert (req.finish_type, req.output_ids, req.logprobs) == ("abort", [], [])
@@ -195,21 +200,14 @@ def test_weight_swap_mid_generation_stamps_new_version() -> None:
 
 
 def test_swap_during_step_applies_from_next_step() -> None:
-    gate, entered = threading.Event(), threading.Event()
-
-    class Slow(TinyPolicy):
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            entered.set()
-            assert gate.wait(10)
-            return super().forward(ids)
-
-    b = Batcher(Weights(Slow(CFG).eval(), "v0", "d", 0, None), end_id=TOKENIZER.end_id)
+    model = Held().eval()
+    b = Batcher(Weights(model, "v0", "d", 0, None), end_id=TOKENIZER.end_id)
     req = b.admit("r", PROMPT, SamplingParams(max_new_tokens=2, ignore_eos=True))
     t = threading.Thread(target=b.step)
     t.start()
-    assert entered.wait(10)
+    assert model.entered.wait(10)
     b.swap_weights(weights(1, "v1"))
-    gate.set()
+    model.gate.set()
     t.join(10)
     b.step()
     assert req.versions == ["v0", "v1"]

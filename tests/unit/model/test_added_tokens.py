@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from services.proxy.engine_client import EngineOutput
 from services.proxy.generation import ChunkOutcome, Generation
@@ -23,8 +22,9 @@ from services.proxy.session_machine import Session
 from shared.model.hf_chat import HFChatTokenizer
 from shared.model.tool_calls import ToolCallFormat
 from shared.schemas import Chunk
+from tests.support.templates import QWEN_ADDED, QWEN_CALLS_AND_RESULTS, with_template
 
-ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+ADDED = QWEN_ADDED
 TEMPLATE = """
 {%- if tools -%}
 <|im_start|>system
@@ -49,29 +49,14 @@ Call one as <tool_call>
 <|im_start|>assistant
 {% if message.content %}{{ message.content }}{% endif %}
 {%- for call in message.tool_calls or [] %}{% if message.content or not loop.first %}
-{% endif %}<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% elif message.role == 'tool' -%}
-<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif -%}
-"""
+""" + QWEN_CALLS_AND_RESULTS
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 Msg = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
 def qwen_style(smollm2_dir: Path) -> HFChatTokenizer:
-    inner = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
-    assert inner.add_tokens(ADDED, special_tokens=False) == len(ADDED)
-    inner.chat_template = TEMPLATE
-    tok = HFChatTokenizer(inner)
+    tok = with_template(smollm2_dir, ADDED, TEMPLATE)
     assert tok.template_knows_tools and tok.tool_call_format is ToolCallFormat.HERMES
     return tok
 

@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from services.proxy.engine_client import EngineOutput
 from services.proxy.generation import ChunkOutcome, Generation
@@ -20,6 +19,7 @@ from services.proxy.session_machine import Session
 from shared.model.base import UnrenderableMessages
 from shared.model.hf_chat import HFChatTokenizer
 from shared.model.tool_calls import ToolCallFormat, new_call_id
+from tests.support.templates import with_template
 
 ADDED = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[AVAILABLE_TOOLS]",
          "[/AVAILABLE_TOOLS]"]
@@ -55,10 +55,7 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type":
 
 @pytest.fixture(scope="module")
 def mistral_style(smollm2_dir: Path) -> HFChatTokenizer:
-    inner = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
-    assert inner.add_tokens(ADDED, special_tokens=False) == len(ADDED)
-    inner.chat_template = TEMPLATE
-    tok = HFChatTokenizer(inner)
+    tok = with_template(smollm2_dir, ADDED, TEMPLATE)
     assert tok.tool_call_format is ToolCallFormat.MISTRAL
     return tok
 

@@ -11,8 +11,6 @@ from typing import Any
 
 import pytest
 
-from ops.demo import parse_args
-from ops.settings_reference import rows
 from services.rollout.agent import Agent, SessionIds
 from services.rollout.proxy_http import Answer, ProxyHttp
 from services.rollout.runner import Runner
@@ -20,7 +18,8 @@ from services.rollout.settings import RolloutSettings
 from services.rollout.task import EpisodeStatus, Message, Prompt
 from services.rollout.tasks import TASKS
 from shared.lender import Lender
-from shared.settings import SettingsError, load
+from shared.settings import load
+from tests.support.registry import RegisteredChoice
 
 
 @dataclass
@@ -56,6 +55,9 @@ class EchoTask:
         return EchoEpisode()
 
 
+TASK = RegisteredChoice(RolloutSettings, "task", "--task", TASKS)
+
+
 @pytest.fixture
 def registered(monkeypatch: pytest.MonkeyPatch) -> None:
     """The echo task (docs/architecture.md's example), for one test (monkeypatch removes it after it)."""
@@ -78,24 +80,16 @@ class ScriptedProxy(ProxyHttp):
 
 
 def test_a_registered_task_is_a_setting_and_a_demo_choice(registered: None) -> None:
-    assert load(RolloutSettings, task="echo").task == "echo"
-    assert parse_args(["--task", "echo"]).task == "echo"
-    row = next(r for r in rows(RolloutSettings) if r[0] == "REIN_TASK")
-    assert row[1] == "`guess_number` \\| `arithmetic` \\| `calculator` \\| `echo`"
+    TASK.assert_chosen("echo")
+    assert TASK.reference_row() == "`guess_number` \\| `arithmetic` \\| `calculator` \\| `echo`"
 
 
 def test_an_unknown_task_names_every_registered_one(registered: None) -> None:
-    with pytest.raises(SettingsError, match="REIN_TASK") as error:
-        load(RolloutSettings, task="chess")
-    assert "one of guess_number, arithmetic, calculator, echo" in str(error.value)
-    with pytest.raises(SystemExit):
-        parse_args(["--task", "chess"])
+    TASK.assert_refused("chess", "guess_number, arithmetic, calculator, echo")
 
 
 def test_unregistered_after_the_test() -> None:
-    assert "echo" not in TASKS
-    with pytest.raises(SettingsError):
-        load(RolloutSettings, task="echo")
+    TASK.assert_unregistered("echo")
 
 
 def test_the_runner_plays_a_registered_task(registered: None) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ops.demo import parse_args
-from ops.settings_reference import rows
 from services.trainer.corrections import (
     CORRECTIONS,
     Correction,
@@ -21,7 +19,7 @@ from services.trainer.samples import BatchSamples, Sample
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import Hyper, PolicyTrainer
 from shared.policy import PolicyConfig, init_policy
-from shared.settings import SettingsError, load
+from tests.support.registry import RegisteredChoice
 
 
 def capped_mask(cfg: CorrectionConfig, t: Ratios) -> Weighting:
@@ -36,6 +34,9 @@ def drop_all(cfg: CorrectionConfig, t: Ratios) -> Weighting:
     return Weighting(torch.zeros_like(t.keep))
 
 
+CORRECTION = RegisteredChoice(TrainerSettings, "offpolicy_correction", "--correction", CORRECTIONS)
+
+
 @pytest.fixture
 def registered(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both corrections, for one test (monkeypatch removes them after it)."""
@@ -44,25 +45,19 @@ def registered(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_registered_correction_is_a_setting_and_a_demo_choice(registered: None) -> None:
-    s = load(TrainerSettings, offpolicy_correction="capped_mask")
-    assert hyper_from(s).correction == CorrectionConfig(kind="capped_mask")
-    assert parse_args(["--correction", "drop_all"]).correction == "drop_all"
-    row = next(r for r in rows(TrainerSettings) if r[0] == "REIN_OFFPOLICY_CORRECTION")
-    assert "`capped_mask`" in row[1] and "`drop_all`" in row[1]
+    s = CORRECTION.assert_chosen("capped_mask")
+    assert isinstance(s, TrainerSettings) and hyper_from(s).correction == CorrectionConfig(kind="capped_mask")
+    CORRECTION.assert_chosen("drop_all")
+    row = CORRECTION.reference_row()
+    assert "`capped_mask`" in row and "`drop_all`" in row
 
 
 def test_an_unknown_correction_names_every_registered_one(registered: None) -> None:
-    with pytest.raises(SettingsError, match="REIN_OFFPOLICY_CORRECTION") as error:
-        load(TrainerSettings, offpolicy_correction="third")
-    assert "one of none, tis, icepop, geo_mask, m2po, decoupled, capped_mask, drop_all" in str(error.value)
-    with pytest.raises(SystemExit):
-        parse_args(["--correction", "third"])
+    CORRECTION.assert_refused("third", "none, tis, icepop, geo_mask, m2po, decoupled, capped_mask, drop_all")
 
 
 def test_unregistered_after_the_test() -> None:
-    assert "capped_mask" not in CORRECTIONS
-    with pytest.raises(SettingsError):
-        load(TrainerSettings, offpolicy_correction="capped_mask")
+    CORRECTION.assert_unregistered("capped_mask")
 
 
 def test_the_loss_applies_a_registered_correction(registered: None) -> None:
