@@ -155,7 +155,7 @@ def read_window(client: Any, keys: RedisKeys) -> dict[str, Any]:
 
 
 def redis_part(settings: RedisSettings, timeout_s: float) -> dict[str, Any]:
-    from shared.members import Members
+    from shared.membership import Members
     from shared.state import client_for
 
     client = client_for(settings, socket_timeout_s=timeout_s)

@@ -106,14 +106,14 @@ class RedisKeys:
         return f"{self.tag}:window:config"
 
     def members(self, kind: str) -> str:
-        """Sorted set of the live replicas of ``kind`` (``proxy``): URL scored by when its registration
-        expires (unix seconds); each replica renews its own (``shared.members``)."""
+        """Sorted set of the live replicas of ``kind`` (``proxy``, ``engine``): URL scored by when its registration
+        expires (unix seconds); each replica renews its own (``shared.membership``)."""
         return f"{self.tag}:members:{kind}"
 
     @property
     def pause(self) -> str:
         """The broadcaster's pause in progress (JSON: pause id, reason), expiring with its lease: a proxy
-        that starts meanwhile starts paused under it."""
+        that starts meanwhile starts paused under it (``shared.pause_record``)."""
         return f"{self.tag}:pause"
 
     @property

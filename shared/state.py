@@ -178,6 +178,13 @@ class RedisRegistry:
         result = self._observe(keys=[k.registry_order, k.unregistered, k.unregistered_counter], args=labels)
         return [int(x) for x in cast(list[Any], result)]
 
+    def seqs(self, labels: list[str]) -> list[int | None]:
+        """The sequence each label was published with (None: not published)."""
+        if not labels:
+            return []
+        values = cast(list[str | None], self.client.hmget(self.keys.registry, labels))
+        return [None if v is None else int(v) for v in values]
+
     def count(self) -> int:
         """How many versions are published."""
         return int(self.client.zcard(self.keys.registry_order))

@@ -183,10 +183,7 @@ class WindowStore:
 
     def registered(self, labels: list[str]) -> list[bool]:
         """Whether each label was published (has a sequence number) in the registry."""
-        if not labels:
-            return []
-        values: list[str | None] = self.client.hmget(self.keys.registry, labels)  # type: ignore[assignment]
-        return [v is not None for v in values]
+        return [seq is not None for seq in self.registry.seqs(labels)]
 
     # ------------------------------------------------------------------ the step
 

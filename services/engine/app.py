@@ -36,11 +36,10 @@ from services.engine.schemas import (
 from services.engine.settings import EngineSettings
 from shared import log, metrics
 from shared.http_server import BodyLimit, DirectRoute
-from shared.members import Members
+from shared.membership import Members, Registration
 from shared.model import ModelFamily, load_family
 from shared.names import RedisKeys
 from shared.policy import resolve_device
-from shared.registration import Registration
 from shared.state import connect
 from shared.tokenizer import TOKENIZER
 
@@ -132,7 +131,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 async def _register(settings: EngineSettings) -> Registration:
     """Register this engine in Redis (it serves already: the lifespan registers last)."""
     client = await asyncio.to_thread(connect, settings.redis)
-    registration = Registration(Members(client, RedisKeys(settings.redis.key_prefix), "engine"), settings, "engine")
+    registration = Registration(Members(client, RedisKeys(settings.redis.key_prefix), "engine"), settings)
     try:
         await registration.start()
     except BaseException:

@@ -19,7 +19,7 @@ from services.proxy.routing import EngineTable
 from services.proxy.session_machine import Session
 from shared import log
 from shared.errors import EngineError, EngineLost, EngineUnavailable
-from shared.members import Members
+from shared.membership import Members
 from shared.outage import DEPENDENCY_ERRORS
 
 _log = log.get(__name__)

@@ -28,7 +28,7 @@ from services.proxy.settings import ProxySettings
 from shared import log
 from shared.errors import EngineError, EngineUnavailable
 from shared.lender import Lender
-from shared.members import Members
+from shared.membership import Members
 from shared.model import ChatTokenizer
 from shared.names import RedisKeys
 from shared.state import connect

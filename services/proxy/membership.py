@@ -1,4 +1,4 @@
-"""A proxy replica's registration: join the pause in progress, then register (:mod:`shared.registration`).
+"""A proxy replica's registration: join the pause in progress, then register (:mod:`shared.membership`).
 
 At start, before the proxy serves anything, it joins a pause the broadcaster holds (it may be one of
 several replicas behind a load balancer, started in the middle of a weight update) and registers, so
@@ -14,9 +14,9 @@ import redis
 from services.proxy.service import ProxyService
 from services.proxy.settings import ProxySettings
 from shared import log
-from shared.members import Members, PauseRecord
+from shared.membership import Members, Registration
 from shared.names import RedisKeys
-from shared.registration import Registration
+from shared.pause_record import PauseRecord
 
 _log = log.get(__name__)
 
@@ -31,7 +31,7 @@ class Membership:
         """Join a held pause, register, and start renewing (Redis unreachable: ``StateUnavailable``).
         ``client`` is the proxy's (it closes it)."""
         keys = RedisKeys(settings.redis.key_prefix)
-        self = cls(Registration(Members(client, keys, "proxy"), settings, "proxy"), PauseRecord(client, keys))
+        self = cls(Registration(Members(client, keys, "proxy"), settings), PauseRecord(client, keys))
         held = await asyncio.to_thread(self.pauses.current)
         if held is not None:
             await service.pause(held.reason, None, held.pause_id, held.lease_left_s)

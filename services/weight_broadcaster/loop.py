@@ -55,8 +55,9 @@ from services.weight_broadcaster.metrics import BroadcasterMetrics
 from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import log
 from shared.bus import Producer
-from shared.members import Members, PauseRecord
+from shared.membership import Members
 from shared.outage import DEPENDENCY_ERRORS
+from shared.pause_record import PauseRecord
 from shared.schemas import WeightApplied, WeightPublished, new_id
 from shared.state import RedisRegistry
 
@@ -149,8 +150,7 @@ class Broadcaster:
     def _engine_seq(self, label: str | None) -> int | None:
         if not label:
             return None
-        raw = self.registry.client.hget(self.registry.keys.registry, label)
-        return int(raw) if raw is not None else None
+        return self.registry.seqs([label])[0]
 
     def apply(self, event: WeightPublished) -> Outcome:
         known = list(self._pool.map(self.client.model_info, self.engines()))

@@ -21,9 +21,10 @@ from services.weight_broadcaster.settings import BroadcasterSettings
 from shared import log
 from shared.bus import Consumer, Polled, Producer, read_topic
 from shared.codec import DecodeError
-from shared.members import Members, PauseRecord
+from shared.membership import Members
 from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
+from shared.pause_record import PauseRecord
 from shared.schemas import WeightPublished
 from shared.state import RedisRegistry, Replication, connect
 from shared.status_server import StatusServer
@@ -53,7 +54,7 @@ def run(settings: BroadcasterSettings, stop: threading.Event | None = None) -> N
     server = StatusServer(settings.metrics_host, settings.metrics_port, bmetrics.registry, health).start()
     keys = registry.keys
     broadcaster = Broadcaster(settings, client, registry, producer, bmetrics, stop,
-                              Members(redis_client, keys), PauseRecord(redis_client, keys),
+                              Members(redis_client, keys, "proxy"), PauseRecord(redis_client, keys),
                               Members(redis_client, keys, "engine"))
     _log.info("broadcaster_ready", proxies=settings.proxy_urls, registered=broadcaster.proxies(),
               engines=broadcaster.engines(), port=server.port)

@@ -15,7 +15,7 @@ import pytest
 
 from ops.local.stack import LocalStack, start
 from shared.bus import read_topic
-from shared.members import Members
+from shared.membership import Members
 from shared.names import RedisKeys, Topics
 from shared.schemas import Chunk, SessionFinished, SessionRejected, WeightApplied
 from shared.settings import KafkaSettings

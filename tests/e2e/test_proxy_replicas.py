@@ -18,7 +18,7 @@ import pytest
 
 from ops.local.stack import LocalStack, start
 from shared.bus import read_topic
-from shared.members import Members
+from shared.membership import Members
 from shared.names import RedisKeys, Topics
 from shared.schemas import Chunk, SessionFinished
 from shared.settings import KafkaSettings
@@ -53,10 +53,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     config.extra_env["proxy"] = {"REIN_HEARTBEAT_S": "0.5", "REIN_REGISTRATION_TTL_S": "3"}
     local = start(config)
     redis = client_for(local.infra.redis_settings())
-    keys = RedisKeys()
+    proxies = Members(redis, RedisKeys(), "proxy")
     data: dict[str, Any] = {}
     try:
-        data["registered"] = Members(redis, keys).live(forget=False)
+        data["registered"] = proxies.live(forget=False)
         served = _served_version(local)
 
         # A trained step whose batch had no gradient publishes no version and pauses nothing: wait for an
@@ -70,7 +70,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         data["requests"] = {n: _requests(local, n) for n in ("proxy-0", "proxy-1")}
 
         # One proxy dies: its registration lapses, the other carries the run.
-        data |= kill_replica(local, "proxy-1", Members(redis, keys), [local.urls["proxy-0"]], PROGRESS_TIMEOUT_S)
+        data |= kill_replica(local, "proxy-1", proxies, [local.urls["proxy-0"]], PROGRESS_TIMEOUT_S)
         data |= stop_and_read(local, allow_dead=("proxy-1",))
         kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
         data["chunks"] = [r for r in read_topic(kafka, Topics().chunks, 60) if isinstance(r, Chunk)]

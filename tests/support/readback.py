@@ -20,7 +20,7 @@ from ops.report import optimizer_steps, rows_so_far
 from ops.status_parts import kafka_part
 from services.collector.settings import CollectorSettings
 from shared.bus import read_topic
-from shared.members import Members
+from shared.membership import Members
 from shared.names import RedisKeys, Topics
 from shared.schemas import BatchManifest, DecisionRecord
 from shared.settings import KafkaSettings

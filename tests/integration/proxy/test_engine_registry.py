@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from ops.local.ports import free_port
-from shared.members import Members
+from shared.membership import Members
 from shared.names import RedisKeys, Topics
 from shared.schemas import Chunk, SessionRejected
 from shared.settings import RedisSettings

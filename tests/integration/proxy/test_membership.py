@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from ops.local.ports import free_port
-from shared.members import Members, PauseRecord
+from shared.membership import Members
 from shared.names import RedisKeys, Topics
+from shared.pause_record import PauseRecord
 from shared.settings import RedisSettings
 from shared.state import connect
 from tests.support.procs import ServiceStartError
@@ -32,7 +33,7 @@ def test_a_replica_joins_the_held_pause_registers_and_leaves(
     prefix = f"m{uuid.uuid4().hex[:8]}"
     client = connect(RedisSettings(url=redis_db_url))
     keys = RedisKeys(prefix)
-    members, pauses = Members(client, keys), PauseRecord(client, keys)
+    members, pauses = Members(client, keys, "proxy"), PauseRecord(client, keys)
     env = {"REIN_REDIS__URL": redis_db_url, "REIN_REDIS__KEY_PREFIX": prefix, "REIN_HEARTBEAT_S": "0.2",
            "REIN_REGISTRATION_TTL_S": "1.5"}
     try:

@@ -14,7 +14,6 @@ from services.weight_broadcaster.decide import PauseAnswer
 from services.weight_broadcaster.loop import Broadcaster
 from services.weight_broadcaster.metrics import BroadcasterMetrics
 from services.weight_broadcaster.settings import BroadcasterSettings
-from shared.names import RedisKeys
 from shared.schemas import Record, WeightApplied, WeightPublished
 from shared.settings import load
 
@@ -96,27 +95,21 @@ class FakeClient:
         return EngineAnswer(engine, ok=True, weight_version=version, digest=digest)
 
 
-class FakeRedis:
-    def __init__(self) -> None:
-        self.hash: dict[str, str] = {}
-
-    def hget(self, _key: str, label: str) -> str | None:
-        return self.hash.get(label)
-
-
 class FakeRegistry:
     def __init__(self) -> None:
-        self.client = FakeRedis()
-        self.keys = RedisKeys("t")
+        self.seq_of: dict[str, int] = {}
         self.published: list[tuple[str, int]] = []
 
     def publish(self, label: str, seq: int) -> bool:
-        known = self.client.hash.get(label)
-        if known is not None and int(known) != seq:
+        known = self.seq_of.get(label)
+        if known is not None and known != seq:
             raise ValueError(f"version {label} already published with sequence {known}")
-        self.client.hash[label] = str(seq)
+        self.seq_of[label] = seq
         self.published.append((label, seq))
         return known is None
+
+    def seqs(self, labels: list[str]) -> list[int | None]:
+        return [self.seq_of.get(label) for label in labels]
 
 
 class FakeProducer:
@@ -201,7 +194,7 @@ def test_newest_only_older_skipped_replay_idempotent() -> None:
 
 def test_registry_conflict_is_counted_not_applied() -> None:
     b, client, registry, _ = make([True])
-    registry.client.hash["v1"] = "7"
+    registry.seq_of["v1"] = 7
     [outcome] = b.handle([ev(1)])
     assert outcome.outcome == "registry_conflict"
     assert client.calls == []
