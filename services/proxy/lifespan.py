@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from services.proxy.engine_client import EngineHandle, NetworkBackend
 from services.proxy.engine_pool import EnginePool
 from services.proxy.generation import PauseController
-from services.proxy.membership import Membership
+from services.proxy.joining import Joining
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.publisher import Publisher
 from services.proxy.service import ProxyService
@@ -84,14 +84,14 @@ def lifespan(settings: ProxySettings, tokenizer: ChatTokenizer,
             tasks = [asyncio.create_task(_expire_idle_sessions(service)),
                      asyncio.create_task(_expire_pause_leases(service)),
                      asyncio.create_task(engines.watch(settings.engine_health_interval_s))]
-            membership = None
+            joined = None
             try:
                 if settings.advertise_url and redis_client is not None:
-                    membership = await Membership.start(settings, service, redis_client)
+                    joined = await Joining.start(settings, service, redis_client)
                 yield {"service": service, "metrics": proxy_metrics}
             finally:
-                if membership is not None:
-                    await membership.stop()
+                if joined is not None:
+                    await joined.stop()
                 for task in tasks:
                     task.cancel()
                 service.controller.resume()  # release held calls so shutdown does not hang on them

@@ -1,4 +1,4 @@
-"""A proxy replica's registration: join the pause in progress, then register (:mod:`shared.membership`).
+"""A proxy replica joining the others: join the pause in progress, then register (:mod:`shared.membership`).
 
 At start, before the proxy serves anything, it joins a pause the broadcaster holds (it may be one of
 several replicas behind a load balancer, started in the middle of a weight update) and registers, so
@@ -21,13 +21,15 @@ from shared.pause_record import PauseRecord
 _log = log.get(__name__)
 
 
-class Membership:
+class Joining:
+    """A started proxy's hold on its place among the replicas: its registration, renewed until :meth:`stop`."""
+
     def __init__(self, registration: Registration, pauses: PauseRecord) -> None:
         self.registration = registration
         self.pauses = pauses
 
     @classmethod
-    async def start(cls, settings: ProxySettings, service: ProxyService, client: redis.Redis) -> Membership:
+    async def start(cls, settings: ProxySettings, service: ProxyService, client: redis.Redis) -> Joining:
         """Join a held pause, register, and start renewing (Redis unreachable: ``StateUnavailable``).
         ``client`` is the proxy's (it closes it)."""
         keys = RedisKeys(settings.redis.key_prefix)
