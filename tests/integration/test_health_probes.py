@@ -7,7 +7,6 @@ succeed against a server that is up and fail against one that is not, within its
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ import yaml
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from ops.local.ports import free_port
 from shared.status_server import StatusServer
 from tests.support.wait import wait_until
 
@@ -46,9 +46,7 @@ def _probe(service: str, host_port: str) -> int:
 
 
 def _closed_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
 
 
 @pytest.fixture
@@ -60,9 +58,7 @@ def fastapi_port() -> Iterator[int]:
     def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
