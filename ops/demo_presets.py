@@ -23,7 +23,6 @@ class Preset:
     max_tokens: int | None
     lr: float | None
     weight_decay: float | None
-    epochs: int | None
     keep_checkpoints: int
 
 
@@ -45,7 +44,6 @@ PRESETS: dict[str, Preset] = {
         max_tokens=None,
         lr=None,
         weight_decay=None,
-        epochs=None,
         keep_checkpoints=0,
     ),
     # a Hugging Face model on 2 cores (docs/models.md): 8 episodes per step, replies of up to 48 tokens,
@@ -63,7 +61,6 @@ PRESETS: dict[str, Preset] = {
         max_tokens=48,
         lr=2e-5,
         weight_decay=0.0,
-        epochs=None,
         keep_checkpoints=2,
     ),
 }
