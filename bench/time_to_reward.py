@@ -137,20 +137,47 @@ def older_version_diffs(steps: list[dict[str, Any]]) -> list[float]:
     return out
 
 
+def finished_run(runs: Path, flags: list[str] | None = None) -> Path | None:
+    """The run directory under ``runs`` (one (mode, seed)) whose demo ended with its summary, if any;
+    with ``flags``, only if that run was made with the same ``ops.demo`` flags (``flags.json``)."""
+    dirs = [d for d in runs.iterdir() if d.is_dir()] if runs.is_dir() else []
+    done = [d for d in dirs if (d / "summary.json").is_file()]
+    if len(done) != 1:
+        return None
+    if flags is not None:
+        recorded = runs / "flags.json"
+        if not recorded.is_file() or json.loads(recorded.read_text()) != flags:
+            return None
+    return done[0]
+
+
 def run_one(mode: str, seed: int, args: argparse.Namespace, root: Path) -> Path:
-    """Run the demo once; its run directory."""
+    """Run the demo once; its run directory. A run that ended before with the same flags (its summary
+    written) is re-read, not repeated, so that the same command continues an invocation that was
+    stopped; what a stopped run left behind is removed and that run starts again. A finished run made
+    with other flags is never overwritten: that is an error."""
     runs = root / f"{mode}-s{seed}"
-    runs.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "ops.demo", "--model", args.model, "--minutes", f"{args.minutes:g}",
-           "--seed", str(seed), "--runs-dir", str(runs), *MODES[mode], *args.demo_flag]
+    flags = ["--model", args.model, "--minutes", f"{args.minutes:g}", "--seed", str(seed), *MODES[mode],
+             *args.demo_flag]
+    done = finished_run(runs, flags)
+    if done is not None:
+        print(f"{mode} seed {seed}: finished before, re-read from {done}", flush=True)
+        return done
+    if finished_run(runs) is not None:
+        raise SystemExit(f"{runs} holds a finished run made with other flags (its flags.json): "
+                         "give this comparison its own --runs-dir")
+    shutil.rmtree(runs, ignore_errors=True)
+    runs.mkdir(parents=True)
+    (runs / "flags.json").write_text(json.dumps(flags))
+    cmd = [sys.executable, "-m", "ops.demo", *flags, "--runs-dir", str(runs)]
     print(f"[{time.strftime('%H:%M:%S')}] {mode} seed {seed}: {' '.join(cmd[2:])}", flush=True)
     with (runs / "demo.out").open("w") as out:
         code = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=False,
                               timeout=args.minutes * 60 + args.startup_timeout_s).returncode
-    dirs = [d for d in runs.iterdir() if d.is_dir()]
-    if code != 0 or len(dirs) != 1 or not (dirs[0] / "summary.json").exists():
+    found = finished_run(runs)
+    if code != 0 or found is None:
         raise SystemExit(f"{mode} seed {seed}: demo exited {code}; see {runs / 'demo.out'}")
-    return dirs[0]
+    return found
 
 
 def _stats(values: list[float | None]) -> dict[str, float | int | None]:
@@ -264,7 +291,9 @@ def main() -> int:
                    help="minutes at which the reward is reported (default: every minute of the budget)")
     p.add_argument("--demo-flag", action="append", default=[], help="one more ops.demo flag for every run")
     p.add_argument("--startup-timeout-s", type=float, default=600)
-    p.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here (default: a temporary dir)")
+    p.add_argument("--runs-dir", type=Path, default=None,
+                   help="keep the runs here (default: a temporary dir); a run already finished there is re-read, "
+                        "so the same command continues an invocation that was stopped")
     p.add_argument("--from", dest="source", type=Path, default=None,
                    help="re-read the runs of an earlier invocation's --runs-dir instead of running")
     p.add_argument("--out", type=Path, default=Path("bench/time_to_reward.json"))
@@ -279,8 +308,10 @@ def main() -> int:
         for seed in args.seeds:
             for mode in args.modes:
                 if args.source is not None:
-                    dirs = [d for d in (root / f"{mode}-s{seed}").iterdir() if d.is_dir()]
-                    run_dir = dirs[0]
+                    found = finished_run(root / f"{mode}-s{seed}")
+                    if found is None:
+                        raise SystemExit(f"{root / f'{mode}-s{seed}'}: no finished run to re-read")
+                    run_dir = found
                 else:
                     run_dir = run_one(mode, seed, args, root)
                 result = analyse(run_dir, args.minutes, checkpoints, args.threshold, args.episodes)

@@ -1,0 +1,69 @@
+"""``bench/time_to_reward.py --runs-dir`` continues a stopped invocation: a finished run is re-read, not
+repeated; a finished run made with other flags is never overwritten.
+
+The runs here are written by hand in the layout ``ops.demo`` leaves (summary, the runner's log, the
+trainer's metrics): a run the script would start instead of re-reading fails the test, because no
+stack can come up in the time it allows.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "time_to_reward.py"
+T0 = 1_800_000_000.0
+
+
+def _flags(mode: str, seed: int) -> list[str]:
+    return ["--model", "tiny", "--minutes", "1", "--seed", str(seed), "--mode", mode]
+
+
+def _finished_run(runs: Path, mode: str, seed: int, reward: float, flags: list[str] | None = None) -> None:
+    run = runs / f"{mode}-s{seed}" / "20261206-000000"
+    (run / "logs").mkdir(parents=True)
+    (run / "trainer").mkdir()
+    (run / "summary.json").write_text(json.dumps({"train_started_ts": T0}))
+    ended = [{"event": "group_ended", "rewards": [reward] * 4,
+              "timestamp": datetime.fromtimestamp(T0 + 10 * i, UTC).isoformat()} for i in range(1, 5)]
+    (run / "logs" / "rollout.log").write_text("".join(json.dumps(e) + "\n" for e in ended))
+    steps = [{"ts": T0 + 10 * i, "step": i, "trained_tokens": 100, "samples": 16} for i in range(1, 4)]
+    (run / "trainer" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (run.parent / "flags.json").write_text(json.dumps(flags if flags is not None else _flags(mode, seed)))
+
+
+def _script(runs: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", "tiny", "--minutes", "1", "--seeds", "0", "--modes", "sync",
+         "async", "--checkpoints", "1", "--episodes", "4", "--threshold", "0.5", "--runs-dir", str(runs),
+         "--startup-timeout-s", "1", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_finished_runs_are_re_read_not_repeated(tmp_path: Path) -> None:
+    runs, out = tmp_path / "runs", tmp_path / "ttr.json"
+    _finished_run(runs, "sync", 0, reward=0.25)
+    _finished_run(runs, "async", 0, reward=0.75)
+    proc = _script(runs, out)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("finished before, re-read") == 2, proc.stdout
+    data = json.loads(out.read_text())
+    assert {m: [r["steps"] for r in data["runs"][m]] for m in ("sync", "async")} == {"sync": [3], "async": [3]}
+    assert data["runs"]["sync"][0]["reward_at_min"] == {"1": 0.25}
+    assert data["runs"]["async"][0]["time_to_threshold_s"] == 10.0
+    assert data["runs"]["sync"][0]["time_to_threshold_s"] is None, "never reached: censored, not dropped"
+
+
+def test_a_finished_run_with_other_flags_is_an_error_not_overwritten(tmp_path: Path) -> None:
+    runs, out = tmp_path / "runs", tmp_path / "ttr.json"
+    other = [*_flags("sync", 0), "--env-time", "0.5"]
+    _finished_run(runs, "sync", 0, reward=0.25, flags=other)
+    proc = _script(runs, out)
+    assert proc.returncode != 0 and "made with other flags" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert json.loads((runs / "sync-s0" / "flags.json").read_text()) == other
+    assert (runs / "sync-s0" / "20261206-000000" / "summary.json").is_file(), "the earlier run is kept"
+    assert not out.exists()
