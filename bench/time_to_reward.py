@@ -116,6 +116,7 @@ def analyse(run_dir: Path, minutes: float, checkpoints: list[float], threshold: 
         "waste": waste(rows) or {"tokens": {}, "generated": 0},
         "logprob_abs_diff_mean": summary.get("train_rollout_logprob_abs_diff_mean"),
         "masked_token_fraction_mean": summary.get("masked_token_fraction_mean"),
+        "idle": (summary.get("seconds_per_step") or {}).get("idle"),
         "curve": [[round(ts - start, 1), r] for ts, r in eps],
         "reward_by_samples": by_samples,
         "run_dir": str(run_dir),

@@ -176,7 +176,6 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, subprocess.TimeoutExpired) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    hf = model != "tiny"
     config = stack_config(args, model, args.runs_dir / run_id)
     print(f"rein demo: run {run_id} -> {config.run_dir} (model {model}, task {config.task})", flush=True)
     print("starting Kafka, Redis, trainer, engine, proxy, broadcaster, collectors, rollout ...", flush=True)
@@ -186,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     rejections = 0
     code = 0
     stopped_by = "steps"
-    usage = EngineUsage() if hf else None
+    usage = EngineUsage()
     up_at: float | None = None
     up_ts: float | None = None
     tool_calls: dict[str, Any] | None = None

@@ -24,7 +24,9 @@ def timing(rows: list[dict[str, Any]], usage: EngineUsage | None, train_wall_s: 
     """Seconds per step, split: ``train_s`` is the trainer's forward/backward/optimizer time
     (``step_time_s`` less the fetch), ``step_wall_s`` the interval between steps, and
     ``generation_s`` the time the engine had a request decoding, per step (async mode overlaps
-    the two, so they may add up to more than the interval)."""
+    the two, so they may add up to more than the interval). ``idle`` is each role's share of the
+    training wall time without work: the trainer's outside its steps, the engine's with nothing to
+    decode (sampled), which is what a synchronous wave waiting on its slowest episode wastes."""
     ts = [float(r["ts"]) for r in rows if r.get("ts") is not None]
     intervals = [b - a for a, b in itertools.pairwise(ts)]
     train = [
@@ -37,6 +39,11 @@ def timing(rows: list[dict[str, Any]], usage: EngineUsage | None, train_wall_s: 
         out["engine_busy_fraction"] = busy
         out["generated_tokens"] = usage.tokens if usage is not None else None
         out["generated_tokens_per_s"] = usage.tokens / train_wall_s if usage is not None else None
+    if train_wall_s:
+        idle = {"trainer": max(0.0, 1.0 - sum(train) / train_wall_s)}
+        if busy is not None:
+            idle["engine"] = 1.0 - busy
+        out["idle"] = {k: round(v, 3) for k, v in idle.items()}
     return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
 
 

@@ -78,7 +78,9 @@ def test_timing_splits_train_from_generation() -> None:
     assert out["train_s"] == 11.333
     assert out["generation_s"] == 18.0  # 60 % of 90 s over 3 steps
     assert out["generated_tokens_per_s"] == 10.0
+    assert out["idle"] == {"trainer": round(1 - 34 / 90, 3), "engine": 0.4}  # 34 s of steps in 90 s
     assert "generation_s" not in timing(rows, None, None)
+    assert timing(rows, None, 90.0)["idle"] == {"trainer": round(1 - 34 / 90, 3)}, "no engine samples: no figure"
 
 
 def test_summary_names_the_model_task_and_why_it_stopped(tmp_path: Path) -> None:
