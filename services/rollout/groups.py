@@ -89,7 +89,8 @@ class Groups:
                 self.proxy_suspect = True
             self._on_backend(all(r.outcome == "failed" and r.error in BACKEND_DOWN_ERRORS for r in results), probe)
             self.log.info("group_ended", group_id=group_id, prompt_id=work.prompt_id, attempt=work.attempt,
-                          outcomes=[r.outcome for r in results], rewards=[r.reward for r in results])
+                          outcomes=[r.outcome for r in results], rewards=[r.reward for r in results],
+                          turns=[r.turns for r in results])
         finally:
             self.scheduler.on_group_done()
             self.metrics.in_flight.set(self.scheduler.in_flight)

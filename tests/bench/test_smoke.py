@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from ops.demo_presets import PRESETS
+from tests.support.demo_runs import finished_run
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
@@ -141,6 +142,24 @@ def _time_to_reward(out: Path) -> None:
     assert data["runs"]["async"][0]["waste"]["generated"] > 0, "async decides groups through the window tally"
 
 
+def _async_regimes(out: Path) -> None:
+    data = _json(out, "base", "cells", "wave", "group", "in_flight", "runs_to_do")
+    assert data["base"]["per_turn_generation_s"] > 0
+    base, *cells = data["cells"]
+    assert base["measured"] is not None and all(c["measured"] is None for c in cells), "--predict-only runs nothing"
+    assert data["runs_to_do"] == 2 * len(cells) == 4
+    assert all(c["predicted"]["sync_step_s"] > base["predicted"]["sync_step_s"] for c in cells)
+
+
+@pytest.fixture
+def ttr_base_runs(tmp_path: Path) -> Path:
+    """The base cell of bench/async_regimes.py, finished: sync and async, seed 0, written by hand."""
+    runs = tmp_path / "regimes"
+    for mode, step_s in (("sync", 10.0), ("async", 8.0)):
+        finished_run(runs / "env0-sigma0", mode, 0, reward=0.25, flags=[], step_s=step_s)
+    return runs
+
+
 def _plot_controls(out: Path) -> None:
     assert out.stat().st_size > 0
 
@@ -155,6 +174,11 @@ SMOKE: dict[str, Smoke] = {
         _engine_vs_generate,
     ),
     "inprocess": Smoke(lambda out, _: ["--steps", "3", "--at", "1", "1000", "--out", str(out)], _inprocess),
+    "async_regimes": Smoke(
+        lambda out, fx: ["--runs-dir", fx["ttr_base_runs"], "--minutes", "0.5", "--predict-only", "--cells", "1:0",
+                         "4:2", "--draws", "50", "--out", str(out)],
+        _async_regimes, fixtures=("ttr_base_runs",),
+    ),
     "plot_controls": Smoke(lambda out, _: [str(BENCH / "controls.json"), str(out)], _plot_controls),
     "trainer_step": Smoke(
         lambda out, _: ["--tiny-llama", "--samples", "2", "--min-len", "16", "--max-len", "24", "--rounds", "1",

@@ -1,9 +1,8 @@
 """``bench/time_to_reward.py --runs-dir`` continues a stopped invocation: a finished run is re-read, not
 repeated; a finished run made with other flags is never overwritten.
 
-The runs here are written by hand in the layout ``ops.demo`` leaves (summary, the runner's log, the
-trainer's metrics): a run the script would start instead of re-reading fails the test, because no
-stack can come up in the time it allows.
+The runs here are written by hand (``tests/support/demo_runs.py``): a run the script would start instead
+of re-reading fails the test, because no stack can come up in the time it allows.
 """
 
 from __future__ import annotations
@@ -11,12 +10,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
+
+from tests.support.demo_runs import finished_run
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "time_to_reward.py"
-T0 = 1_800_000_000.0
 
 
 def _flags(mode: str, seed: int) -> list[str]:
@@ -24,16 +23,7 @@ def _flags(mode: str, seed: int) -> list[str]:
 
 
 def _finished_run(runs: Path, mode: str, seed: int, reward: float, flags: list[str] | None = None) -> None:
-    run = runs / f"{mode}-s{seed}" / "20261206-000000"
-    (run / "logs").mkdir(parents=True)
-    (run / "trainer").mkdir()
-    (run / "summary.json").write_text(json.dumps({"train_started_ts": T0}))
-    ended = [{"event": "group_ended", "rewards": [reward] * 4,
-              "timestamp": datetime.fromtimestamp(T0 + 10 * i, UTC).isoformat()} for i in range(1, 5)]
-    (run / "logs" / "rollout.log").write_text("".join(json.dumps(e) + "\n" for e in ended))
-    steps = [{"ts": T0 + 10 * i, "step": i, "trained_tokens": 100, "samples": 16} for i in range(1, 4)]
-    (run / "trainer" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
-    (run.parent / "flags.json").write_text(json.dumps(flags if flags is not None else _flags(mode, seed)))
+    finished_run(runs, mode, seed, reward=reward, flags=flags if flags is not None else _flags(mode, seed))
 
 
 def _script(runs: Path, out: Path) -> subprocess.CompletedProcess[str]:

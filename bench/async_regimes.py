@@ -1,0 +1,236 @@
+"""Where asynchrony pays: sync against async with rein's controls over a grid of environment times.
+
+Issue 34, item 5. An environment step (the answer to a turn, the grade: ``ops.demo --env-time``,
+services/rollout/env_time.py) waits without using a core. A synchronous wave waits for its slowest
+episode while the engine and the trainer idle; async hides the waits as far as it has groups in
+flight. The base cell (no environment time) runs both arms first. From it come the per-turn generation
+time ``g`` (the sync step's wall time less the trainer's, over the most turns an episode played) and
+each arm's step time without waits. Every other cell sets the environment step's median to a
+multiple of ``g`` and its log-normal sigma, and the script predicts each arm's step time before it
+measures it:
+
+    sync   S = S_sync(0)  + E[the largest summed wait of a wave's N episodes]
+    async  S = S_async(0) + (G / C) * E[the largest summed wait of a group's n episodes]
+
+N = groups per batch x group size (a sync wave is one batch); G = groups the async arm played per
+trained step in the base cell (groups dropped without signal included); C = groups in flight. The
+second line is Little's law: with C groups in flight, each group's end delayed by its slowest
+episode's wait delays the G groups a step needs by G / C of it. The expectations are Monte Carlo
+draws of the same distribution over the base runs' turns per episode. The predicted async speed-up
+is S_sync / S_async (both arms train the same batch).
+
+Each (cell, arm, seed) is one bench/time_to_reward.py run kept under ``--runs-dir``: the same
+command again re-reads what finished and runs the rest, and ``--predict-only`` runs nothing beyond
+the base cell and prints the plan with its predictions and its machine time::
+
+    $(bash deploy/venv.sh --path)/bin/python bench/async_regimes.py --runs-dir RUNS --minutes 1.5 \\
+        --out bench/async_regimes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.time_to_reward import analyse, finished_run, run_one
+from ops.demo_presets import PRESETS
+
+ARMS = ("sync", "async")
+BASE = (0.0, 0.0)
+
+
+def cell_name(multiple: float, sigma: float) -> str:
+    return f"env{multiple:g}-sigma{sigma:g}"
+
+
+def ended_groups(run_dir: Path, end: float) -> list[dict[str, Any]]:
+    """The runner's ``group_ended`` records (each episode's turns and reward) up to ``end`` (epoch s)."""
+    out = []
+    for line in (run_dir / "logs" / "rollout.log").read_text().splitlines():
+        if '"group_ended"' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        ts = datetime.fromisoformat(str(rec.get("timestamp")).replace("Z", "+00:00")).timestamp()
+        if rec.get("event") == "group_ended" and ts <= end:
+            out.append(rec)
+    return out
+
+
+def expected_max_wait(turns: list[int], episodes: int, median_s: float, sigma: float, draws: int,
+                      seed: int = 0) -> float:
+    """E[the largest of ``episodes`` episodes' summed environment waits]: each episode's turns drawn from
+    ``turns``, each turn's wait log-normal with ``median_s`` and ``sigma``."""
+    if median_s == 0 or not turns:
+        return 0.0
+    rng = random.Random(seed)
+    total = 0.0
+    for _ in range(draws):
+        total += max(sum(median_s * math.exp(sigma * rng.gauss(0.0, 1.0)) for _ in range(rng.choice(turns)))
+                     for _ in range(episodes))
+    return total / draws
+
+
+def base_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """What the predictions need from the base cell's runs (means over seeds)."""
+    sync, asyn = runs["sync"], runs["async"]
+    turns = [t for r in sync + asyn for t in r["turns"]]
+    generation = [r["step_s"] - r["train_s"] for r in sync if r["train_s"] is not None]
+    if not turns or not generation:
+        raise SystemExit("the base cell's runs hold no turns or no trainer timing: rerun them on this commit")
+    return {
+        "turns": turns,
+        "max_turns": max(turns),
+        "sync_step_s": statistics.fmean(r["step_s"] for r in sync),
+        "async_step_s": statistics.fmean(r["step_s"] for r in asyn),
+        "generation_s": statistics.fmean(generation),
+        "per_turn_generation_s": statistics.fmean(generation) / max(turns),
+        "async_groups_per_step": statistics.fmean(r["groups_per_step"] for r in asyn),
+    }
+
+
+def predict(base: dict[str, Any], multiple: float, sigma: float, wave: int, group: int, in_flight: int,
+            draws: int) -> dict[str, float]:
+    median = multiple * base["per_turn_generation_s"]
+    sync = base["sync_step_s"] + expected_max_wait(base["turns"], wave, median, sigma, draws)
+    asyn = base["async_step_s"] + base["async_groups_per_step"] / in_flight * expected_max_wait(
+        base["turns"], group, median, sigma, draws)
+    return {"env_median_s": median, "sync_step_s": sync, "async_step_s": asyn, "speedup": sync / asyn}
+
+
+def measure(run_dir: Path, minutes: float) -> dict[str, Any]:
+    """One run's figures: time_to_reward's analysis, plus its step time, trainer time, turns and groups."""
+    result = analyse(run_dir, minutes, [minutes], threshold=1.0, last=32)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    groups = ended_groups(run_dir, float(summary["train_started_ts"]) + minutes * 60)
+    steps = max(1, int(result["steps"]))
+    timing = summary.get("seconds_per_step") or {}
+    return {
+        "steps": result["steps"],
+        "step_s": minutes * 60 / steps,
+        "train_s": timing.get("train_s"),
+        "idle": result.get("idle"),
+        "trained_samples_per_s": result["trained_samples"] / (minutes * 60),
+        "reward_end": result["reward_at_min"][f"{minutes:g}"],
+        "turns": [int(t) for g in groups for t in g.get("turns") or []],
+        "groups_per_step": len(groups) / steps,
+        "run_dir": str(run_dir),
+    }
+
+
+def cell_runs(multiple: float, sigma: float, median_s: float, args: argparse.Namespace,
+              run: bool) -> dict[str, list[dict[str, Any]]] | None:
+    """Each arm's measured runs of one cell over the seeds (run now unless ``run`` is false: then None
+    when any is missing)."""
+    root = args.runs_dir / cell_name(multiple, sigma)
+    flags = [] if median_s == 0 else [f"--env-time={median_s:.4f}", f"--env-time-sigma={sigma:g}"]
+    ttr_args = argparse.Namespace(model=args.model, minutes=args.minutes, demo_flag=[*flags, *args.demo_flag],
+                                  startup_timeout_s=args.startup_timeout_s)
+    out: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+    for seed in args.seeds:
+        for arm in ARMS:
+            found = finished_run(root / f"{arm}-s{seed}")
+            if found is None and not run:
+                return None
+            run_dir = found if found is not None else run_one(arm, seed, ttr_args, root)
+            out[arm].append(measure(run_dir, args.minutes))
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| env median (× g) | sigma | sync s/step measured / predicted | async s/step measured / predicted "
+             "| async ÷ sync speed measured / predicted | idle engine, trainer (sync / async) |",
+             "|---|---|---|---|---|---|"]
+
+    def f(v: float | None, nd: int = 3) -> str:
+        return "—" if v is None else f"{v:.{nd}f}"
+
+    for r in rows:
+        m = r.get("measured") or {}
+        lines.append(
+            f"| {r['env_median_s']:.3f} s ({r['multiple']:g}) | {r['sigma']:g} "
+            f"| {f(m.get('sync_step_s'))} / {f(r['predicted']['sync_step_s'])} "
+            f"| {f(m.get('async_step_s'))} / {f(r['predicted']['async_step_s'])} "
+            f"| {f(m.get('speedup'), 2)} / {f(r['predicted']['speedup'], 2)} | {m.get('idle', '—')} |")
+    return "\n".join(lines)
+
+
+def summarise_cell(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    def mean(arm: str, key: str) -> float:
+        return statistics.fmean(float(r[key]) for r in runs[arm])
+
+    def idle(arm: str) -> str:
+        shares = [r["idle"] for r in runs[arm] if r["idle"]]
+        if not shares:
+            return "—"
+        eng = [s["engine"] for s in shares if "engine" in s]
+        trainer = statistics.fmean(s["trainer"] for s in shares)
+        return (f"{statistics.fmean(eng):.2f}" if eng else "—") + f", {trainer:.2f}"
+
+    return {
+        "sync_step_s": mean("sync", "step_s"), "async_step_s": mean("async", "step_s"),
+        "speedup": mean("async", "trained_samples_per_s") / max(1e-9, mean("sync", "trained_samples_per_s")),
+        "idle": f"{idle('sync')} / {idle('async')}",
+        "reward_end": {arm: [r["reward_end"] for r in runs[arm]] for arm in ARMS},
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--minutes", type=float, default=1.5, help="training budget of every run")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--cells", nargs="+", default=["0.25:0", "0.25:2", "1:0", "1:1", "1:2", "4:0", "4:2"],
+                   help="MULTIPLE:SIGMA of the environment step beside the base cell (0:0)")
+    p.add_argument("--runs-dir", type=Path, required=True, help="every run is kept here; a rerun continues")
+    p.add_argument("--predict-only", action="store_true", help="run only the base cell; predict the rest")
+    p.add_argument("--demo-flag", action="append", default=[], help="one more ops.demo flag for every run")
+    p.add_argument("--draws", type=int, default=2000, help="Monte Carlo draws per expectation")
+    p.add_argument("--startup-timeout-s", type=float, default=600)
+    p.add_argument("--out", type=Path, default=Path("bench/async_regimes.json"))
+    args = p.parse_args()
+
+    preset = PRESETS["tiny" if args.model == "tiny" else "hf"]
+    wave, group = preset.batch_groups * preset.group_size, preset.group_size
+    in_flight = min(preset.concurrent_groups, 2 * preset.batch_groups)  # pacing: keep_versions 2 x groups per batch
+    base_runs = cell_runs(*BASE, 0.0, args, run=True)
+    assert base_runs is not None
+    base = base_figures(base_runs)
+    base_predicted = {"sync_step_s": base["sync_step_s"], "async_step_s": base["async_step_s"],
+                      "speedup": base["sync_step_s"] / base["async_step_s"]}
+    rows: list[dict[str, Any]] = [{"multiple": 0.0, "sigma": 0.0, "env_median_s": 0.0, "predicted": base_predicted,
+                                   "measured": summarise_cell(base_runs)}]
+    for cell in args.cells:
+        multiple, sigma = (float(x) for x in cell.split(":"))
+        predicted = predict(base, multiple, sigma, wave, group, in_flight, args.draws)
+        runs = cell_runs(multiple, sigma, predicted["env_median_s"], args, run=not args.predict_only)
+        rows.append({"multiple": multiple, "sigma": sigma, "env_median_s": predicted["env_median_s"],
+                     "predicted": predicted, "measured": None if runs is None else summarise_cell(runs)})
+        print(f"{cell_name(multiple, sigma)}: predicted speed-up {predicted['speedup']:.2f}"
+              + ("" if runs is None else f", measured {rows[-1]['measured']['speedup']:.2f}"), flush=True)
+    todo = sum(r["measured"] is None for r in rows) * len(ARMS) * len(args.seeds)
+    print(table(rows))
+    print(f"per-turn generation time g = {base['per_turn_generation_s'] * 1000:.1f} ms; runs still to do: {todo} "
+          f"(about {todo * (args.minutes + 0.5):.0f} minutes)")
+    base_out = {k: v for k, v in base.items() if k != "turns"}
+    args.out.write_text(json.dumps({
+        "model": args.model, "minutes": args.minutes, "seeds": args.seeds, "wave": wave, "group": group,
+        "in_flight": in_flight, "base": base_out, "cells": rows, "runs_to_do": todo,
+    }, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
