@@ -38,7 +38,8 @@ class StaleGroups(enum.StrEnum):
     """What the window does with a group some of whose trajectories ended outside the window."""
 
     DROP = "drop"
-    """Drop it whole (``dropped_stale``, or ``dropped_retroactive`` once pending): the reference's rule."""
+    """Drop it whole (``dropped_stale``, or ``dropped_retroactive`` once pending): a group is trained with all
+    of its members or not at all, so its advantages stay computed against the whole group."""
     WITHHOLD = "withhold"
     """Keep its members inside the window and withhold the others: their rewards stay in the group's
     GRPO baseline, their tokens leave the loss. Dropped whole only when no versioned member is inside."""

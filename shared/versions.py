@@ -83,7 +83,7 @@ class VersionRegistry:
     """Published labels ordered by sequence number, then unregistered ones by observation.
 
     ``index(label)`` is O(log n) in the number of published versions, so a window
-    decision stays flat as the registry grows (the reference's ``list.index`` did
+    decision stays flat as the registry grows (a linear search of the labels would
     not). The Redis-backed registry of the collector keeps the same order with a
     sorted set; this class is the rule and the in-memory form (replay, tests).
     """

@@ -51,7 +51,7 @@ class StackConfig:
     """The collectors' ``REIN_NO_SIGNAL_GROUPS``: ``drop`` or ``keep``; None: ``drop`` in async mode, ``keep`` in
     sync mode. A sync wave whose groups are dropped tops itself up with one more group for each (the runner
     reads the window's count), so its batch still fills; under environment time each top-up round is one
-    more episode's wait, so sync keeps them by default until issue 34's runs say which learns faster."""
+    more episode's wait, so sync keeps them by default (docs/benchmarks.md, "The fair sync")."""
     seed: int = 0
     mask_nonlast_version: bool = True
     """The trainer's ``REIN_NONLAST_VERSION_TOKENS``: ``mask`` when true, ``weight`` (older-version tokens
@@ -65,7 +65,7 @@ class StackConfig:
     torch_threads: int = 1
     """Torch threads of the trainer and of each engine (``REIN_TORCH_THREADS``). 1 pins each to a core of its
     own, as async mode wants (both run at once); in sync mode one phase runs at a time, so each may take
-    every core in its turn (issue 34's fair sync: docs/benchmarks.md measures both placements)."""
+    every core in its turn (docs/benchmarks.md, "The fair sync", measures both placements)."""
     engine_step_delay_s: float = 0.0
     base_port: int = 0
     """First of a block of ports for the services; 0 picks free ports."""

@@ -127,7 +127,7 @@ def classify(failure: Answer | Timeout | Unreachable) -> CallError:
         return CallError("rejected", name or "session_finalized")
     if failure.status == 502 and name in STALENESS_ERRORS:
         return CallError("rejected", name, on_record=True)
-    if failure.status in (400, 413) and name == "context_overflow":  # 413: proxies before issue 36
+    if failure.status in (400, 413) and name == "context_overflow":  # 413: older proxies answered it so
         return CallError("truncated", name)
     return CallError("failed", name or f"http_{failure.status}")
 

@@ -4,8 +4,8 @@ Pure (no I/O, no clock); the runner feeds it what it reads from Redis and the ``
 
 Without a bound the engine generates as fast as it can while the trainer takes a batch at a time:
 groups pile up in the collector and in the batches topic, are trained many versions after they
-were generated, or are dropped by the window, and the generation was waste (issue 21: on SmolLM2
-an unpaced async run generated 4.3x the tokens of a sync run). The bound is AReaL's admission
+were generated, or are dropped by the window, and the generation was waste (on SmolLM2 an unpaced
+async run generated 4.3x the tokens of a sync run, docs/benchmarks.md). The bound is AReaL's admission
 rule in rein's terms: with ``B`` groups per batch and a window of ``keep_versions`` versions, a
 prompt started now, while the trainer has consumed ``T`` batches, joins a batch at most
 ``keep_versions - 1`` batches after the next one only if fewer than ``keep_versions * B`` prompts

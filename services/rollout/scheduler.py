@@ -6,8 +6,8 @@ version arrived) and dispatches what it gets; ``None`` means "nothing may start 
 
 Rules:
 
-- Retries come before new prompts (the reference put a retried group at the back of
-  the buffer, W14) and keep their prompt id and attempt. A retry published twice (the
+- Retries come before new prompts (queued behind new work, a retry would wait the
+  longest of all) and keep their prompt id and attempt. A retry published twice (the
   collector re-published after a crash: same prompt and attempt, another offset) is
   dispatched once: the second record is attached to the first one's work and is done
   when that work is dispatched, or at once if it already was. A record delivered again
