@@ -17,7 +17,10 @@ trained step in the base cell (groups dropped without signal included); C = grou
 second line is Little's law: with C groups in flight, each group's end delayed by its slowest
 episode's wait delays the G groups a step needs by G / C of it. The expectations are Monte Carlo
 draws of the same distribution over the base runs' turns per episode. The predicted async speed-up
-is S_sync / S_async (both arms train the same batch).
+in trained samples is S_sync / S_async (both arms train the same batch). Sync keeps the groups
+without signal (the faster fair sync, docs/benchmarks.md) and trains them with no gradient, async
+drops them, so the speed-up that counts is in samples with signal: S_sync / S_async / (1 - the
+share of sync's groups without signal in the base cell).
 
 Each (cell, arm, seed) is one bench/time_to_reward.py run kept under ``--runs-dir``: the same
 command again re-reads what finished and runs the rest, and ``--predict-only`` runs nothing beyond
@@ -97,6 +100,7 @@ def base_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "generation_s": statistics.fmean(generation),
         "per_turn_generation_s": statistics.fmean(generation) / max(turns),
         "async_groups_per_step": statistics.fmean(r["groups_per_step"] for r in asyn),
+        "sync_no_signal_share": statistics.fmean(r["no_signal_share"] for r in sync),
     }
 
 
@@ -106,7 +110,9 @@ def predict(base: dict[str, Any], multiple: float, sigma: float, wave: int, grou
     sync = base["sync_step_s"] + expected_max_wait(base["turns"], wave, median, sigma, draws)
     asyn = base["async_step_s"] + base["async_groups_per_step"] / in_flight * expected_max_wait(
         base["turns"], group, median, sigma, draws)
-    return {"env_median_s": median, "sync_step_s": sync, "async_step_s": asyn, "speedup": sync / asyn}
+    speedup = sync / asyn
+    return {"env_median_s": median, "sync_step_s": sync, "async_step_s": asyn, "speedup": speedup,
+            "signal_speedup": speedup / (1 - base["sync_no_signal_share"])}
 
 
 def measure(run_dir: Path, minutes: float) -> dict[str, Any]:
@@ -116,9 +122,16 @@ def measure(run_dir: Path, minutes: float) -> dict[str, Any]:
     groups = ended_groups(run_dir, float(summary["train_started_ts"]) + minutes * 60)
     steps = max(1, int(result["steps"]))
     timing = summary.get("seconds_per_step") or {}
+    rows = [json.loads(x) for x in (run_dir / "trainer" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    end = float(summary["train_started_ts"]) + minutes * 60
+    trained = [r for r in rows if float(r.get("ts", math.inf)) <= end and not r.get("skipped")]
+    no_signal = [float(r.get("degenerate_group_fraction") or 0.0) for r in trained]
+    signal = sum(int(r.get("samples") or 0) * (1 - f) for r, f in zip(trained, no_signal, strict=True))
     return {
         "steps": result["steps"],
         "step_s": minutes * 60 / steps,
+        "signal_samples_per_s": signal / (minutes * 60),
+        "no_signal_share": statistics.fmean(no_signal) if no_signal else 0.0,
         "train_s": timing.get("train_s"),
         "idle": result.get("idle"),
         "trained_samples_per_s": result["trained_samples"] / (minutes * 60),
@@ -150,8 +163,9 @@ def cell_runs(multiple: float, sigma: float, median_s: float, args: argparse.Nam
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| env median (× g) | sigma | sync s/step measured / predicted | async s/step measured / predicted "
-             "| async ÷ sync speed measured / predicted | idle engine, trainer (sync / async) |",
-             "|---|---|---|---|---|---|"]
+             "| async ÷ sync, trained samples/s | async ÷ sync, samples with signal/s "
+             "| idle engine, trainer (sync / async) |",
+             "|---|---|---|---|---|---|---|"]
 
     def f(v: float | None, nd: int = 3) -> str:
         return "—" if v is None else f"{v:.{nd}f}"
@@ -162,7 +176,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['env_median_s']:.3f} s ({r['multiple']:g}) | {r['sigma']:g} "
             f"| {f(m.get('sync_step_s'))} / {f(r['predicted']['sync_step_s'])} "
             f"| {f(m.get('async_step_s'))} / {f(r['predicted']['async_step_s'])} "
-            f"| {f(m.get('speedup'), 2)} / {f(r['predicted']['speedup'], 2)} | {m.get('idle', '—')} |")
+            f"| {f(m.get('speedup'), 2)} / {f(r['predicted']['speedup'], 2)} "
+            f"| {f(m.get('signal_speedup'), 2)} / {f(r['predicted']['signal_speedup'], 2)} | {m.get('idle', '—')} |")
     return "\n".join(lines)
 
 
@@ -181,6 +196,7 @@ def summarise_cell(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {
         "sync_step_s": mean("sync", "step_s"), "async_step_s": mean("async", "step_s"),
         "speedup": mean("async", "trained_samples_per_s") / max(1e-9, mean("sync", "trained_samples_per_s")),
+        "signal_speedup": mean("async", "signal_samples_per_s") / max(1e-9, mean("sync", "signal_samples_per_s")),
         "idle": f"{idle('sync')} / {idle('async')}",
         "reward_end": {arm: [r["reward_end"] for r in runs[arm]] for arm in ARMS},
     }
@@ -207,8 +223,9 @@ def main() -> int:
     base_runs = cell_runs(*BASE, 0.0, args, run=True)
     assert base_runs is not None
     base = base_figures(base_runs)
-    base_predicted = {"sync_step_s": base["sync_step_s"], "async_step_s": base["async_step_s"],
-                      "speedup": base["sync_step_s"] / base["async_step_s"]}
+    speedup = base["sync_step_s"] / base["async_step_s"]
+    base_predicted = {"sync_step_s": base["sync_step_s"], "async_step_s": base["async_step_s"], "speedup": speedup,
+                      "signal_speedup": speedup / (1 - base["sync_no_signal_share"])}
     rows: list[dict[str, Any]] = [{"multiple": 0.0, "sigma": 0.0, "env_median_s": 0.0, "predicted": base_predicted,
                                    "measured": summarise_cell(base_runs)}]
     for cell in args.cells:
@@ -217,8 +234,9 @@ def main() -> int:
         runs = cell_runs(multiple, sigma, predicted["env_median_s"], args, run=not args.predict_only)
         rows.append({"multiple": multiple, "sigma": sigma, "env_median_s": predicted["env_median_s"],
                      "predicted": predicted, "measured": None if runs is None else summarise_cell(runs)})
-        print(f"{cell_name(multiple, sigma)}: predicted speed-up {predicted['speedup']:.2f}"
-              + ("" if runs is None else f", measured {rows[-1]['measured']['speedup']:.2f}"), flush=True)
+        print(f"{cell_name(multiple, sigma)}: predicted speed-up in samples with signal "
+              f"{predicted['signal_speedup']:.2f}"
+              + ("" if runs is None else f", measured {rows[-1]['measured']['signal_speedup']:.2f}"), flush=True)
     todo = sum(r["measured"] is None for r in rows) * len(ARMS) * len(args.seeds)
     print(table(rows))
     print(f"per-turn generation time g = {base['per_turn_generation_s'] * 1000:.1f} ms; runs still to do: {todo} "
