@@ -4,7 +4,8 @@
 #   deploy/haproxy.sh install                      apt-get install haproxy if it is missing
 #   deploy/haproxy.sh start DATA_DIR HOST:PORT...  HAProxy on a free 127.0.0.1 port in front of those
 #                                                  proxies (deploy/haproxy/rein.cfg.in); prints
-#                                                  `url=http://127.0.0.1:PORT`
+#                                                  `url=http://127.0.0.1:PORT` and `admin=SOCKET` (its
+#                                                  runtime API)
 #   deploy/haproxy.sh stop DATA_DIR                stop it (TERM, bounded wait, then KILL)
 #
 # Knobs (environment, optional): HAPROXY_START_TIMEOUT (seconds, default 10).
@@ -38,7 +39,10 @@ cmd_start() {
         i=$((i + 1))
     done
     port="$(free_ports 1)"
-    sed -e "s|@BIND@|$HOST:$port|" -e "s|@DIR@|$dir|" "$HERE/haproxy/rein.cfg.in" |
+    # the runtime API's socket: in DATA_DIR unless that path is too long for a Unix socket (108 bytes)
+    admin="$dir/admin.sock"
+    ((${#admin} <= 100)) || admin="${TMPDIR:-/tmp}/rein-haproxy-$port.sock"
+    sed -e "s|@BIND@|$HOST:$port|" -e "s|@DIR@|$dir|" -e "s|@ADMIN@|$admin|" "$HERE/haproxy/rein.cfg.in" |
         awk -v servers="$servers" '{ if ($0 == "@SERVERS@") printf "%s", servers; else print }' >"$dir/haproxy.cfg"
     haproxy -c -q -f "$dir/haproxy.cfg" || die "invalid configuration $dir/haproxy.cfg"
     rm -f "$dir/haproxy.pid"
@@ -49,7 +53,9 @@ cmd_start() {
         sleep 0.1
     done
     echo "http://$HOST:$port" >"$dir/url"
+    echo "$admin" >"$dir/admin"
     echo "url=http://$HOST:$port"
+    echo "admin=$admin"
     log "HAProxy on http://$HOST:$port in front of $*, pid $(cat "$dir/haproxy.pid")"
 }
 
@@ -57,6 +63,7 @@ cmd_stop() {
     local dir="${1:-}"
     [[ -n "$dir" ]] || die "usage: haproxy.sh stop DATA_DIR"
     stop_pidfile "$dir/haproxy.pid" haproxy 10 is_haproxy
+    [[ ! -s "$dir/admin" ]] || rm -f "$(cat "$dir/admin")"  # HAProxy leaves its socket behind
 }
 
 case "${1:-}" in

@@ -81,10 +81,9 @@ def balancer(tmp_path: Path) -> Iterator[tuple[str, Path, int]]:
     deploy_script("haproxy.sh", "install", timeout_s=900)
     old_port, new_port = free_ports(2)
     old = _serve("old", old_port)
-    url = deploy_script("haproxy.sh", "start", str(tmp_path), f"127.0.0.1:{old_port}",
-                        f"127.0.0.1:{new_port}")["url"]
+    started = deploy_script("haproxy.sh", "start", str(tmp_path), f"127.0.0.1:{old_port}", f"127.0.0.1:{new_port}")
     try:
-        yield url, tmp_path / "admin.sock", new_port
+        yield started["url"], Path(started["admin"]), new_port
     finally:
         deploy_script("haproxy.sh", "stop", str(tmp_path), timeout_s=30)
         old.shutdown()
