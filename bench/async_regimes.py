@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.time_to_reward import analyse, finished_run, run_one
+from bench.time_to_reward import analyse, demo_flags, finished_run, run_one
 from ops.demo_presets import PRESETS
 
 ARMS = ("sync", "async")
@@ -89,7 +89,7 @@ def base_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """What the predictions need from the base cell's runs (means over seeds)."""
     sync, asyn = runs["sync"], runs["async"]
     turns = [t for r in sync + asyn for t in r["turns"]]
-    generation = [r["step_s"] - r["train_s"] for r in sync if r["train_s"] is not None]
+    generation = [r["step_s"] - r["train_s"] for r in sync[:1] if r["train_s"] is not None]
     if not turns or not generation:
         raise SystemExit("the base cell's runs hold no turns or no trainer timing: rerun them on this commit")
     return {
@@ -97,8 +97,9 @@ def base_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "max_turns": max(turns),
         "sync_step_s": statistics.fmean(r["step_s"] for r in sync),
         "async_step_s": statistics.fmean(r["step_s"] for r in asyn),
-        "generation_s": statistics.fmean(generation),
-        "per_turn_generation_s": statistics.fmean(generation) / max(turns),
+        # the first seed's alone: it fixes every cell's environment time, so seeds added later keep it
+        "generation_s": generation[0],
+        "per_turn_generation_s": generation[0] / max(r for r in sync[0]["turns"]),
         "async_groups_per_step": statistics.fmean(r["groups_per_step"] for r in asyn),
         "sync_no_signal_share": statistics.fmean(r["no_signal_share"] for r in sync),
     }
@@ -153,10 +154,13 @@ def cell_runs(multiple: float, sigma: float, median_s: float, args: argparse.Nam
     out: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
     for seed in args.seeds:
         for arm in ARMS:
-            found = finished_run(root / f"{arm}-s{seed}")
-            if found is None and not run:
-                return None
-            run_dir = found if found is not None else run_one(arm, seed, ttr_args, root)
+            if run:
+                run_dir = run_one(arm, seed, ttr_args, root)  # re-reads a run finished with these flags
+            else:
+                found = finished_run(root / f"{arm}-s{seed}", demo_flags(arm, seed, ttr_args))
+                if found is None:
+                    return None
+                run_dir = found
             out[arm].append(measure(run_dir, args.minutes))
     return out
 

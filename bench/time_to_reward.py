@@ -152,14 +152,19 @@ def finished_run(runs: Path, flags: list[str] | None = None) -> Path | None:
     return done[0]
 
 
+def demo_flags(mode: str, seed: int, args: argparse.Namespace) -> list[str]:
+    """The ``ops.demo`` flags of one (mode, seed) run: what ``flags.json`` records."""
+    return ["--model", args.model, "--minutes", f"{args.minutes:g}", "--seed", str(seed), *MODES[mode],
+            *args.demo_flag]
+
+
 def run_one(mode: str, seed: int, args: argparse.Namespace, root: Path) -> Path:
     """Run the demo once; its run directory. A run that ended before with the same flags (its summary
     written) is re-read, not repeated, so that the same command continues an invocation that was
     stopped; what a stopped run left behind is removed and that run starts again. A finished run made
     with other flags is never overwritten: that is an error."""
     runs = root / f"{mode}-s{seed}"
-    flags = ["--model", args.model, "--minutes", f"{args.minutes:g}", "--seed", str(seed), *MODES[mode],
-             *args.demo_flag]
+    flags = demo_flags(mode, seed, args)
     done = finished_run(runs, flags)
     if done is not None:
         print(f"{mode} seed {seed}: finished before, re-read from {done}", flush=True)

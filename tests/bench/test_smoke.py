@@ -155,8 +155,9 @@ def _async_regimes(out: Path) -> None:
 def ttr_base_runs(tmp_path: Path) -> Path:
     """The base cell of bench/async_regimes.py, finished: sync and async, seed 0, written by hand."""
     runs = tmp_path / "regimes"
-    for mode, step_s in (("sync", 10.0), ("async", 8.0)):
-        finished_run(runs / "env0-sigma0", mode, 0, reward=0.25, flags=[], step_s=step_s)
+    for mode, step_s in (("sync", 10.0), ("async", 8.0)):  # the flags bench/async_regimes.py's smoke run gives
+        flags = ["--model", "tiny", "--minutes", "0.5", "--seed", "0", "--mode", mode]
+        finished_run(runs / "env0-sigma0", mode, 0, reward=0.25, flags=flags, step_s=step_s)
     return runs
 
 
