@@ -38,13 +38,12 @@ import math
 import random
 import statistics
 import sys
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.time_to_reward import analyse, demo_flags, finished_run, run_one
+from bench.time_to_reward import analyse, demo_flags, ended_groups, finished_run, run_one
 from ops.demo_presets import PRESETS
 
 ARMS = ("sync", "async")
@@ -53,22 +52,6 @@ BASE = (0.0, 0.0)
 
 def cell_name(multiple: float, sigma: float) -> str:
     return f"env{multiple:g}-sigma{sigma:g}"
-
-
-def ended_groups(run_dir: Path, end: float) -> list[dict[str, Any]]:
-    """The runner's ``group_ended`` records (each episode's turns and reward) up to ``end`` (epoch s)."""
-    out = []
-    for line in (run_dir / "logs" / "rollout.log").read_text().splitlines():
-        if '"group_ended"' not in line:
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        ts = datetime.fromisoformat(str(rec.get("timestamp")).replace("Z", "+00:00")).timestamp()
-        if rec.get("event") == "group_ended" and ts <= end:
-            out.append(rec)
-    return out
 
 
 def expected_max_wait(turns: list[int], episodes: int, median_s: float, sigma: float, draws: int,
@@ -120,11 +103,11 @@ def measure(run_dir: Path, minutes: float) -> dict[str, Any]:
     """One run's figures: time_to_reward's analysis, plus its step time, trainer time, turns and groups."""
     result = analyse(run_dir, minutes, [minutes], threshold=1.0, last=32)
     summary = json.loads((run_dir / "summary.json").read_text())
-    groups = ended_groups(run_dir, float(summary["train_started_ts"]) + minutes * 60)
+    end = float(summary["train_started_ts"]) + minutes * 60
+    groups = [rec for ts, rec in ended_groups(run_dir / "logs" / "rollout.log") if ts <= end]
     steps = max(1, int(result["steps"]))
     timing = summary.get("seconds_per_step") or {}
     rows = [json.loads(x) for x in (run_dir / "trainer" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    end = float(summary["train_started_ts"]) + minutes * 60
     trained = [r for r in rows if float(r.get("ts", math.inf)) <= end and not r.get("skipped")]
     no_signal = [float(r.get("degenerate_group_fraction") or 0.0) for r in trained]
     signal = sum(int(r.get("samples") or 0) * (1 - f) for r, f in zip(trained, no_signal, strict=True))

@@ -52,9 +52,10 @@ MODES: dict[str, list[str]] = {
 """Mode name -> ``ops.demo`` flags."""
 
 
-def episodes(rollout_log: Path) -> list[tuple[float, float]]:
-    """``(epoch seconds, reward)`` of every episode of every group the runner ended, in log order."""
-    out: list[tuple[float, float]] = []
+def ended_groups(rollout_log: Path) -> list[tuple[float, dict[str, Any]]]:
+    """``(epoch seconds, record)`` of every ``group_ended`` line of the runner's log (each episode's
+    reward and turns), in log order; lines that are not JSON are skipped."""
+    out: list[tuple[float, dict[str, Any]]] = []
     for line in rollout_log.read_text().splitlines():
         if '"group_ended"' not in line:
             continue
@@ -62,11 +63,14 @@ def episodes(rollout_log: Path) -> list[tuple[float, float]]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if rec.get("event") != "group_ended":
-            continue
-        ts = datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00")).timestamp()
-        out.extend((ts, float(r)) for r in rec.get("rewards", []) if r is not None)
+        if rec.get("event") == "group_ended":
+            out.append((datetime.fromisoformat(str(rec["timestamp"]).replace("Z", "+00:00")).timestamp(), rec))
     return out
+
+
+def episodes(rollout_log: Path) -> list[tuple[float, float]]:
+    """``(epoch seconds, reward)`` of every episode of every group the runner ended, in log order."""
+    return [(ts, float(r)) for ts, rec in ended_groups(rollout_log) for r in rec.get("rewards", []) if r is not None]
 
 
 def reward_at(eps: list[tuple[float, float]], t: float, last: int) -> float | None:
