@@ -47,13 +47,14 @@ def wait_on_stack(
     interval_s: float = 0.25,
 ) -> None:
     """:func:`wait_until` for an ``ops.local`` stack: also fails as soon as a service not in
-    ``allow_dead`` has died (naming it and where its log is)."""
+    ``allow_dead`` has died (naming it, with its log's tail: a CI run keeps no files)."""
     logs = local.config.run_dir / "logs"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if cond():
             return
-        dead = [s.name for s in local.stack.dead() if s.name not in allow_dead]
-        assert not dead, f"{dead} died while waiting for {what}; logs in {logs}"
+        dead = [s for s in local.stack.dead() if s.name not in allow_dead]
+        assert not dead, f"{[s.name for s in dead]} died while waiting for {what}; logs in {logs}\n" + "\n".join(
+            f"--- {s.name} (exit {s.proc.returncode if s.proc else None}):\n{s.tail(40)}" for s in dead)
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; logs in {logs}")
