@@ -204,10 +204,13 @@ def _status(compose: Compose) -> dict[str, Any]:
            "--redis", f"redis://127.0.0.1:{compose.ports['redis']}/0",
            "--proxy", f"http://127.0.0.1:{compose.ports['proxy']}", "--admin-token", compose.admin_token]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
-    if done.returncode not in (0, 1):
-        pytest.fail(f"rein status exited {done.returncode}\n--- stdout\n{done.stdout[-4000:]}\n"
+    try:
+        report: dict[str, Any] = json.loads(done.stdout)
+    except ValueError:
+        report = {}
+    if done.returncode not in (0, 1) or not report:
+        pytest.fail(f"rein status exited {done.returncode} without a report\n--- stdout\n{done.stdout[-4000:]}\n"
                     f"--- stderr\n{done.stderr[-4000:]}")
-    report: dict[str, Any] = json.loads(done.stdout)
     return report
 
 
