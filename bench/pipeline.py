@@ -52,9 +52,9 @@ from bench.procstat import cpu_split, service_pids, snapshot
 from bench.token_accounting import token_accounting
 from bench.update_logs import pause_stalls, stall_summary, update_phases
 from ops.demo import parse_args as demo_args
-from ops.demo import stack_config
 from ops.local.stack import StackConfig, start
 from ops.report import rows_so_far
+from ops.stack_flags import stack_config
 
 _IN_FLIGHT = re.compile(r"^rein_rollout_groups_in_flight\s+([0-9.eE+-]+)$", re.M)
 

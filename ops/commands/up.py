@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ops.args import max_preempts_arg
+from ops.stack_flags import add_stack_flags, apply_preset, resolve_model, stack_config
 
 DEFAULT_RUN_DIR = Path("runs/local")
 
@@ -22,13 +23,7 @@ def register(sub: Any) -> None:
     )
     up.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="logs, weights, pids (default runs/local)")
     up.add_argument("--steps", type=int, default=0, help="trainer steps before it stops (0 = run until down)")
-    up.add_argument("--keep-versions", type=int, default=2)
-    up.add_argument("--max-preempts", type=max_preempts_arg, default=2, help="the proxy's span cap (none = no cap)")
-    up.add_argument("--collectors", type=int, default=2)
-    up.add_argument("--batch-groups", type=int, default=8)
-    up.add_argument("--group-size", type=int, default=8)
-    up.add_argument("--mode", choices=["async", "sync"], default="async")
-    up.add_argument("--seed", type=int, default=0)
+    add_stack_flags(up)  # the demo's, with its defaults per model
     up.set_defaults(func=run_up)
 
     down = sub.add_parser(
@@ -42,23 +37,18 @@ def register(sub: Any) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     from ops.local.launcher import LaunchError
-    from ops.local.stack import StackConfig, start
+    from ops.local.stack import start
 
     pid_file = args.run_dir / "pids.json"
     if pid_file.exists() and json.loads(pid_file.read_text() or "{}"):
         print(f"error: {args.run_dir} already has running processes; `rein down --run-dir {args.run_dir}` first")
         return 1
-    config = StackConfig(
-        run_dir=args.run_dir,
-        steps=args.steps,
-        keep_versions=args.keep_versions,
-        max_preempts=args.max_preempts,
-        collectors=args.collectors,
-        batch_groups=args.batch_groups,
-        group_size=args.group_size,
-        mode=args.mode,
-        seed=args.seed,
-    )
+    apply_preset(args)
+    try:
+        config = stack_config(args, resolve_model(args.model), args.run_dir)
+    except (ValueError, OSError, subprocess.TimeoutExpired) as exc:
+        print(f"error: {exc}")
+        return 1
     try:
         local = start(config)
     except LaunchError as exc:

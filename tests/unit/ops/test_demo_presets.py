@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from ops.demo import offers_tools, parse_args, resolve_model, stack_config
+from ops.demo import offers_tools, parse_args
 from ops.demo_metrics import EngineUsage, ToolCallSeries
 from ops.demo_presets import PRESETS
 from ops.demo_summary import progress_line, summarize, timing
 from ops.local.stack import StackConfig
 from ops.report import optimizer_steps
+from ops.stack_flags import apply_preset, resolve_model, stack_config
 
 
 def test_tiny_demo_keeps_its_defaults() -> None:
@@ -151,3 +153,18 @@ def test_tool_call_counts_become_per_interval_shares_on_the_lines_they_were_read
 
 def test_only_a_task_that_offers_tools_reports_tool_calls_without_markup() -> None:
     assert offers_tools("calculator") and not offers_tools("arithmetic") and not offers_tools("guess_number")
+
+
+def test_rein_up_and_the_demo_start_the_same_stack_from_the_same_flags(tmp_path: Path) -> None:
+    """One set of stack flags and defaults (``ops.stack_flags``): `rein up` differs from `make demo` only in
+    its run directory and in running until `rein down` (no step cap, no time budget)."""
+    from ops.cli import build_parser
+
+    for flags in ([], ["--model", "smollm2"], ["--mode", "sync", "--batch-groups", "2", "--env-time", "0.5",
+                                              "--max-preempts", "none", "--correction", "tis", "--seed", "3"]):
+        up = build_parser().parse_args(["up", "--run-dir", str(tmp_path), *flags])
+        apply_preset(up)
+        demo = parse_args(flags)
+        from_up, from_demo = stack_config(up, "m", tmp_path), stack_config(demo, "m", tmp_path)
+        assert from_up.steps == 0 and from_demo.steps == demo.steps > 0
+        assert replace(from_up, steps=from_demo.steps) == from_demo, flags
