@@ -161,6 +161,28 @@ def ttr_base_runs(tmp_path: Path) -> Path:
     return runs
 
 
+STRESS_ARMS = {"sync": ["--mode", "sync"], "async-none": ["--mode", "async", "--keep-versions", "0", "--max-preempts",
+               "none", "--pacing", "off", "--nonlast-version-tokens", "weight"], "async": ["--mode", "async"]}
+"""bench/time_to_reward.py's flags of bench/stress.py's arms, as ``flags.json`` records them."""
+
+
+@pytest.fixture
+def stress_runs(tmp_path: Path) -> Path:
+    """bench/stress.py's three arms, seed 0, finished, written by hand: each scores its own constant reward."""
+    runs = tmp_path / "stress"
+    for arm, reward in (("sync", 0.25), ("async-none", 0.1), ("async", 0.2)):
+        flags = ["--model", "tiny", "--minutes", "0.5", "--seed", "0", *STRESS_ARMS[arm], "--lr=0.003"]
+        finished_run(runs, arm, 0, reward=reward, flags=flags)
+    return runs
+
+
+def _stress(out: Path) -> None:
+    data = _json(out, "per_seed", "runs", "stress")
+    shares = data["per_seed"]["0"]["share_of_sync"]
+    assert set(shares) == {"sync", "async-none", "async"} and shares["sync"] == 1.0
+    assert all({"curve", "signal_samples", "version_gap_mean"} <= set(r[0]) for r in data["runs"].values())
+
+
 def _plot_controls(out: Path) -> None:
     assert out.stat().st_size > 0
 
@@ -179,6 +201,11 @@ SMOKE: dict[str, Smoke] = {
         lambda out, fx: ["--runs-dir", fx["ttr_base_runs"], "--minutes", "0.5", "--predict-only", "--cells", "1:0",
                          "4:2", "--draws", "50", "--out", str(out)],
         _async_regimes, fixtures=("ttr_base_runs",),
+    ),
+    "stress": Smoke(
+        lambda out, fx: ["--runs-dir", fx["stress_runs"], "--minutes", "0.5", "--stress=--lr=0.003",
+                         "--episodes", "4", "--startup-timeout-s", "1", "--out", str(out)],
+        _stress, fixtures=("stress_runs",),
     ),
     "plot_controls": Smoke(lambda out, _: [str(BENCH / "controls.json"), str(out)], _plot_controls),
     "trainer_step": Smoke(
