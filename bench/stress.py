@@ -3,9 +3,9 @@
 Issue 34, item 6: the seed article's central claim is that stale data hurts what a policy learns from
 each sample and that bounding staleness recovers it. On the demo's settings a version gap of about one
 step does not hurt measurably (docs/benchmarks.md, "In the demo's learning regime"), so this script
-builds a regime where staleness is large: many groups in flight (``--concurrent-groups``), a high
-learning rate (``--lr``) and episodes that wait on their environment (``--env-time``), every arm with
-the same flags. Arms (``bench/time_to_reward.py``'s modes): ``sync`` (on-policy: the reference),
+builds a regime where staleness is large: many groups in flight (``--concurrent-groups``) and a high
+learning rate (``--lr``), every arm with the same flags (``--stress``; ``--env-time`` there makes the
+episodes longer too). Arms (``bench/time_to_reward.py``'s modes): ``sync`` (on-policy: the reference),
 ``async-none`` (no window, no span cap, no pacing, every token trained under PPO's ratio) and
 ``async`` (rein's controls: window keep 2, span cap 2, pacing, older-version tokens masked; the pacing
 admits only what the window can still train, so it also caps the groups in flight).
@@ -38,9 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.time_to_reward import analyse, run_one
 
 ARMS = ("sync", "async-none", "async")
-STRESS = ["--concurrent-groups=64", "--lr=0.003", "--env-time=0.1", "--env-time-sigma=1"]
-"""Every arm's flags beside its mode's: 64 groups in flight (16 batches of work), 3x the trainer's
-learning rate, a 0.1 s median wait per environment step (about one turn's generation, 87 ms)."""
+STRESS = ["--concurrent-groups=64", "--lr=0.003"]
+"""Every arm's flags beside its mode's: 64 groups in flight (16 batches of work: with the pipeline's ~60
+episodes a second a group is in flight for about 8 s, many trainer steps) and 3x the trainer's learning
+rate (each step moves the policy further from what an older version sampled). No environment time by
+default: it would slow sync's wave to a few steps a minute, too few samples to compare curves on."""
 GRID_POINTS = 16
 
 
