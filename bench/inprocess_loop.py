@@ -25,7 +25,6 @@ from services.proxy.transcript import SegmentState, Transcript
 from services.rollout.settings import RolloutSettings
 from services.rollout.task import Episode, Message, Prompt
 from services.rollout.tasks import TASKS
-from services.trainer.loop import hyper_from
 from services.trainer.samples import build_samples
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import PolicyTrainer
@@ -125,7 +124,7 @@ class Reference:
         self.tokenizer = self.family.tokenizer
         device = torch.device("cpu")
         model = self.family.new_model(seed, device, dtype=torch.float32)
-        self.trainer = PolicyTrainer(model, hyper_from(s), device)
+        self.trainer = PolicyTrainer(model, s, device)
         self.context = context_window_of(self.family, model)
         self._served: deque[Weights] = deque([self._serve(0)], maxlen=recipe.lag + 1)
         self.batcher = Batcher(self._served[0], end_id=self.tokenizer.stop_ids, pad_id=self.tokenizer.pad_id,

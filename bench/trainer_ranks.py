@@ -36,15 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.trainer_step import VOCAB, batch_args, load_model, make_batch
 from ops.local.ports import free_port
+from services.trainer.loss_settings import LossSettings
 from services.trainer.parallel import ALONE, Ranks, TorchRanks
-from services.trainer.step import Hyper, PolicyTrainer
+from services.trainer.step import PolicyTrainer
 
 
 def steps(args: argparse.Namespace, ranks: Ranks) -> list[float]:
     """Seconds of each timed step (after one warm-up) on these ranks."""
     _, model = load_model(args, torch.device("cpu"))
     batch = make_batch(model, args.samples, (args.min_len, args.max_len), args.trained, VOCAB, torch.device("cpu"))
-    trainer = PolicyTrainer(model, Hyper(lr=1e-6), torch.device("cpu"), ranks=ranks)
+    trainer = PolicyTrainer(model, LossSettings(lr=1e-6), torch.device("cpu"), ranks=ranks)
     out = []
     for i in range(args.rounds + 1):
         ranks.barrier()

@@ -41,8 +41,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from services.trainer.loss_settings import LossSettings
 from services.trainer.samples import BatchSamples, Sample
-from services.trainer.step import Hyper, PolicyTrainer
+from services.trainer.step import PolicyTrainer
 from shared.model import load_family
 from shared.model.compute import token_logprobs
 
@@ -149,7 +150,7 @@ def main() -> None:
     name, model = load_model(args, device)
     vocab = int(model.get_output_embeddings().weight.shape[0])  # type: ignore[operator]
     batch = make_batch(model, args.samples, (args.min_len, args.max_len), args.trained, vocab, device)
-    hyper = Hyper(lr=1e-6)
+    hyper = LossSettings(lr=1e-6)
     trainer = PolicyTrainer(model, hyper, device)
     positions = sum(len(s.token_ids) for s in batch.samples)
 

@@ -31,8 +31,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Annotated, Self
 
 import torch
+from pydantic import BaseModel, Field, model_validator
+from pydantic_settings import SettingsConfigDict
 
 from services.trainer.loss import MAX_LOG_RATIO, LossStats, ppo_clip_loss
 from shared.registry import Registry
@@ -45,32 +48,6 @@ def band_error(band: tuple[float, float]) -> str | None:
     if not 0.0 <= low <= 1.0 <= high:
         return f"{band} must satisfy 0 <= low <= 1 <= high"
     return None
-
-
-@dataclass(frozen=True)
-class CorrectionConfig:
-    """Which correction the loss applies and its knobs (mirrors the trainer settings)."""
-
-    kind: str = "none"
-    """A name in :data:`CORRECTIONS`."""
-    tis_cap: float = 2.0
-    """C in ``w = min(k, C)`` (``tis`` and ``decoupled``); at least 1, so a ratio of 1 keeps weight 1."""
-    icepop_band: tuple[float, float] = (0.5, 5.0)
-    """[α, β] of ``icepop``: tokens with ``k`` outside leave the loss."""
-    geo_mask_band: tuple[float, float] = (0.5, 2.0)
-    """Band of ``geo_mask`` for a sample's geometric-mean ratio over its trained tokens."""
-    m2po_threshold: float = 0.04
-    """τ of ``m2po``: bound on the mean squared log-ratio of the batch's tokens that stay."""
-
-    def __post_init__(self) -> None:
-        CORRECTIONS.check(self.kind)
-        if not self.tis_cap >= 1.0:
-            raise ValueError(f"tis_cap ({self.tis_cap}) must be >= 1")
-        for name, band in (("icepop_band", self.icepop_band), ("geo_mask_band", self.geo_mask_band)):
-            if (error := band_error(band)) is not None:
-                raise ValueError(f"{name} {error}")
-        if not self.m2po_threshold > 0.0:
-            raise ValueError(f"m2po_threshold ({self.m2po_threshold}) must be > 0")
 
 
 @dataclass(frozen=True)
@@ -103,8 +80,8 @@ class Weighting:
 class Correction:
     """One off-policy correction, as :data:`CORRECTIONS` registers it."""
 
-    weigh: Callable[[CorrectionConfig, Ratios], Weighting]
-    batch_statistic: Callable[[CorrectionConfig, torch.Tensor], float] | None = None
+    weigh: Callable[[CorrectionSettings, Ratios], Weighting]
+    batch_statistic: Callable[[CorrectionSettings, torch.Tensor], float] | None = None
     """A number ``weigh`` reads over the whole batch (M2PO's cutoff), from the log-ratios of its trained tokens
     (1-D): when the batch is split (micro-batches, ranks) the trainer computes it over all of them first, so
     the split changes nothing."""
@@ -210,36 +187,36 @@ def _on(stays: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.where(stays, weight, torch.zeros_like(weight))
 
 
-def ppo(cfg: CorrectionConfig, t: Ratios) -> Weighting:
+def ppo(cfg: CorrectionSettings, t: Ratios) -> Weighting:
     """``none``: every trained token, under :func:`ppo_clip_loss`'s objective."""
     return Weighting(t.keep)
 
 
-def tis(cfg: CorrectionConfig, t: Ratios) -> Weighting:
+def tis(cfg: CorrectionSettings, t: Ratios) -> Weighting:
     """``tis`` (and ``decoupled``, whose ``k`` is π_prox/μ): ``w = min(k, C)``."""
     k = torch.exp(t.log_ratio)
     return Weighting(t.keep, _on(t.keep, torch.clamp(k, max=cfg.tis_cap)), t.keep & (k > cfg.tis_cap))
 
 
-def icepop(cfg: CorrectionConfig, t: Ratios) -> Weighting:
+def icepop(cfg: CorrectionSettings, t: Ratios) -> Weighting:
     """``icepop``: ``w = k`` for ``k`` in [α, β]; the other tokens leave the loss."""
     k = torch.exp(t.log_ratio)
     stays = t.keep & (k >= cfg.icepop_band[0]) & (k <= cfg.icepop_band[1])
     return Weighting(stays, _on(stays, k))
 
 
-def geo_mask(cfg: CorrectionConfig, t: Ratios) -> Weighting:
+def geo_mask(cfg: CorrectionSettings, t: Ratios) -> Weighting:
     """``geo_mask``: ``none``'s objective on the samples whose geometric-mean ratio lies in the band."""
     return Weighting(t.keep & geo_mask_rows(t.log_ratio, t.keep, cfg.geo_mask_band).unsqueeze(-1))
 
 
-def m2po_batch_cutoff(cfg: CorrectionConfig, log_ratios: torch.Tensor) -> float:
+def m2po_batch_cutoff(cfg: CorrectionSettings, log_ratios: torch.Tensor) -> float:
     """M2PO's :func:`m2po_cutoff` over the log-ratios of a batch's trained tokens (float64: the cutoff lies
     strictly between two float32 values)."""
     return m2po_cutoff(log_ratios.to(torch.float64) ** 2, cfg.m2po_threshold)
 
 
-def m2po(cfg: CorrectionConfig, t: Ratios) -> Weighting:
+def m2po(cfg: CorrectionSettings, t: Ratios) -> Weighting:
     """``m2po``: ``w = k`` for the tokens the batch's cutoff keeps (``(log k)² <= cutoff``); the others leave."""
     cutoff = m2po_batch_cutoff(cfg, t.log_ratio[t.keep]) if t.batch_statistic is None else t.batch_statistic
     stays = t.keep & (t.log_ratio.to(torch.float64) ** 2 <= cutoff)
@@ -257,13 +234,43 @@ CORRECTIONS: Registry[Correction] = Registry("correction", {
 """Every correction by name (``REIN_OFFPOLICY_CORRECTION``, ``make demo --correction``): one entry each."""
 
 
+class CorrectionSettings(BaseModel):
+    """Which correction the loss applies and its knobs, declared once: the trainer's settings take them as a
+    mixin (``REIN_OFFPOLICY_CORRECTION``, ``REIN_TIS_CAP``, ...); a test or a bench builds one directly."""
+
+    model_config = SettingsConfigDict(use_attribute_docstrings=True, extra="forbid")  # a mixin of TrainerSettings
+
+    offpolicy_correction: Annotated[str, CORRECTIONS] = "none"
+    """Off-policy correction of the loss, by its name in ``services.trainer.corrections.CORRECTIONS``
+    (docs/architecture.md, "Off-policy corrections in the loss"); ``none`` is PPO-clip on the trainer/rollout
+    ratio. Each logs the share of trained tokens it masked or clipped and the weights' ESS."""
+    tis_cap: float = Field(default=2.0, ge=1.0)
+    """C of ``tis`` and ``decoupled``: the behaviour importance weight is min(ratio, C) (slime's and verl's 2.0)."""
+    icepop_band: tuple[float, float] = (0.5, 5.0)
+    """[low, high] of ``icepop``: tokens whose trainer/rollout ratio lies outside leave the loss (verl's
+    ``0.5_5.0``). JSON, e.g. ``[0.5, 5.0]``; low <= 1 <= high."""
+    geo_mask_band: tuple[float, float] = (0.5, 2.0)
+    """[low, high] of ``geo_mask`` for a sample's geometric-mean ratio over its trained tokens (slime's
+    bounds 0.5 / 2.0); low <= 1 <= high."""
+    m2po_threshold: float = Field(default=0.04, gt=0)
+    """τ of ``m2po``: tokens with the largest squared log-ratio leave the loss until the batch's mean squared
+    log-ratio is at most τ (AReaL's example 0.04)."""
+
+    @model_validator(mode="after")
+    def _check_bands(self) -> Self:
+        for name, band in (("icepop_band", self.icepop_band), ("geo_mask_band", self.geo_mask_band)):
+            if (error := band_error(band)) is not None:
+                raise ValueError(f"{name} (REIN_{name.upper()}) {error}")
+        return self
+
+
 def corrected_loss(
     logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    correction: CorrectionConfig | None = None,
+    correction: CorrectionSettings | None = None,
     clip_eps: float = 0.2,
     is_truncation: float | None = 2.0,
     normalizer: float | None = None,
@@ -288,8 +295,8 @@ def corrected_loss(
     |diff| compare π_θ with μ; ``clip_fraction`` counts PPO clips of the ratio the objective
     clips) and :class:`CorrectionStats`.
     """
-    cfg = correction or CorrectionConfig()
-    kind = CORRECTIONS[cfg.kind]
+    cfg = correction or CorrectionSettings()
+    kind = CORRECTIONS[cfg.offpolicy_correction]
     keep = mask.to(torch.bool)
     if logprobs.shape != rollout_logprobs.shape or logprobs.shape != keep.shape:
         raise ValueError(

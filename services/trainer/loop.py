@@ -37,20 +37,19 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.trainer.corrections import CorrectionConfig
 from services.trainer.fetch import Fetched, FetchTimeout, GroupFetcher
 from services.trainer.metrics import TrainerMetrics, step_line
 from services.trainer.ordering import ManifestOrder
 from services.trainer.parallel import ALONE, Ranks
 from services.trainer.samples import build_samples
 from services.trainer.settings import TrainerSettings
-from services.trainer.step import Hyper, PolicyTrainer
+from services.trainer.step import PolicyTrainer
 from services.trainer.store import (
     MetricsLog,
     Sidecar,
@@ -73,20 +72,6 @@ from shared.status_server import StatusServer
 from shared.tokenizer import TOKENIZER
 
 _log = log.get(__name__)
-
-
-def hyper_from(settings: TrainerSettings) -> Hyper:
-    """The step's settings; every knob of :class:`CorrectionConfig` is the trainer setting of the same name."""
-    return Hyper(
-        lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, grad_clip=settings.grad_clip,
-        ppo_clip=settings.ppo_clip, is_truncation=settings.is_truncation, normalize_std=settings.normalize_std,
-        temperature=settings.temperature, micro_batch_size=settings.micro_batch_size,
-        entropy_coef=settings.entropy_coef, epochs=settings.epochs,
-        correction=CorrectionConfig(
-            kind=settings.offpolicy_correction,
-            **{f.name: getattr(settings, f.name) for f in fields(CorrectionConfig) if f.name != "kind"},
-        ),
-    )
 
 
 @dataclass
@@ -135,7 +120,7 @@ class TrainerLoop:
         s = self.settings
         if s.gradient_checkpointing and not set_gradient_checkpointing(model, True):
             _log.warning("gradient_checkpointing_unsupported", model=self.family.name)
-        return PolicyTrainer(model, hyper_from(s), self.device, autocast=self._autocast(), ranks=self.ranks)
+        return PolicyTrainer(model, s, self.device, autocast=self._autocast(), ranks=self.ranks)
 
     def _restore(self) -> tuple[PolicyTrainer, Sidecar]:
         s = self.settings

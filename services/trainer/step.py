@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -22,40 +22,17 @@ from torch import nn
 
 from services.trainer.corrections import (
     CORRECTIONS,
-    CorrectionConfig,
     CorrectionStats,
     behaviour_log_ratio,
     corrected_loss,
 )
 from services.trainer.loss import LossStats, entropy_bonus, grpo_advantages
+from services.trainer.loss_settings import LossSettings
 from services.trainer.parallel import ALONE, Ranks
 from services.trainer.samples import BatchSamples, Sample
 from shared.model.compute import token_logprobs, token_logprobs_and_entropy
 from shared.model.sampling import NO_TOP_K, SamplingTensors
 from shared.schemas import SamplingParams
-
-
-@dataclass(frozen=True)
-class Hyper:
-    """Optimisation settings of :class:`PolicyTrainer` (mirrors the trainer settings)."""
-
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.99)
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    ppo_clip: float = 0.2
-    is_truncation: float | None = 2.0
-    normalize_std: bool = False
-    temperature: float = 1.0
-    """Temperature of tokens whose chunk recorded no sampling parameters (older records)."""
-    micro_batch_size: int = 0
-    epochs: int = 1
-    """Optimizer steps per batch, each a pass over all of it; statistics are the first pass's."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus (:func:`~services.trainer.loss.entropy_bonus`); 0: none (not even scored)."""
-    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
-    """Off-policy correction of the loss (``services/trainer/corrections.py``); default ``none``."""
-
 
 SkipReason = Literal["no_tokens", "no_signal", "zero_gradient"]
 """Why a batch took no optimizer update: it had no trained token; every trained token's advantage
@@ -153,14 +130,14 @@ class _ChunkLoss(NamedTuple):
     stats: LossStats
     corrections: CorrectionStats
     entropy_bonus: float
-    """The entropy bonus's value; 0.0 when ``Hyper.entropy_coef`` is 0 (not scored)."""
+    """The entropy bonus's value; 0.0 when ``LossSettings.entropy_coef`` is 0 (not scored)."""
 
 
 class PolicyTrainer:
     """The model, its optimizer and the update rule."""
 
     def __init__(
-        self, model: nn.Module, hyper: Hyper, device: torch.device, autocast: torch.dtype | None = None,
+        self, model: nn.Module, hyper: LossSettings, device: torch.device, autocast: torch.dtype | None = None,
         ranks: Ranks = ALONE,
     ) -> None:
         self.model = model.to(device)
@@ -196,7 +173,7 @@ class PolicyTrainer:
         they sampled are scored apart (:attr:`StepStats.same_version_tokens`).
 
         Every statistic is taken before the update: micro-batches accumulate gradients on the same
-        weights and the optimizer steps once, after the last of them; with ``Hyper.epochs`` > 1 more
+        weights and the optimizer steps once, after the last of them; with ``LossSettings.epochs`` > 1 more
         passes follow, each one more step, their statistics not kept. A batch without a trained
         token of non-zero advantage is skipped before the forward pass.
         """
@@ -273,7 +250,7 @@ class PolicyTrainer:
         )
 
     def _another_pass(self, mine: list[Sample], advantages: torch.Tensor, version: str | None, total: int) -> None:
-        """One more optimizer step on the batch (``Hyper.epochs``), scored on the weights the last one left:
+        """One more optimizer step on the batch (``LossSettings.epochs``), scored on the weights the last one left:
         the same loss, its batch statistic taken anew, no statistics kept."""
         h = self.hyper
         statistic = self._batch_statistic(mine, advantages, version)
@@ -290,11 +267,11 @@ class PolicyTrainer:
         statistic: float | None,
     ) -> _ChunkLoss:
         """One micro-batch's loss, normalised by the batch's ``total`` trained tokens, less the entropy bonus
-        (``Hyper.entropy_coef``): the first pass and every further ``epochs`` pass train on the same loss."""
+        (``LossSettings.entropy_coef``): the first pass and every further ``epochs`` pass train on the same loss."""
         h = self.hyper
         t, logprobs, entropy = self._score(chunk, advantages, version, with_entropy=h.entropy_coef > 0)
         loss, stats, correction_stats = corrected_loss(
-            logprobs, t["rollout"], t["adv"], t["mask"], correction=h.correction,
+            logprobs, t["rollout"], t["adv"], t["mask"], correction=h,
             clip_eps=h.ppo_clip, is_truncation=h.is_truncation, normalizer=float(total), batch_statistic=statistic,
         )
         bonus = 0.0
@@ -342,7 +319,7 @@ class PolicyTrainer:
         what it sees). Costs one forward pass without gradient per micro-batch; the ranks gather each other's
         log ratios."""
         h = self.hyper
-        statistic = CORRECTIONS[h.correction.kind].batch_statistic
+        statistic = CORRECTIONS[h.offpolicy_correction].batch_statistic
         chunks = list(self._micro_batches(mine))
         if statistic is None or (len(chunks) < 2 and self.ranks.world == 1):
             return None
@@ -351,4 +328,4 @@ class PolicyTrainer:
             for chunk in chunks:
                 t, logprobs, _ = self._score(chunk, advantages, version)
                 ratios.append(behaviour_log_ratio(logprobs, t["rollout"], t["mask"])[t["mask"]].to(torch.float64).cpu())
-        return statistic(h.correction, torch.cat(self.ranks.all_gather(torch.cat(ratios))))
+        return statistic(h, torch.cat(self.ranks.all_gather(torch.cat(ratios))))

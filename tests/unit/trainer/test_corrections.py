@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from services.trainer.corrections import (
     CORRECTIONS,
-    CorrectionConfig,
+    CorrectionSettings,
     CorrectionStats,
     Ratios,
     behaviour_log_ratio,
@@ -72,7 +72,7 @@ def test_none_reports_the_importance_ratios_ess() -> None:
 
 def test_tis_truncates_the_weight_and_moves_every_token() -> None:
     lp, rollout = _tokens([[0.5, 1.0, 3.0]])
-    cfg = CorrectionConfig(kind="tis", tis_cap=2.0)
+    cfg = CorrectionSettings(offpolicy_correction="tis", tis_cap=2.0)
     loss, stats, c = corrected_loss(lp, rollout, torch.tensor([1.0]), torch.ones(1, 3), correction=cfg)
     w = [0.5, 1.0, 2.0]
     assert loss.item() == pytest.approx(-sum(w) / 3)
@@ -86,14 +86,15 @@ def test_tis_truncates_the_weight_and_moves_every_token() -> None:
 def test_tis_differs_from_today_where_the_clip_would_drop_a_token() -> None:
     lp, rollout = _tokens([[1.5]])  # ratio beyond 1 + ε with A > 0: today's clip gives no gradient
     today, _, _ = corrected_loss(lp, rollout, torch.tensor([1.0]), torch.ones(1, 1))
-    tis, _, _ = corrected_loss(lp, rollout, torch.tensor([1.0]), torch.ones(1, 1), correction=CorrectionConfig("tis"))
+    tis, _, _ = corrected_loss(lp, rollout, torch.tensor([1.0]), torch.ones(1, 1),
+                                correction=CorrectionSettings(offpolicy_correction="tis"))
     assert _grad(today, lp).item() == 0.0
     assert _grad(tis, lp).item() == pytest.approx(-1.5)
 
 
 def test_icepop_drops_tokens_outside_the_band_and_keeps_the_denominator() -> None:
     lp, rollout = _tokens([[0.25, 1.0, 3.0, 8.0]])
-    cfg = CorrectionConfig(kind="icepop", icepop_band=(0.5, 5.0))
+    cfg = CorrectionSettings(offpolicy_correction="icepop", icepop_band=(0.5, 5.0))
     loss, _, c = corrected_loss(lp, rollout, torch.tensor([-1.0]), torch.ones(1, 4), correction=cfg)
     assert loss.item() == pytest.approx((1.0 + 3.0) / 4)  # n stays 4
     assert torch.allclose(_grad(loss, lp), torch.tensor([[0.0, 0.25, 0.75, 0.0]], dtype=torch.float64))
@@ -106,7 +107,7 @@ def test_geo_mask_drops_whole_samples_by_their_geometric_mean() -> None:
     # row 2: geo 1, kept though its tokens are at 0.9 and 1/0.9
     lp, rollout = _tokens([[1.1, 1.1], [4.0, 2.0], [0.9, 1 / 0.9]])
     adv = torch.tensor([1.0, 1.0, -1.0])
-    cfg = CorrectionConfig(kind="geo_mask", geo_mask_band=(0.5, 2.0))
+    cfg = CorrectionSettings(offpolicy_correction="geo_mask", geo_mask_band=(0.5, 2.0))
     loss, stats, c = corrected_loss(lp, rollout, adv, torch.ones(3, 2), correction=cfg)
     # kept rows go through today's objective: all four ratios are inside PPO's trust region
     objective = 1.1 + 1.1 - 0.9 - 1 / 0.9
@@ -120,7 +121,7 @@ def test_geo_mask_drops_whole_samples_by_their_geometric_mean() -> None:
 
 def test_geo_mask_keeps_todays_clips_on_the_samples_it_keeps() -> None:
     lp, rollout = _tokens([[1.5, 1.5]])  # geo 1.5: kept; ratio above 1 + ε with A > 0: clipped as today
-    cfg = CorrectionConfig(kind="geo_mask")
+    cfg = CorrectionSettings(offpolicy_correction="geo_mask")
     loss, stats, _ = corrected_loss(lp, rollout, torch.tensor([1.0]), torch.ones(1, 2), correction=cfg)
     today, today_stats = ppo_clip_loss(lp, rollout, torch.tensor([1.0]), torch.ones(1, 2))
     assert loss.item() == pytest.approx(today.item())
@@ -130,7 +131,7 @@ def test_geo_mask_keeps_todays_clips_on_the_samples_it_keeps() -> None:
 def test_m2po_masks_the_largest_squared_log_ratios_until_the_mean_fits() -> None:
     log_ratios = [0.0, 0.1, -0.2, 0.5, -1.0]  # squares 0, .01, .04, .25, 1: prefix means 0, .005, .0167, .075
     lp, rollout = _tokens([[math.exp(x) for x in log_ratios]])
-    cfg = CorrectionConfig(kind="m2po", m2po_threshold=0.04)
+    cfg = CorrectionSettings(offpolicy_correction="m2po", m2po_threshold=0.04)
     loss, _, c = corrected_loss(lp, rollout, torch.tensor([1.0]), torch.ones(1, 5), correction=cfg)
     w = [1.0, math.exp(0.1), math.exp(-0.2), 0.0, 0.0]
     assert loss.item() == pytest.approx(-sum(w) / 5)
@@ -151,7 +152,7 @@ def test_m2po_cutoff_by_hand() -> None:
 
 def test_m2po_takes_a_given_batch_cutoff() -> None:
     lp, rollout = _tokens([[1.0, math.exp(0.3)]])
-    cfg = CorrectionConfig(kind="m2po", m2po_threshold=0.04)
+    cfg = CorrectionSettings(offpolicy_correction="m2po", m2po_threshold=0.04)
     own, _, c_own = corrected_loss(lp, rollout, torch.tensor([1.0]), torch.ones(1, 2), correction=cfg)
     given_, _, c_given = corrected_loss(lp, rollout, torch.tensor([1.0]), torch.ones(1, 2), correction=cfg,
                                         batch_statistic=1.0)
@@ -164,7 +165,7 @@ def test_decoupled_clips_current_over_proximal_and_weights_proximal_over_behavio
     behaviour = torch.full((1, 3), -1.0, dtype=torch.float64)
     proximal = behaviour + torch.log(torch.tensor([[3.0, 0.5, 1.0]], dtype=torch.float64))
     lp = (proximal + torch.log(torch.tensor([[1.1, 1.5, 0.7]], dtype=torch.float64))).requires_grad_(True)
-    cfg = CorrectionConfig(kind="decoupled", tis_cap=2.0)
+    cfg = CorrectionSettings(offpolicy_correction="decoupled", tis_cap=2.0)
     loss, stats, c = corrected_loss(lp, behaviour, torch.tensor([1.0]), torch.ones(1, 3), correction=cfg,
                                     clip_eps=0.2, proximal_logprobs=proximal)
     # objectives: 2·1.1; 0.5·min(1.5, 1.2) (clipped: no gradient); 1·0.7
@@ -184,7 +185,7 @@ def test_decoupled_with_one_update_per_batch_is_tis() -> None:
     for kind in ("tis", "decoupled"):
         x = logits.clone().requires_grad_(True)
         loss, stats, c = corrected_loss(torch.log_softmax(x, -1)[..., 0], rollout, adv, mask,
-                                        correction=CorrectionConfig(kind=kind))
+                                        correction=CorrectionSettings(offpolicy_correction=kind))
         results.append((loss, _grad(loss, x), stats, c))
     (la, ga, sa, ca), (lb, gb, sb, cb) = results
     assert torch.equal(la, lb) and torch.equal(ga, gb) and sa == sb and ca == cb
@@ -198,7 +199,7 @@ def test_decoupled_with_one_update_per_batch_is_tis() -> None:
 def test_empty_batch_gives_zero_loss_and_gradient(kind: str, shape: tuple[int, int]) -> None:
     lp = torch.zeros(shape, requires_grad=True)
     loss, stats, c = corrected_loss(lp, torch.zeros(shape), torch.zeros(shape[0]), torch.zeros(shape),
-                                    correction=CorrectionConfig(kind=kind))
+                                    correction=CorrectionSettings(offpolicy_correction=kind))
     assert loss.item() == 0.0 and torch.equal(_grad(loss, lp), torch.zeros(shape))
     assert stats.trained_tokens == 0 and c.ess is None and c.masked_fraction == 0.0
 
@@ -208,7 +209,7 @@ def test_no_trained_token_gives_zero_loss_and_gradient_even_with_nan_around(kind
     lp = torch.tensor([[float("nan"), -1.0, -2.0]], requires_grad=True)
     rollout = torch.tensor([[float("inf"), -9.0, 0.0]])
     loss, _, c = corrected_loss(lp, rollout, torch.tensor([1.0]), torch.zeros(1, 3),
-                                correction=CorrectionConfig(kind=kind))
+                                correction=CorrectionSettings(offpolicy_correction=kind))
     grad = _grad(loss, lp)
     assert loss.item() == 0.0 and torch.equal(grad, torch.zeros(1, 3))
     assert c.tokens == 0 and c.ess is None
@@ -217,12 +218,12 @@ def test_no_trained_token_gives_zero_loss_and_gradient_even_with_nan_around(kind
 @pytest.mark.parametrize(
     "cfg",
     [
-        CorrectionConfig(kind="icepop", icepop_band=(0.9, 1.1)),
-        CorrectionConfig(kind="geo_mask", geo_mask_band=(0.9, 1.1)),
-        CorrectionConfig(kind="m2po", m2po_threshold=0.01),
+        CorrectionSettings(offpolicy_correction="icepop", icepop_band=(0.9, 1.1)),
+        CorrectionSettings(offpolicy_correction="geo_mask", geo_mask_band=(0.9, 1.1)),
+        CorrectionSettings(offpolicy_correction="m2po", m2po_threshold=0.01),
     ],
 )
-def test_every_token_masked_gives_zero_loss_and_gradient(cfg: CorrectionConfig) -> None:
+def test_every_token_masked_gives_zero_loss_and_gradient(cfg: CorrectionSettings) -> None:
     lp, rollout = _tokens([[3.0, 4.0], [0.2, 0.5]])
     loss, stats, c = corrected_loss(lp, rollout, torch.tensor([1.0, -1.0]), torch.ones(2, 2), correction=cfg)
     grad = _grad(loss, lp)
@@ -237,7 +238,7 @@ def test_every_token_masked_gives_zero_loss_and_gradient(cfg: CorrectionConfig) 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"kind": "nope"}, "unknown correction"),
+        ({"offpolicy_correction": "nope"}, "unknown correction"),
         ({"tis_cap": 0.9}, "tis_cap"),
         ({"tis_cap": float("nan")}, "tis_cap"),
         ({"icepop_band": (1.2, 5.0)}, "icepop_band"),
@@ -248,7 +249,7 @@ def test_every_token_masked_gives_zero_loss_and_gradient(cfg: CorrectionConfig) 
 )
 def test_config_rejects_bad_knobs(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        CorrectionConfig(**kwargs)  # type: ignore[arg-type]
+        CorrectionSettings(**kwargs)  # type: ignore[arg-type]
 
 
 def test_stats_add_up_over_micro_batches() -> None:
@@ -266,7 +267,8 @@ def test_shape_errors() -> None:
         corrected_loss(torch.zeros(1, 2), torch.zeros(1, 3), torch.zeros(1), torch.ones(1, 2))
     with pytest.raises(ValueError, match="proximal_logprobs"):
         corrected_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2),
-                       correction=CorrectionConfig("decoupled"), proximal_logprobs=torch.zeros(1, 3))
+                       correction=CorrectionSettings(offpolicy_correction="decoupled"),
+                       proximal_logprobs=torch.zeros(1, 3))
 
 
 # ------------------------------------------------------------------ properties
@@ -291,7 +293,7 @@ def test_on_policy_every_correction_is_plain_ppo(kind: str, seed: int, shape: tu
     logprobs, _, adv, mask = _random(seed, shape, 0.0)
     a = logprobs.clone().requires_grad_(True)
     b = logprobs.clone().requires_grad_(True)
-    loss, _, c = corrected_loss(a, logprobs, adv, mask, correction=CorrectionConfig(kind=kind))
+    loss, _, c = corrected_loss(a, logprobs, adv, mask, correction=CorrectionSettings(offpolicy_correction=kind))
     plain, _ = ppo_clip_loss(b, logprobs, adv, mask)
     assert loss.item() == pytest.approx(plain.item(), abs=1e-12)
     assert torch.allclose(_grad(loss, a), _grad(plain, b), atol=1e-12)
@@ -305,7 +307,7 @@ def test_corrections_only_remove_tokens_and_weights_stay_in_bounds(
     kind: str, seed: int, shape: tuple[int, int], spread: float
 ) -> None:
     logprobs, rollout, adv, mask = _random(seed, shape, spread)
-    cfg = CorrectionConfig(kind=kind)
+    cfg = CorrectionSettings(offpolicy_correction=kind)
     log_ratio = behaviour_log_ratio(logprobs, rollout, mask)
     if kind in WEIGHTED:
         weighting = CORRECTIONS[kind].weigh(cfg, Ratios(log_ratio, mask))

@@ -1,20 +1,18 @@
-"""The off-policy correction through the trainer: settings, Hyper, PolicyTrainer.step and the step record."""
+"""The off-policy correction through the trainer: settings, PolicyTrainer.step and the step record."""
 
 from __future__ import annotations
-
-from dataclasses import fields
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.trainer.corrections import CORRECTIONS, CorrectionConfig
-from services.trainer.loop import hyper_from
+from services.trainer.corrections import CORRECTIONS, CorrectionSettings
 from services.trainer.loss import grpo_advantages, ppo_clip_loss
+from services.trainer.loss_settings import LossSettings
 from services.trainer.metrics import TrainerMetrics, step_line
 from services.trainer.samples import BatchSamples, Sample
 from services.trainer.settings import TrainerSettings
-from services.trainer.step import Hyper, PolicyTrainer, collate
+from services.trainer.step import PolicyTrainer, collate
 from shared.policy import PolicyConfig, init_policy, token_logprobs
 from shared.schemas import BatchManifest, GapInfo, GroupRef, WindowInfo
 from shared.settings import SettingsError, load
@@ -46,9 +44,9 @@ def test_default_step_is_todays_update() -> None:
     """Correction ``none`` takes exactly the update the trainer took before corrections existed."""
     a, b = init_policy(CFG, 0), init_policy(CFG, 0)
     batch = _batch(a, [1.0, 0.0, 0.5], DRIFT)
-    PolicyTrainer(a, Hyper(), CPU).step(batch)
+    PolicyTrainer(a, LossSettings(), CPU).step(batch)
     # the step as it was: one forward, ppo_clip_loss on the whole batch, clip, AdamW
-    h = Hyper()
+    h = LossSettings()
     optimizer = torch.optim.AdamW(b.parameters(), lr=h.lr, betas=h.betas, weight_decay=h.weight_decay)
     adv = grpo_advantages(torch.tensor(batch.rewards), torch.tensor(batch.trajectory_group))
     t = collate(batch.samples, adv, CPU)
@@ -66,9 +64,10 @@ def test_default_step_is_todays_update() -> None:
 def test_micro_batches_give_the_same_update_under_every_correction(kind: str) -> None:
     a, b = init_policy(CFG, 0), init_policy(CFG, 0)
     batch = _batch(a, [1.0, 0.0, 0.5], DRIFT)
-    cfg = CorrectionConfig(kind=kind, m2po_threshold=0.3)
-    whole = PolicyTrainer(a, Hyper(micro_batch_size=0, correction=cfg), CPU).step(batch)
-    parts = PolicyTrainer(b, Hyper(micro_batch_size=1, correction=cfg), CPU).step(batch)
+    whole = PolicyTrainer(a, LossSettings(micro_batch_size=0, offpolicy_correction=kind, m2po_threshold=0.3),
+                          CPU).step(batch)
+    parts = PolicyTrainer(b, LossSettings(micro_batch_size=1, offpolicy_correction=kind, m2po_threshold=0.3),
+                          CPU).step(batch)
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.allclose(pa, pb, atol=1e-6)
     assert parts.offpolicy_masked_fraction == whole.offpolicy_masked_fraction
@@ -82,18 +81,18 @@ def test_m2po_applies_the_whole_batchs_cutoff_to_each_micro_batch() -> None:
     # so nothing goes; sample 1's drift alone (mean .0467) would lose its .09 tokens.
     model = init_policy(CFG, 0)
     batch = _batch(model, [1.0, 0.0], [[0.0, 0.0, 0.0], [0.1, 0.2, 0.3]])
-    cfg = CorrectionConfig(kind="m2po", m2po_threshold=0.04)
-    stats = PolicyTrainer(model, Hyper(micro_batch_size=1, correction=cfg), CPU).step(batch)
+    cfg = LossSettings(offpolicy_correction="m2po", m2po_threshold=0.04)
+    stats = PolicyTrainer(model, cfg.model_copy(update={"micro_batch_size": 1}), CPU).step(batch)
     assert stats.offpolicy_masked_fraction == 0.0
     alone = _batch(init_policy(CFG, 0), [1.0, 0.0], [[0.1, 0.2, 0.3]] * 2)  # two of sample 1 (a group needs a spread)
-    alone_stats = PolicyTrainer(init_policy(CFG, 0), Hyper(correction=cfg), CPU).step(alone)
+    alone_stats = PolicyTrainer(init_policy(CFG, 0), cfg, CPU).step(alone)
     assert alone_stats.offpolicy_masked_fraction == pytest.approx(1 / 3)
 
 
 def test_step_reports_what_the_correction_did_in_the_metrics_line() -> None:
     model = init_policy(CFG, 0)
     batch = _batch(model, [1.0, 0.0, 0.5], DRIFT)  # one token at π/μ = e^1.5 > 2: truncated by TIS
-    stats = PolicyTrainer(model, Hyper(correction=CorrectionConfig("tis")), CPU).step(batch)
+    stats = PolicyTrainer(model, LossSettings(offpolicy_correction="tis"), CPU).step(batch)
     assert stats.offpolicy_clipped_fraction == pytest.approx(1 / 9)
     assert stats.offpolicy_masked_fraction == 0.0
     assert stats.offpolicy_ess is not None and 0.5 < stats.offpolicy_ess < 1.0
@@ -115,21 +114,22 @@ def test_step_reports_what_the_correction_did_in_the_metrics_line() -> None:
 
 
 def test_a_batch_without_trained_tokens_reports_no_ess() -> None:
-    stats = PolicyTrainer(init_policy(CFG, 0), Hyper(correction=CorrectionConfig("icepop")), CPU).step(BatchSamples())
+    stats = PolicyTrainer(init_policy(CFG, 0), LossSettings(offpolicy_correction="icepop"), CPU).step(BatchSamples())
     assert not stats.updated and stats.offpolicy_ess is None and stats.offpolicy_masked_fraction == 0.0
 
 
-def test_settings_defaults_and_wiring_to_hyper() -> None:
-    # every knob of the correction is the trainer setting of the same name, with the same default
-    knobs = [f for f in fields(CorrectionConfig) if f.name != "kind"]
-    assert all(TrainerSettings.model_fields[f.name].default == f.default for f in knobs)
+def test_the_trainers_settings_are_the_steps() -> None:
+    # one declaration per knob: the step reads the trainer's settings object itself
+    assert issubclass(TrainerSettings, LossSettings)
     s = load(TrainerSettings)
     assert (s.offpolicy_correction, s.nonlast_version_tokens) == ("none", "mask")
-    assert hyper_from(s).correction == CorrectionConfig()
+    assert {k: getattr(s, k) for k in LossSettings.model_fields} == LossSettings().model_dump()
     s = load(TrainerSettings, offpolicy_correction="m2po", m2po_threshold=0.1, tis_cap=3.0,
              icepop_band=(0.4, 6.0), geo_mask_band=(0.8, 1.25))
-    assert hyper_from(s).correction == CorrectionConfig(kind="m2po", tis_cap=3.0, icepop_band=(0.4, 6.0),
-                                                         geo_mask_band=(0.8, 1.25), m2po_threshold=0.1)
+    assert PolicyTrainer(init_policy(CFG, 0), s, CPU).hyper.m2po_threshold == 0.1
+    assert {k: getattr(s, k) for k in CorrectionSettings.model_fields} == CorrectionSettings(
+        offpolicy_correction="m2po", tis_cap=3.0, icepop_band=(0.4, 6.0), geo_mask_band=(0.8, 1.25),
+        m2po_threshold=0.1).model_dump()
 
 
 def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,10 +16,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ops.local.ports import free_port
-from services.trainer.corrections import CORRECTIONS, CorrectionConfig
+from services.trainer.corrections import CORRECTIONS
+from services.trainer.loss_settings import LossSettings
 from services.trainer.parallel import TorchRanks
 from services.trainer.samples import BatchSamples, Sample
-from services.trainer.step import Hyper, PolicyTrainer
+from services.trainer.step import PolicyTrainer
 from shared.policy import PolicyConfig, init_policy, token_logprobs
 
 CFG = PolicyConfig(vocab_size=16, context=16, width=16, layers=1, heads=2)
@@ -55,18 +56,18 @@ def _train(trainer: PolicyTrainer, batches: list[BatchSamples]) -> dict[str, Any
     }
 
 
-Case = tuple[Hyper, list[BatchSamples]]
+Case = tuple[LossSettings, list[BatchSamples]]
 
 
 def _cases() -> dict[str, Case]:
     """Each correction on two batches with signal, and a batch whose one sample leaves rank 1's shard empty."""
     cases: dict[str, Case] = {
-        kind: (Hyper(lr=1e-2, correction=CorrectionConfig(kind=kind, m2po_threshold=0.3)),
+        kind: (LossSettings(lr=1e-2, offpolicy_correction=kind, m2po_threshold=0.3),
                [_batch([1.0, 0.0, 0.5, 0.0, 0.2]), _batch([0.0, 1.0, 1.0])])
         for kind in CORRECTIONS
     }
     full = _batch([1.0, 0.0])
-    cases["empty_shard"] = (Hyper(lr=1e-2), [BatchSamples(samples=full.samples[:1], rewards=[1.0, 0.0],
+    cases["empty_shard"] = (LossSettings(lr=1e-2), [BatchSamples(samples=full.samples[:1], rewards=[1.0, 0.0],
                                                          trajectory_group=[0, 0], groups=1)])
     return cases
 

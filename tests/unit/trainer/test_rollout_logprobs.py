@@ -17,8 +17,9 @@ from torch import nn
 
 from services.engine.batcher import Batcher, Request, Weights
 from services.engine.sampling import SamplingParams
+from services.trainer.loss_settings import LossSettings
 from services.trainer.samples import BatchSamples, Sample
-from services.trainer.step import Hyper, PolicyTrainer
+from services.trainer.step import PolicyTrainer
 from shared.policy import PolicyConfig, init_policy
 from shared.schemas import SamplingParams as Recorded
 
@@ -107,8 +108,8 @@ def test_engine_logprobs_equal_the_trainers_on_the_same_weights(family: str, tem
     for version in ("v0", "v1"):
         batch = only(samples, version)
         assert batch.trained_tokens > 10
-        trainer = PolicyTrainer(copy.deepcopy(models[version]), Hyper(temperature=temperature, micro_batch_size=2),
-                                torch.device("cpu"))
+        trainer = PolicyTrainer(copy.deepcopy(models[version]),
+                                LossSettings(temperature=temperature, micro_batch_size=2), torch.device("cpu"))
         stats = trainer.step(batch, version=version)
         assert stats.train_rollout_logprob_abs_diff < TOL
         assert stats.same_version_tokens == stats.trained_tokens
@@ -125,12 +126,12 @@ def test_tokens_of_other_weights_are_scored_apart() -> None:
              for s in samples]
     batch.samples = mixed
     v1_tokens = sum(1 for s in mixed for t, v in enumerate(s.versions) if t > 0 and v == "v1")
-    stats = PolicyTrainer(copy.deepcopy(models["v1"]), Hyper(), torch.device("cpu")).step(batch, version="v1")
+    stats = PolicyTrainer(copy.deepcopy(models["v1"]), LossSettings(), torch.device("cpu")).step(batch, version="v1")
     assert 0 < stats.same_version_tokens == v1_tokens < stats.trained_tokens
     assert stats.train_rollout_logprob_abs_diff > 0.01
     assert stats.train_rollout_logprob_abs_diff_same_version is not None
     assert stats.train_rollout_logprob_abs_diff_same_version < TOL
-    unlabelled = PolicyTrainer(copy.deepcopy(models["v1"]), Hyper(), torch.device("cpu")).step(batch)
+    unlabelled = PolicyTrainer(copy.deepcopy(models["v1"]), LossSettings(), torch.device("cpu")).step(batch)
     assert (unlabelled.same_version_tokens, unlabelled.train_rollout_logprob_abs_diff_same_version) == (0, None)
 
 
@@ -151,7 +152,7 @@ def test_each_tokens_own_sampling_parameters_are_scored(family: str) -> None:
     for version in ("v0", "v1"):
         batch = only(samples, version)
         assert batch.trained_tokens > 10
-        stats = PolicyTrainer(copy.deepcopy(models[version]), Hyper(micro_batch_size=2),
+        stats = PolicyTrainer(copy.deepcopy(models[version]), LossSettings(micro_batch_size=2),
                               torch.device("cpu")).step(batch, version=version)
         assert stats.same_version_tokens == stats.trained_tokens
         assert stats.train_rollout_logprob_abs_diff_same_version is not None
@@ -159,12 +160,13 @@ def test_each_tokens_own_sampling_parameters_are_scored(family: str) -> None:
 
 
 def test_sampling_parameters_unrecorded_fall_back_to_the_trainers_temperature() -> None:
-    """Records without sampling parameters (older chunks) are scored at ``Hyper.temperature``; scoring
+    """Records without sampling parameters (older chunks) are scored at ``LossSettings.temperature``; scoring
     a T = 0.7 rollout at T = 1 is what the parameters on the chunk prevent: a gap that is not staleness."""
     samples, models = generate(tiny, 0.7)
     batch = only(samples, "v0")
-    right = PolicyTrainer(copy.deepcopy(models["v0"]), Hyper(temperature=0.7), torch.device("cpu")).step(batch, "v0")
-    wrong = PolicyTrainer(copy.deepcopy(models["v0"]), Hyper(), torch.device("cpu")).step(batch, "v0")
+    right = PolicyTrainer(copy.deepcopy(models["v0"]), LossSettings(temperature=0.7),
+                          torch.device("cpu")).step(batch, "v0")
+    wrong = PolicyTrainer(copy.deepcopy(models["v0"]), LossSettings(), torch.device("cpu")).step(batch, "v0")
     good, bad = right.train_rollout_logprob_abs_diff_same_version, wrong.train_rollout_logprob_abs_diff_same_version
     assert good is not None and bad is not None
     assert good < TOL < 0.01 < bad

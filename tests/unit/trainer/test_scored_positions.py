@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from services.trainer.corrections import CorrectionConfig
+from services.trainer.loss_settings import LossSettings
 from services.trainer.samples import BatchSamples, Sample
-from services.trainer.step import Hyper, PolicyTrainer
+from services.trainer.step import PolicyTrainer
 from shared.model.compute import features, logits, token_logprobs
 from shared.model.sampling import SamplingTensors
 from shared.policy import PolicyConfig, TinyPolicy, init_policy
@@ -205,7 +205,7 @@ def test_step_on_trained_tokens_only_equals_the_full_paths_step(name: str, corre
     make, split = FAMILIES[name]
     model = make()
     batch = step_batch(model)
-    hyper = Hyper(micro_batch_size=micro, correction=CorrectionConfig(kind=correction))
+    hyper = LossSettings(micro_batch_size=micro, offpolicy_correction=correction)
     trainers = [PolicyTrainer(copy.deepcopy(model), hyper, torch.device("cpu")) for _ in range(2)]
     trainers[1].score_every_position = True
     stepped = [record_stepped_gradients(trainer) for trainer in trainers]

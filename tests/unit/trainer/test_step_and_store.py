@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.trainer.loss_settings import LossSettings
 from services.trainer.samples import BatchSamples, Sample
 from services.trainer.settings import TrainerSettings
-from services.trainer.step import Hyper, PolicyTrainer
+from services.trainer.step import PolicyTrainer
 from services.trainer.store import (
     MetricsLog,
     advance,
@@ -44,7 +45,7 @@ def _batch(model: torch.nn.Module, rewards: list[float]) -> BatchSamples:
 
 def test_step_moves_likelihood_towards_the_better_trajectory() -> None:
     model = init_policy(CFG, 0)
-    trainer = PolicyTrainer(model, Hyper(lr=1e-2, weight_decay=0.0), torch.device("cpu"))
+    trainer = PolicyTrainer(model, LossSettings(lr=1e-2, weight_decay=0.0), torch.device("cpu"))
     batch = _batch(model, [1.0, 0.0])
     before = [sum(token_logprobs(model, torch.tensor([s.token_ids]))[0, 1:].tolist()) for s in batch.samples]
     stats = trainer.step(batch)
@@ -60,8 +61,8 @@ def test_micro_batches_give_the_same_update() -> None:
     fp32 rounding noise into a step of ~lr, and the weights after it would compare rounding, not the update."""
     a, b = init_policy(CFG, 0), init_policy(CFG, 0)
     batch = _batch(a, [1.0, 0.0, 0.5])
-    whole, micro = PolicyTrainer(a, Hyper(micro_batch_size=0), torch.device("cpu")), PolicyTrainer(
-        b, Hyper(micro_batch_size=1), torch.device("cpu"))
+    whole, micro = PolicyTrainer(a, LossSettings(micro_batch_size=0), torch.device("cpu")), PolicyTrainer(
+        b, LossSettings(micro_batch_size=1), torch.device("cpu"))
     stepped = [record_stepped_gradients(whole), record_stepped_gradients(micro)]
     whole.step(batch)
     micro.step(batch)
@@ -75,7 +76,7 @@ def test_micro_batches_give_the_same_update() -> None:
 def test_batch_without_trained_tokens_takes_no_update() -> None:
     model = init_policy(CFG, 0)
     before = [p.clone() for p in model.parameters()]
-    stats = PolicyTrainer(model, Hyper(), torch.device("cpu")).step(BatchSamples())
+    stats = PolicyTrainer(model, LossSettings(), torch.device("cpu")).step(BatchSamples())
     assert not stats.updated and stats.skipped == "no_tokens"
     assert all(torch.equal(x, y) for x, y in zip(before, model.parameters(), strict=True))
 
@@ -100,7 +101,7 @@ def test_a_batch_whose_groups_all_have_equal_rewards_leaves_weights_and_optimize
 ) -> None:
     """Every advantage is 0: AdamW would still move the weights (momentum, weight decay); it must not step."""
     model = init_policy(CFG, 0)
-    trainer = PolicyTrainer(model, Hyper(), torch.device("cpu"))
+    trainer = PolicyTrainer(model, LossSettings(), torch.device("cpu"))
     trainer.step(_batch(model, [1.0, 0.0]))  # a real step first: AdamW has momentum to spend
     batch = _batch(model, rewards)
     before = _state(trainer)
@@ -117,7 +118,7 @@ def test_a_batch_whose_groups_all_have_equal_rewards_leaves_weights_and_optimize
 def test_advantages_only_on_untrained_tokens_carry_no_signal() -> None:
     """Group 1 has a spread of rewards, but its samples have no trained token (all version-masked)."""
     model = init_policy(CFG, 0)
-    trainer = PolicyTrainer(model, Hyper(), torch.device("cpu"))
+    trainer = PolicyTrainer(model, LossSettings(), torch.device("cpu"))
     batch = _batch(model, [0.5, 0.5, 1.0, 0.0])
     batch.trajectory_group, batch.groups = [0, 0, 1, 1], 2
     batch.samples[2:] = [replace(s, loss_mask=[0] * len(s.loss_mask)) for s in batch.samples[2:]]
@@ -129,7 +130,7 @@ def test_advantages_only_on_untrained_tokens_carry_no_signal() -> None:
 def test_a_step_whose_gradient_is_zero_takes_no_update() -> None:
     """Advantages are not 0, but every token's ratio is far out of PPO's clip: the loss has no gradient."""
     model = init_policy(CFG, 0)
-    trainer = PolicyTrainer(model, Hyper(), torch.device("cpu"))
+    trainer = PolicyTrainer(model, LossSettings(), torch.device("cpu"))
     trainer.step(_batch(model, [1.0, 0.0]))
     batch = _batch(model, [1.0, 0.0])
     batch.samples = [replace(s, rollout_logprobs=[x - 5.0 for x in s.rollout_logprobs]) for s in batch.samples]
@@ -142,7 +143,7 @@ def test_a_step_whose_gradient_is_zero_takes_no_update() -> None:
 
 def test_save_and_resume_newest_durable_step(tmp_path: Path) -> None:
     model = init_policy(CFG, 0)
-    trainer = PolicyTrainer(model, Hyper(), torch.device("cpu"))
+    trainer = PolicyTrainer(model, LossSettings(), torch.device("cpu"))
     save_step(tmp_path, FAMILY, model, 0, -1, trainer.optimizer_state())
     trainer.step(_batch(model, [1.0, 0.0]))
     side = save_step(tmp_path, FAMILY, model, 1, 0, trainer.optimizer_state(), [{"step": 1, "loss": 0.5}])
@@ -206,8 +207,9 @@ def test_entropy_bonus_adds_its_gradient_and_reports_the_entropy() -> None:
     coef = 0.5
     plain_model, bonus_model = init_policy(CFG, 0), init_policy(CFG, 0)
     batch = _batch(plain_model, [1.0, 0.0])
-    plain = PolicyTrainer(plain_model, Hyper(weight_decay=0.0, grad_clip=1e9), torch.device("cpu"))
-    bonus = PolicyTrainer(bonus_model, Hyper(weight_decay=0.0, grad_clip=1e9, entropy_coef=coef), torch.device("cpu"))
+    plain = PolicyTrainer(plain_model, LossSettings(weight_decay=0.0, grad_clip=1e9), torch.device("cpu"))
+    bonus = PolicyTrainer(bonus_model, LossSettings(weight_decay=0.0, grad_clip=1e9, entropy_coef=coef),
+                          torch.device("cpu"))
     stepped = [record_stepped_gradients(plain), record_stepped_gradients(bonus)]
 
     reference = init_policy(CFG, 0)
@@ -226,9 +228,8 @@ def test_entropy_bonus_adds_its_gradient_and_reports_the_entropy() -> None:
 
 
 def test_entropy_coef_setting_reaches_the_trainer() -> None:
-    from services.trainer.loop import hyper_from
-
-    assert hyper_from(TrainerSettings(entropy_coef=0.003)).entropy_coef == 0.003
+    trainer = PolicyTrainer(init_policy(CFG, 0), TrainerSettings(entropy_coef=0.003), torch.device("cpu"))
+    assert trainer.hyper.entropy_coef == 0.003
     with pytest.raises(ValueError):
         TrainerSettings(entropy_coef=-0.1)
 
@@ -238,8 +239,8 @@ def test_epochs_step_the_batch_again_on_the_moved_weights_and_report_the_first_p
     weights the first left, against the same rollout logprobs), and its statistics are the first pass's."""
     once, twice = init_policy(CFG, 0), init_policy(CFG, 0)
     batch = _batch(once, [1.0, 0.0, 0.5])
-    single = PolicyTrainer(once, Hyper(lr=1e-2), torch.device("cpu"))
-    double = PolicyTrainer(twice, Hyper(lr=1e-2, epochs=2), torch.device("cpu"))
+    single = PolicyTrainer(once, LossSettings(lr=1e-2), torch.device("cpu"))
+    double = PolicyTrainer(twice, LossSettings(lr=1e-2, epochs=2), torch.device("cpu"))
     first = single.step(batch)
     second = single.step(batch)
     assert second.train_rollout_logprob_abs_diff is not None and second.train_rollout_logprob_abs_diff > 1e-4
@@ -250,15 +251,14 @@ def test_epochs_step_the_batch_again_on_the_moved_weights_and_report_the_first_p
 
 def test_epochs_take_no_step_on_a_batch_without_signal() -> None:
     model = init_policy(CFG, 0)
-    trainer = PolicyTrainer(model, Hyper(epochs=3), torch.device("cpu"))
+    trainer = PolicyTrainer(model, LossSettings(epochs=3), torch.device("cpu"))
     before = _state(trainer)
     assert trainer.step(_batch(model, [0.5, 0.5])).skipped == "no_signal"
     assert _state(trainer) == before
 
 
 def test_epochs_setting_reaches_the_trainer() -> None:
-    from services.trainer.loop import hyper_from
-
-    assert hyper_from(TrainerSettings()).epochs == 1 and hyper_from(TrainerSettings(epochs=2)).epochs == 2
+    assert TrainerSettings().epochs == 1
+    assert PolicyTrainer(init_policy(CFG, 0), TrainerSettings(epochs=2), torch.device("cpu")).hyper.epochs == 2
     with pytest.raises(ValueError):
         TrainerSettings(epochs=0)

@@ -10,9 +10,10 @@ import torch
 
 from services.engine.settings import EngineSettings
 from services.proxy.settings import ProxySettings
+from services.trainer.loss_settings import LossSettings
 from services.trainer.samples import BatchSamples, Sample
 from services.trainer.settings import TrainerSettings
-from services.trainer.step import Hyper, PolicyTrainer
+from services.trainer.step import PolicyTrainer
 from services.trainer.store import checkpoint_path, latest, optimizer_path, prune, save_step, sidecar_path
 from shared.model import load_family
 from shared.model.compute import set_gradient_checkpointing, token_logprobs
@@ -54,7 +55,7 @@ def _reply_logprob(model: torch.nn.Module, sample: Sample) -> float:
 def test_step_moves_likelihood_towards_the_better_trajectory(family: HFFamily, checkpointing: bool) -> None:
     model = family.new_model(0, CPU, dtype=torch.float32)
     set_gradient_checkpointing(model, checkpointing)
-    trainer = PolicyTrainer(model, Hyper(lr=1e-2, weight_decay=0.0), CPU)
+    trainer = PolicyTrainer(model, LossSettings(lr=1e-2, weight_decay=0.0), CPU)
     batch = _batch(family, model, [1.0, 0.0])
     before = [_reply_logprob(model, s) for s in batch.samples]
     stats = trainer.step(batch)
@@ -66,7 +67,7 @@ def test_step_moves_likelihood_towards_the_better_trajectory(family: HFFamily, c
 
 def test_bf16_autocast_step_keeps_fp32_weights(family: HFFamily) -> None:
     model = family.new_model(0, CPU, dtype=torch.float32)
-    trainer = PolicyTrainer(model, Hyper(lr=1e-3), CPU, autocast=torch.bfloat16)
+    trainer = PolicyTrainer(model, LossSettings(lr=1e-3), CPU, autocast=torch.bfloat16)
     stats = trainer.step(_batch(family, model, [1.0, 0.0]))
     assert stats.updated and 0.0 < stats.train_rollout_logprob_abs_diff < 0.5  # bf16 forward vs fp32 rollout
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -74,7 +75,7 @@ def test_bf16_autocast_step_keeps_fp32_weights(family: HFFamily) -> None:
 
 def test_save_resume_and_prune_directory_checkpoints(family: HFFamily, tmp_path: Path) -> None:
     model = family.new_model(0, CPU, dtype=torch.float32)
-    trainer = PolicyTrainer(model, Hyper(), CPU)
+    trainer = PolicyTrainer(model, LossSettings(), CPU)
     save_step(tmp_path, family, model, 0, -1, trainer.optimizer_state())
     trainer.step(_batch(family, model, [1.0, 0.0]))
     side = save_step(tmp_path, family, model, 1, 0, trainer.optimizer_state(), [{"step": 1}])
@@ -95,7 +96,7 @@ def test_save_resume_and_prune_directory_checkpoints(family: HFFamily, tmp_path:
 def test_step_time_on_the_tiny_llama(family: HFFamily, capsys: pytest.CaptureFixture[str]) -> None:
     """8 samples x 128 tokens, the shape of the SmolLM2 figures: prints the time (seconds on 2 cores)."""
     model = family.new_model(0, CPU, dtype=torch.float32)
-    trainer = PolicyTrainer(model, Hyper(lr=1e-4), CPU)
+    trainer = PolicyTrainer(model, LossSettings(lr=1e-4), CPU)
     gen = torch.Generator().manual_seed(0)
     samples = []
     for i in range(8):
