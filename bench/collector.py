@@ -38,7 +38,7 @@ from shared.bus import Producer, ensure_topology  # noqa: E402
 from shared.names import RedisKeys, Topics  # noqa: E402
 from shared.schemas import Chunk, GroupRef, WeightPublished  # noqa: E402
 from shared.settings import KafkaSettings  # noqa: E402
-from shared.staleness import WindowConfig, WindowGroup  # noqa: E402
+from shared.staleness import WindowGroup, WindowSettings  # noqa: E402
 from shared.versions import VersionRegistry  # noqa: E402
 from shared.window_rule import WindowReplay  # noqa: E402
 
@@ -177,7 +177,7 @@ def decision_cost(redis_url: str, versions: int, steps: int) -> dict[str, Any]:
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     keys = RedisKeys(f"bench-dec-{uuid.uuid4().hex[:8]}")
     fill_registry(client, keys, versions)
-    store = WindowStore(client, keys, Topics(), WindowConfig(2, 32), replica="bench")
+    store = WindowStore(client, keys, Topics(), WindowSettings(keep_versions=2, batch_groups=32), replica="bench")
     store.claim_config()
     newest = versions - 1
     timings = []
@@ -193,7 +193,7 @@ def decision_cost(redis_url: str, versions: int, steps: int) -> dict[str, Any]:
     registry = VersionRegistry()
     for i in range(versions):
         registry.publish(f"v{i}", i)
-    fold = WindowReplay(WindowConfig(2, 32), registry.index)
+    fold = WindowReplay(WindowSettings(keep_versions=2, batch_groups=32), registry.index)
     pure = []
     for i in range(steps):
         group = WindowGroup(f"g{i}", "p", 0, False, (f"v{newest - (i % 2)}",) * TRAJECTORIES)

@@ -32,7 +32,7 @@ from shared.model import load_family
 from shared.model.compute import context_window_of
 from shared.policy import PolicyConfig
 from shared.schemas import Chunk, CompletedGroup, GroupDispatched, SessionFinished
-from shared.staleness import Batch, Decision, NoSignalGroups, WindowConfig
+from shared.staleness import Batch, Decision, NoSignalGroups, WindowSettings
 from shared.tokenizer import TOKENIZER
 from shared.window_rule import WindowReplay
 from shared.window_view import window_group
@@ -134,7 +134,7 @@ class Reference:
         self.assembler = Assembler()
         self.params = SamplingParams(max_new_tokens=preset.max_tokens or self.rollout_settings.max_tokens,
                                      temperature=self.rollout_settings.temperature)
-        self.window = WindowReplay(WindowConfig(
+        self.window = WindowReplay(WindowSettings(
             keep_versions=recipe.keep_versions if recipe.in_flight else 0, batch_groups=recipe.batch_groups,
             no_signal_groups=NoSignalGroups(recipe.no_signal)), _index_of)
         self.step_no = 0

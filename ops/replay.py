@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shared.schemas import CompletedGroup
-from shared.staleness import UNTRAINED_CAUSES, Decision, TokenTally, WindowConfig, WindowGroup
+from shared.staleness import UNTRAINED_CAUSES, Decision, TokenTally, WindowGroup, WindowSettings
 from shared.version_window import SegmentEnd
 from shared.versions import VersionRegistry, real_version
 from shared.window_rule import WindowReplay
@@ -235,7 +235,7 @@ class ReplayReport:
         }
 
 
-def replay(events: Iterable[ReplayEvent], config: WindowConfig) -> ReplayReport:
+def replay(events: Iterable[ReplayEvent], config: WindowSettings) -> ReplayReport:
     """Fold recorded events through the window in order; a group id seen twice is skipped."""
     registry = VersionRegistry()
     fold = WindowReplay(config, registry.index)

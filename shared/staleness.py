@@ -13,7 +13,10 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shared.version_window import GapStats, validate_keep_versions
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from shared.version_window import GapStats
 
 
 class Decision(enum.StrEnum):
@@ -117,39 +120,50 @@ class WindowGroup:
         return sum(counts.get(m, 0) for m in members)
 
 
-@dataclass(frozen=True)
-class WindowConfig:
-    keep_versions: int
-    batch_groups: int
-    max_retries: int = 2
-    max_free_retries: int = 10
+class WindowSettings(BaseModel):
+    """The batch window's settings, declared once: the collector's settings take them as a mixin
+    (``REIN_KEEP_VERSIONS``, ...; every replica of a deployment must agree on them), ``rein replay`` builds
+    one from its flags."""
+
+    model_config = SettingsConfigDict(use_attribute_docstrings=True, extra="forbid")  # a mixin of CollectorSettings
+
+    keep_versions: int = Field(default=2, ge=0)
+    """Batch window: keep groups whose versions are among the newest N (by registry order); 0 turns it off."""
+    batch_groups: int = Field(default=32, ge=1)
+    """Groups per training batch: a manifest is emitted each time this many groups are pending."""
+    max_retries: int = Field(default=2, ge=0)
+    """Retries of a failed group (so max_retries + 1 attempts) before it is dropped and counted per prompt."""
+    max_free_retries: int = Field(default=10, ge=0)
+    """Retries that do not count toward ``max_retries``: of groups whose failed sessions all failed
+    because a dependency did (engine, proxy or Kafka down, idle or lost session, incomplete group),
+    not because of the prompt or the policy. Bounded so a broken setup cannot retry forever."""
     no_signal_groups: NoSignalGroups = NoSignalGroups.DROP
+    """``drop``: a group whose trajectories all got the same reward (no GRPO gradient) is decided
+    ``dropped_no_signal`` and not retried, so a batch is ``batch_groups`` groups that each carry signal.
+    ``keep``: such groups fill batches as any other (a batch of only them trains nothing). Under
+    ``drop`` a task where no group carries signal yields no batch at all; ``rein_collector_no_signal_*``
+    and a ``no_signal_groups_in_a_row`` warning show it."""
     stale_groups: StaleGroups = StaleGroups.DROP
+    """``drop``: a group with a trajectory that ended outside the window is dropped whole (``dropped_stale``,
+    or ``dropped_retroactive`` once pending). ``withhold``: its trajectories inside the window are kept and
+    the others withheld (the manifest names them): their rewards stay in the group's baseline, their tokens
+    leave the loss, counted as untrained (``withheld``); dropped whole only when none is inside. Needs a
+    trainer that knows manifests' ``withheld`` field (upgrade the trainer first)."""
 
-    def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "no_signal_groups", NoSignalGroups(self.no_signal_groups))
-        except ValueError:
-            raise ValueError(f"no_signal_groups must be 'drop' or 'keep', got {self.no_signal_groups!r}") from None
-        try:
-            object.__setattr__(self, "stale_groups", StaleGroups(self.stale_groups))
-        except ValueError:
-            raise ValueError(f"stale_groups must be 'drop' or 'withhold', got {self.stale_groups!r}") from None
-        validate_keep_versions(self.keep_versions)
-        if self.batch_groups < 1:
-            raise ValueError(f"batch_groups must be >= 1, got {self.batch_groups}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.max_free_retries < 0:
-            raise ValueError(f"max_free_retries must be >= 0, got {self.max_free_retries}")
+    @field_validator("keep_versions", mode="before")
+    @classmethod
+    def _count_not_flag(cls, value: object) -> object:
+        if isinstance(value, bool):  # pydantic would take True as 1
+            raise ValueError(f"keep_versions must be an integer >= 0 (0 = off), got {value!r}")
+        return value
 
 
-def is_free_retry(group: WindowGroup, config: WindowConfig) -> bool:
+def is_free_retry(group: WindowGroup, config: WindowSettings) -> bool:
     """A failed group's retry costs the prompt nothing: its failure was a dependency's, under the cap."""
     return group.failed and group.uncharged and group.free_retries < config.max_free_retries
 
 
-def next_attempt(group: WindowGroup, config: WindowConfig) -> tuple[int, int]:
+def next_attempt(group: WindowGroup, config: WindowSettings) -> tuple[int, int]:
     """``(attempt, free_retries)`` of the retry of a failed group."""
     if is_free_retry(group, config):
         return group.attempt, group.free_retries + 1

@@ -52,15 +52,6 @@ def trajectory_tokens(samples: Sequence[SegmentEnd]) -> dict[str, int]:
     return out
 
 
-def validate_keep_versions(keep_versions: int) -> int:
-    """0 turns the window off; negative values are an error at start."""
-    if isinstance(keep_versions, bool) or not isinstance(keep_versions, int):
-        raise ValueError(f"keep_versions must be an integer >= 0, got {keep_versions!r}")
-    if keep_versions < 0:
-        raise ValueError(f"keep_versions must be an integer >= 0 (0 = off), got {keep_versions}")
-    return keep_versions
-
-
 def cutoff_index(current_index: int | None, keep_versions: int) -> int | None:
     """Lowest index still inside the window; None when off or nothing observed."""
     if keep_versions == 0 or current_index is None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from shared.names import RedisKeys
-from shared.staleness import UNTRAINED_CAUSE_NAMES, TokenTally, WindowConfig, WindowState
+from shared.staleness import UNTRAINED_CAUSE_NAMES, TokenTally, WindowSettings, WindowState
 from shared.versions import VersionRegistry
 
 DROPS_PREFIX = "drops:"
@@ -89,7 +89,7 @@ def encode_window(after: WindowState, steps: int) -> dict[str, str | int]:
     return window
 
 
-def encode_config(config: WindowConfig) -> dict[str, str]:
+def encode_config(config: WindowSettings) -> dict[str, str]:
     """The ``window_config`` hash every replica must agree on."""
     return {
         "keep_versions": str(config.keep_versions),

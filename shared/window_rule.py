@@ -16,8 +16,8 @@ from shared.staleness import (
     NoSignalGroups,
     StaleGroups,
     StepResult,
-    WindowConfig,
     WindowGroup,
+    WindowSettings,
     WindowSnapshot,
     WindowState,
     is_free_retry,
@@ -40,7 +40,7 @@ def stale_members(group: WindowGroup, cutoff: int | None, index_of: IndexOf) -> 
 
 
 def _judge_stale(
-    group: WindowGroup, snap: WindowSnapshot, index_of: IndexOf, config: WindowConfig
+    group: WindowGroup, snap: WindowSnapshot, index_of: IndexOf, config: WindowSettings
 ) -> WindowGroup | None:
     """A group as the window keeps it, or None to drop it whole.
 
@@ -57,7 +57,7 @@ def _judge_stale(
     return replace(group, withheld=tuple(dict.fromkeys((*group.withheld, *stale))))
 
 
-def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, config: WindowConfig) -> StepResult:
+def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, config: WindowSettings) -> StepResult:
     """Fold one completed group into the window.
 
     Order: observe the group's versions -> if the window advanced, remove
@@ -163,7 +163,7 @@ def window_step(state: WindowState, group: WindowGroup, index_of: IndexOf, confi
 class WindowReplay:
     """Folds a recorded stream through the window in memory (``rein replay``, tests)."""
 
-    config: WindowConfig
+    config: WindowSettings
     index_of: IndexOf
     state: WindowState = field(default_factory=WindowState)
 

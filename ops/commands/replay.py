@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from ops.replay import (
 from shared.bus import read_topic
 from shared.schemas import CompletedGroup, DecisionRecord, WeightPublished
 from shared.settings import ServiceSettings, SettingsError, load
-from shared.staleness import NoSignalGroups, StaleGroups, WindowConfig
+from shared.staleness import NoSignalGroups, StaleGroups, WindowSettings
 
 DEFAULT_BATCH_GROUPS = 32
 """Same default as the collector's ``REIN_BATCH_GROUPS``."""
@@ -165,10 +164,10 @@ def report_json(report: ReplayReport, beside: dict[str, Any] | None = None) -> d
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = WindowConfig(
-            args.keep_versions,
-            args.batch_groups,
-            args.max_retries,
+        config = WindowSettings(
+            keep_versions=args.keep_versions,
+            batch_groups=args.batch_groups,
+            max_retries=args.max_retries,
             no_signal_groups=NoSignalGroups(args.no_signal_groups),
             stale_groups=StaleGroups(args.stale_groups),
         )
@@ -197,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
         report = replay(events, config)
         beside = None
         if config.stale_groups is StaleGroups.WITHHOLD:
-            beside = withhold_vs_drop(report, replay(events, replace(config, stale_groups=StaleGroups.DROP)))
+            dropping = config.model_copy(update={"stale_groups": StaleGroups.DROP})
+            beside = withhold_vs_drop(report, replay(events, dropping))
     except ValueError as exc:  # e.g. two labels with one sequence number in the recording
         print(f"rein replay: {exc}", file=sys.stderr)
         return 1

@@ -12,7 +12,7 @@ from services.collector.metrics import CollectorMetrics
 from services.collector.window_store import StepOutcome
 from shared import log
 from shared.schemas import CompletedGroup
-from shared.staleness import Decision, NoSignalGroups, StepResult, WindowConfig, WindowGroup
+from shared.staleness import Decision, NoSignalGroups, StepResult, WindowGroup, WindowSettings
 
 _log = log.get(__name__)
 
@@ -23,7 +23,7 @@ NO_SIGNAL_WARN_BATCHES = 4
 class DecisionReport:
     """One replica's counters and logs of window decisions."""
 
-    def __init__(self, metrics: CollectorMetrics, config: WindowConfig) -> None:
+    def __init__(self, metrics: CollectorMetrics, config: WindowSettings) -> None:
         self.metrics = metrics
         self.config = config
         self.spans = RecentSpans()

@@ -38,7 +38,7 @@ from shared.codec import DecodeError
 from shared.names import RedisKeys
 from shared.outage import DEPENDENCY_ERRORS, Outage
 from shared.schemas import CompletedGroup, GroupRef, Record
-from shared.staleness import WindowConfig
+from shared.staleness import WindowSettings
 from shared.state import Replication, connect
 from shared.status_server import StatusServer
 from shared.topology import TopicSpec
@@ -62,14 +62,7 @@ class Collector:
         self.stop = stop or threading.Event()
         self.replica = settings.replica_id or default_replica_id()
         self.metrics = CollectorMetrics()
-        self.config = WindowConfig(
-            settings.keep_versions,
-            settings.batch_groups,
-            settings.max_retries,
-            settings.max_free_retries,
-            settings.no_signal_groups,
-            settings.stale_groups,
-        )
+        self.config: WindowSettings = settings  # the window's own settings, part of the collector's
         self.assembler = Assembler()
         self.report = DecisionReport(self.metrics, self.config)
         self.last_loop = time.monotonic()

@@ -7,11 +7,13 @@ from typing import ClassVar
 from pydantic import Field
 
 from shared.settings import ServiceSettings, StopSettings
-from shared.staleness import NoSignalGroups, StaleGroups
+from shared.staleness import WindowSettings
 
 
-class CollectorSettings(ServiceSettings, StopSettings):
-    """Settings of ``python -m services.collector`` (every replica of one deployment uses the same values)."""
+class CollectorSettings(ServiceSettings, StopSettings, WindowSettings):
+    """Settings of ``python -m services.collector`` (every replica of one deployment uses the same values); the
+    window's own (keep, batch, retries, groups without signal, stale groups) are those of
+    :class:`~shared.staleness.WindowSettings`."""
 
     renamed: ClassVar[dict[str, str]] = {"REIN_GROUP_ID": "REIN_CONSUMER_GROUP"}
 
@@ -19,28 +21,6 @@ class CollectorSettings(ServiceSettings, StopSettings):
     """Kafka consumer group of the replicas: partitions of chunks and events are split between its members."""
     replica_id: str = ""
     """Name of this replica in logs and decision records; empty: ``<hostname>-<pid>``."""
-    keep_versions: int = Field(default=2, ge=0)
-    """Batch window: keep groups whose versions are among the newest N (by registry order); 0 turns it off."""
-    batch_groups: int = Field(default=32, ge=1)
-    """Groups per training batch: a manifest is emitted each time this many groups are pending."""
-    max_retries: int = Field(default=2, ge=0)
-    """Retries of a failed group (so max_retries + 1 attempts) before it is dropped and counted per prompt."""
-    max_free_retries: int = Field(default=10, ge=0)
-    """Retries that do not count toward ``max_retries``: of groups whose failed sessions all failed
-    because a dependency did (engine, proxy or Kafka down, idle or lost session, incomplete group),
-    not because of the prompt or the policy. Bounded so a broken setup cannot retry forever."""
-    no_signal_groups: NoSignalGroups = NoSignalGroups.DROP
-    """``drop``: a group whose trajectories all got the same reward (no GRPO gradient) is decided
-    ``dropped_no_signal`` and not retried, so a batch is ``batch_groups`` groups that each carry signal.
-    ``keep``: such groups fill batches as any other (a batch of only them trains nothing). Under
-    ``drop`` a task where no group carries signal yields no batch at all; ``rein_collector_no_signal_*``
-    and a ``no_signal_groups_in_a_row`` warning show it."""
-    stale_groups: StaleGroups = StaleGroups.DROP
-    """``drop``: a group with a trajectory that ended outside the window is dropped whole (``dropped_stale``,
-    or ``dropped_retroactive`` once pending). ``withhold``: its trajectories inside the window are kept and
-    the others withheld (the manifest names them): their rewards stay in the group's baseline, their tokens
-    leave the loss, counted as untrained (``withheld``); dropped whole only when none is inside. Needs a
-    trainer that knows manifests' ``withheld`` field (upgrade the trainer first)."""
     reconfigure: bool = False
     """Overwrite the window settings stored in Redis (keep/batch/retries/no-signal/stale groups). Without it a
     replica whose values differ from the shared window's refuses to start, so replicas never disagree about the

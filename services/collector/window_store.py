@@ -42,7 +42,15 @@ from shared.schemas import (
     RetryRequest,
     WindowInfo,
 )
-from shared.staleness import Decision, StepResult, WindowConfig, WindowGroup, WindowSnapshot, WindowState, next_attempt
+from shared.staleness import (
+    Decision,
+    StepResult,
+    WindowGroup,
+    WindowSettings,
+    WindowSnapshot,
+    WindowState,
+    next_attempt,
+)
 from shared.state import RedisRegistry, Replication
 from shared.window_layout import decode_window, drops_field, encode_config, encode_window
 from shared.window_rule import window_step
@@ -122,7 +130,7 @@ class WindowStore:
         client: redis.Redis,
         keys: RedisKeys,
         topics: Topics,
-        config: WindowConfig,
+        config: WindowSettings,
         *,
         replica: str,
         max_attempts: int = 200,

@@ -13,7 +13,7 @@ from services.collector.window_store import WindowLost, WindowStore
 from shared.bus import ensure_topology, topic_configs
 from shared.names import RedisKeys, Topics
 from shared.settings import KafkaSettings
-from shared.staleness import WindowConfig
+from shared.staleness import WindowSettings
 from shared.topology import DAY_MS, TopicSpec, topic_specs
 from tests.support.collector import Running, Source, Tail, final_decisions, make_settings
 
@@ -36,7 +36,8 @@ def test_decided_marks_older_than_the_ttl_are_trimmed_and_recent_ones_kept(
     source.close()
     client = redis.Redis.from_url(redis_db_url, decode_responses=True)
     keys = RedisKeys(settings.redis.key_prefix)
-    store = WindowStore(client, keys, settings.topics, WindowConfig(2, 100, 2), replica="test")
+    store = WindowStore(client, keys, settings.topics, WindowSettings(keep_versions=2, batch_groups=100, max_retries=2),
+                        replica="test")
     try:
         assert client.hlen(keys.decided) == 6 and client.zcard(keys.decided_at) == 6
         ttl = 3600.0
@@ -93,7 +94,8 @@ def test_a_window_under_the_old_untagged_keys_is_refused_not_restarted(redis_db_
     must stop the collector with a clear error instead of a fresh window whose manifests restart at 0."""
     client = redis.Redis.from_url(redis_db_url, decode_responses=True)
     keys = RedisKeys(f"old{time.monotonic_ns()}")
-    store = WindowStore(client, keys, Topics(), WindowConfig(2, 8, 2), replica="test")
+    store = WindowStore(client, keys, Topics(), WindowSettings(keep_versions=2, batch_groups=8, max_retries=2),
+                        replica="test")
     try:
         client.hset(f"{keys.prefix}:window:config", mapping={"keep_versions": "2"})
         with pytest.raises(WindowLost, match="old key layout"):

@@ -17,7 +17,7 @@ from ops.local.ports import free_port
 from ops.replay import GroupEvent, WeightEvent, group_event, replay
 from services.collector.synthetic import group_records
 from shared.schemas import CompletedGroup, DecisionRecord
-from shared.staleness import NoSignalGroups, WindowConfig
+from shared.staleness import NoSignalGroups, WindowSettings
 from tests.support.collector import (
     Running,
     Source,
@@ -65,7 +65,7 @@ def test_two_replicas_decide_like_one_and_never_disagree_about_the_window(
     settings = make_settings(
         kafka_bootstrap, redis_db_url, partitions=4, keep_versions=2, batch_groups=4, no_signal_groups="drop"
     )
-    config = WindowConfig(2, 4, 2, no_signal_groups=NoSignalGroups.DROP)
+    config = WindowSettings(keep_versions=2, batch_groups=4, max_retries=2, no_signal_groups=NoSignalGroups.DROP)
     expected = replay(
         [WeightEvent(v, i) for i, v in enumerate(LABELS)]
         + [_event(gid, trajs, **kw) for wave in WAVES for gid, trajs, kw in wave],

@@ -18,11 +18,11 @@ from ops.migrate import MigrationRefused, migrate, old_name
 from services.collector.window_store import WindowLost, WindowStore
 from shared.names import RedisKeys, Topics
 from shared.schemas import BatchManifest, GroupRef
-from shared.staleness import WindowConfig, WindowGroup
+from shared.staleness import WindowGroup, WindowSettings
 
 pytestmark = pytest.mark.integration
 
-CONFIG = WindowConfig(keep_versions=2, batch_groups=2)
+CONFIG = WindowSettings(keep_versions=2, batch_groups=2)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ops.replay import ReplayFormatError, event_to_json, read_jsonl, replay, withhold_vs_drop
-from shared.staleness import NoSignalGroups, StaleGroups, WindowConfig
+from shared.staleness import NoSignalGroups, StaleGroups, WindowSettings
 
 RUN = [
     {"kind": "weight", "version": "v0", "seq": 0},
@@ -39,12 +39,12 @@ RUN = [
 def test_round_trip_and_fold() -> None:
     events = list(read_jsonl(json.dumps(obj) for obj in RUN))
     assert [event_to_json(e) for e in events][:2] == RUN[:2]
-    report = replay(events, WindowConfig(keep_versions=1, batch_groups=8))
+    report = replay(events, WindowSettings(keep_versions=1, batch_groups=8))
     assert report.decisions() == {"a": "dropped_retroactive", "b": "kept", "c": "failed_dropped"}
     assert report.duplicates == 1
     summary = report.summary()
     assert summary["kept"] == 1 and summary["dropped"] == 2 and summary["batches"] == 0
-    off = replay(events, WindowConfig(keep_versions=0, batch_groups=2))
+    off = replay(events, WindowSettings(keep_versions=0, batch_groups=2))
     assert off.decisions() == {"a": "kept", "b": "kept", "c": "failed_dropped"}
     assert off.batches == 1 and off.summary()["version_gap"] == {"min": 0, "max": 1, "mean": 0.5, "trajectories": 2}
 
@@ -89,10 +89,10 @@ def test_rewards_decide_signal_and_survive_export() -> None:
     run = [RUN[0], _flat("flat", [1.0, 1.0]), _flat("mixed", [0.0, 1.0]), _flat("unknown", None)]
     events = list(read_jsonl(json.dumps(obj) for obj in run))
     assert [event_to_json(e) for e in events] == run
-    dropped = replay(events, WindowConfig(keep_versions=1, batch_groups=8))
+    dropped = replay(events, WindowSettings(keep_versions=1, batch_groups=8))
     assert dropped.decisions() == {"flat": "dropped_no_signal", "mixed": "kept", "unknown": "kept"}
     assert dropped.summary()["dropped"] == 1 and dropped.summary()["no_signal_groups"] == "drop"
-    kept = replay(events, WindowConfig(keep_versions=1, batch_groups=8, no_signal_groups=NoSignalGroups.KEEP))
+    kept = replay(events, WindowSettings(keep_versions=1, batch_groups=8, no_signal_groups=NoSignalGroups.KEEP))
     assert set(kept.decisions().values()) == {"kept"}
 
 
@@ -116,13 +116,13 @@ def test_withhold_beside_drop_reports_the_groups_and_tokens_it_saved() -> None:
     ]
     events = list(read_jsonl(json.dumps(obj) for obj in run))
     assert [event_to_json(e) for e in events] == run, "token counts survive export"
-    config = WindowConfig(keep_versions=2, batch_groups=8)
+    config = WindowSettings(keep_versions=2, batch_groups=8)
     drop = replay(events, config)
     assert drop.decisions() == {"a": "dropped_retroactive", "b": "dropped_stale", "c": "dropped_stale",
                                 "d": "dropped_stale"}
     assert drop.summary()["tokens"] == {"generated": 28, "untrained": {"window": 28, "no_signal": 0, "failed": 0,
                                                                          "withheld": 0}}
-    withhold = replay(events, WindowConfig(keep_versions=2, batch_groups=8, stale_groups=StaleGroups.WITHHOLD))
+    withhold = replay(events, WindowSettings(keep_versions=2, batch_groups=8, stale_groups=StaleGroups.WITHHOLD))
     assert withhold.decisions() == {"a": "dropped_retroactive", "b": "kept", "c": "kept", "d": "dropped_stale"}
     assert withhold.outcomes["c"].withheld == ("c-1",) and withhold.outcomes["b"].withheld == ("b-0",)
     assert withhold.summary()["stale_groups"] == "withhold" and withhold.summary()["withheld_members"] == 2

@@ -11,8 +11,8 @@ from shared.staleness import (
     Decision,
     NoSignalGroups,
     TokenTally,
-    WindowConfig,
     WindowGroup,
+    WindowSettings,
     WindowState,
     carries_signal,
     next_attempt,
@@ -22,7 +22,6 @@ from shared.version_window import (
     cutoff_index,
     is_stale,
     trajectory_versions,
-    validate_keep_versions,
     version_gaps,
 )
 from shared.versions import VersionRegistry
@@ -130,13 +129,13 @@ def test_unversioned_higher_segment_does_not_hide_lower_versioned_one() -> None:
 
 
 def test_keep_versions_zero_is_off_and_negative_rejected() -> None:
-    assert validate_keep_versions(0) == 0
+    assert WindowSettings(keep_versions=0).keep_versions == 0
     assert cutoff_index(10, 0) is None
     assert not is_stale([0], 10, 0)
-    with pytest.raises(ValueError, match=">= 0"):
-        validate_keep_versions(-1)
-    with pytest.raises(ValueError):
-        WindowConfig(keep_versions=-2, batch_groups=1)
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        WindowSettings(keep_versions=-1)
+    with pytest.raises(ValueError, match="integer"):
+        WindowSettings(keep_versions=True)
 
 
 def test_one_stale_trajectory_drops_whole_group() -> None:
@@ -165,14 +164,14 @@ def _group(
 
 
 def _run(keep: int, groups: list[WindowGroup], batch: int = 100, n: int = 10) -> WindowReplay:
-    replay = WindowReplay(WindowConfig(keep, batch), _registry(n).index)
+    replay = WindowReplay(WindowSettings(keep_versions=keep, batch_groups=batch), _registry(n).index)
     for g in groups:
         replay.feed(g)
     return replay
 
 
 def test_sliding_window_drops_old_groups() -> None:
-    replay = WindowReplay(WindowConfig(2, 100), _registry(5).index)
+    replay = WindowReplay(WindowSettings(keep_versions=2, batch_groups=100), _registry(5).index)
     assert [d.decision for d in replay.feed(_group("a", "v0")).decisions] == [Decision.KEPT]
     assert [d.decision for d in replay.feed(_group("b", "v1")).decisions] == [Decision.KEPT]
     moved = replay.feed(_group("c", "v2"))
@@ -185,7 +184,7 @@ def test_sliding_window_drops_old_groups() -> None:
 
 
 def test_retroactive_removal_only_when_window_advances() -> None:
-    replay = WindowReplay(WindowConfig(1, 100), _registry(5).index)
+    replay = WindowReplay(WindowSettings(keep_versions=1, batch_groups=100), _registry(5).index)
     replay.feed(_group("a", "v1"))
     same = replay.feed(_group("b", "v1"))
     assert not same.advanced and [d.decision for d in same.decisions] == [Decision.KEPT]
@@ -200,7 +199,7 @@ def test_retroactive_removal_only_when_window_advances() -> None:
 
 
 def test_late_straggler_with_older_published_label_is_stale_and_does_not_move_window() -> None:
-    replay = WindowReplay(WindowConfig(1, 100), _registry(5).index)
+    replay = WindowReplay(WindowSettings(keep_versions=1, batch_groups=100), _registry(5).index)
     replay.feed(_group("new", "v3"))
     late = replay.feed(_group("late", "v1"))
     assert not late.advanced
@@ -210,7 +209,7 @@ def test_late_straggler_with_older_published_label_is_stale_and_does_not_move_wi
 
 
 def test_failed_group_never_moves_window_and_retries_then_drops() -> None:
-    replay = WindowReplay(WindowConfig(1, 100, max_retries=2), _registry(5).index)
+    replay = WindowReplay(WindowSettings(keep_versions=1, batch_groups=100, max_retries=2), _registry(5).index)
     replay.feed(_group("a", "v1"))
     r0 = replay.feed(_group("f0", "v4", failed=True, attempt=0))
     r2 = replay.feed(_group("f2", "v4", failed=True, attempt=2))
@@ -222,7 +221,7 @@ def test_failed_group_never_moves_window_and_retries_then_drops() -> None:
 
 
 def test_batch_taken_with_gap_and_drops_since_last_batch() -> None:
-    replay = WindowReplay(WindowConfig(2, 2), _registry(5).index)
+    replay = WindowReplay(WindowSettings(keep_versions=2, batch_groups=2), _registry(5).index)
     replay.feed(_group("a", "v0"))
     replay.feed(_group("b", "v2"))  # drops a retroactively
     res = replay.feed(_group("c", "v1", "v2"))
@@ -262,7 +261,8 @@ def test_window_never_drops_group_within_newest_keep_versions(
     raw: list[tuple[list[int], bool, bool]], keep: int, batch_groups: int, policy: NoSignalGroups
 ) -> None:
     reg = _registry(10)
-    replay = WindowReplay(WindowConfig(keep, batch_groups, no_signal_groups=policy), reg.index)
+    replay = WindowReplay(WindowSettings(keep_versions=keep, batch_groups=batch_groups, no_signal_groups=policy),
+                          reg.index)
     newest_seen = -1
     for i, (idxs, failed, signal) in enumerate(raw):
         group = _group(f"g{i}", *(f"v{x}" for x in idxs), failed=failed, signal=signal)
@@ -289,7 +289,8 @@ FINAL_DROPS = {
 def test_every_group_gets_exactly_one_final_outcome(
     raw: list[tuple[list[int], bool, bool]], keep: int, batch_groups: int, policy: NoSignalGroups
 ) -> None:
-    replay = WindowReplay(WindowConfig(keep, batch_groups, max_retries=0, no_signal_groups=policy), _registry(10).index)
+    replay = WindowReplay(WindowSettings(keep_versions=keep, batch_groups=batch_groups, max_retries=0,
+                                         no_signal_groups=policy), _registry(10).index)
     outcomes: dict[str, list[str]] = {}
     listed: list[tuple[str, str]] = []  # drops as the manifests list them
     drops = 0
@@ -332,7 +333,7 @@ def test_every_group_gets_exactly_one_final_outcome(
 
 
 def test_token_tally_by_cause() -> None:
-    replay = WindowReplay(WindowConfig(1, 2, max_retries=1), _registry(5).index)
+    replay = WindowReplay(WindowSettings(keep_versions=1, batch_groups=2, max_retries=1), _registry(5).index)
     replay.feed(_group("a", "v1", tokens=10))  # kept
     replay.feed(_group("flat", "v1", signal=False, tokens=7))  # dropped_no_signal
     replay.feed(_group("f0", "v1", failed=True, tokens=3))  # failed_retry: the tokens are still lost
@@ -366,7 +367,7 @@ def test_state_default_is_empty() -> None:
 def test_free_retries(
     attempt: int, free: int, uncharged: bool, decision: Decision, retry: tuple[int, int] | None
 ) -> None:
-    config = WindowConfig(keep_versions=2, batch_groups=4, max_retries=2, max_free_retries=3)
+    config = WindowSettings(keep_versions=2, batch_groups=4, max_retries=2, max_free_retries=3)
     group = WindowGroup("g", "p", attempt, True, ("v1",), free_retries=free, uncharged=uncharged)
     result = window_step(WindowState(current="v1"), group, {"v1": 1}.__getitem__, config)
     assert [d.decision for d in result.decisions] == [decision]
@@ -412,7 +413,8 @@ def test_carries_signal(rewards: list[float], signal: bool) -> None:
 
 
 def _signal_run(policy: NoSignalGroups, batch: int = 2) -> WindowReplay:
-    return WindowReplay(WindowConfig(2, batch, no_signal_groups=policy), _registry(5).index)
+    return WindowReplay(WindowSettings(keep_versions=2, batch_groups=batch, no_signal_groups=policy),
+                        _registry(5).index)
 
 
 def test_group_without_signal_is_dropped_counted_and_listed_in_the_next_manifest() -> None:
@@ -436,7 +438,7 @@ def test_keep_policy_judges_a_group_without_signal_like_any_other() -> None:
 
 
 def test_group_without_signal_still_advances_the_window() -> None:
-    replay = WindowReplay(WindowConfig(1, 100), _registry(5).index)
+    replay = WindowReplay(WindowSettings(keep_versions=1, batch_groups=100), _registry(5).index)
     replay.feed(_group("a", "v1"))
     moved = replay.feed(_group("flat", "v2", signal=False))
     assert moved.advanced and replay.state.current == "v2"
@@ -447,7 +449,7 @@ def test_group_without_signal_still_advances_the_window() -> None:
 
 
 def test_staleness_is_judged_before_signal() -> None:
-    replay = WindowReplay(WindowConfig(1, 100), _registry(5).index)
+    replay = WindowReplay(WindowSettings(keep_versions=1, batch_groups=100), _registry(5).index)
     replay.feed(_group("a", "v3"))
     late = replay.feed(_group("late", "v1", signal=False))
     assert [d.decision for d in late.decisions] == [Decision.DROPPED_STALE]
@@ -475,10 +477,11 @@ def test_failed_group_without_signal_is_retried_not_dropped_for_signal() -> None
 
 
 def test_config_takes_the_policy_by_name_and_refuses_others() -> None:
-    assert WindowConfig(1, 1, no_signal_groups="keep").no_signal_groups is NoSignalGroups.KEEP  # type: ignore[arg-type]
-    assert WindowConfig(1, 1).no_signal_groups is NoSignalGroups.DROP
+    keep = WindowSettings(keep_versions=1, batch_groups=1, no_signal_groups="keep")  # type: ignore[arg-type]
+    assert keep.no_signal_groups is NoSignalGroups.KEEP
+    assert WindowSettings(keep_versions=1, batch_groups=1).no_signal_groups is NoSignalGroups.DROP
     with pytest.raises(ValueError, match="no_signal_groups"):
-        WindowConfig(1, 1, no_signal_groups="sometimes")  # type: ignore[arg-type]
+        WindowSettings(keep_versions=1, batch_groups=1, no_signal_groups="sometimes")  # type: ignore[arg-type]
 
 
 def test_window_group_signal_comes_from_the_rewards() -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.staleness import Decision, NoSignalGroups, StaleGroups, TokenTally, WindowConfig, WindowGroup
+from shared.staleness import Decision, NoSignalGroups, StaleGroups, TokenTally, WindowGroup, WindowSettings
 from shared.version_window import SegmentEnd
 from shared.versions import VersionRegistry
 from shared.window_rule import WindowReplay, stale_members
@@ -30,7 +30,7 @@ def _group(gid: str, *members: tuple[str, int, int], signal: bool = True) -> Win
 
 
 def _window(keep: int = 2, batch: int = 100, policy: StaleGroups = StaleGroups.WITHHOLD) -> WindowReplay:
-    return WindowReplay(WindowConfig(keep, batch, stale_groups=policy), _registry().index)
+    return WindowReplay(WindowSettings(keep_versions=keep, batch_groups=batch, stale_groups=policy), _registry().index)
 
 
 def test_a_stale_group_keeps_its_fresh_members_and_withholds_the_others() -> None:
@@ -85,7 +85,8 @@ def test_an_advance_withholds_pending_members_then_drops_the_group_once_none_is_
 
 def test_staleness_comes_before_signal_and_withheld_members_count_only_when_kept() -> None:
     w = WindowReplay(
-        WindowConfig(2, 100, no_signal_groups=NoSignalGroups.DROP, stale_groups=StaleGroups.WITHHOLD),
+        WindowSettings(keep_versions=2, batch_groups=100, no_signal_groups=NoSignalGroups.DROP,
+                       stale_groups=StaleGroups.WITHHOLD),
         _registry().index,
     )
     w.feed(_group("new", ("n", 5, 1)))
@@ -114,7 +115,7 @@ def test_stale_members_and_group_validation() -> None:
     with pytest.raises(ValueError, match="token counts"):
         WindowGroup("g", "p", 0, False, ("v1",), members=("a",), member_tokens=(1, 2))
     with pytest.raises(ValueError, match="withhold"):
-        WindowConfig(1, 1, stale_groups="sometimes")  # type: ignore[arg-type]
+        WindowSettings(keep_versions=1, batch_groups=1, stale_groups="sometimes")  # type: ignore[arg-type]
 
 
 def test_window_view_records_members_and_their_tokens() -> None:
@@ -138,7 +139,8 @@ def test_withhold_trains_only_members_inside_the_window_and_accounts_for_every_t
     raw: list[list[tuple[int, int]]], keep: int, batch_groups: int
 ) -> None:
     reg = _registry()
-    w = WindowReplay(WindowConfig(keep, batch_groups, stale_groups=StaleGroups.WITHHOLD), reg.index)
+    w = WindowReplay(WindowSettings(keep_versions=keep, batch_groups=batch_groups, stale_groups=StaleGroups.WITHHOLD),
+                     reg.index)
     trained = 0
     for i, members in enumerate(raw):
         group = _group(f"g{i}", *((f"g{i}m{j}", v, n) for j, (v, n) in enumerate(members)))
