@@ -30,7 +30,6 @@ from services.trainer.settings import TrainerSettings
 from services.trainer.step import PolicyTrainer
 from shared.model import load_family
 from shared.model.compute import context_window_of
-from shared.policy import PolicyConfig
 from shared.schemas import Chunk, CompletedGroup, GroupDispatched, SessionFinished
 from shared.staleness import Batch, Decision, NoSignalGroups, WindowSettings
 from shared.tokenizer import TOKENIZER
@@ -118,9 +117,7 @@ class Reference:
         self.rollout_settings = RolloutSettings()
         s = self.trainer_settings
         self.batch_groups, self.group_size = recipe.batch_groups, recipe.group_size
-        self.family = load_family("tiny", tiny_config=PolicyConfig(
-            vocab_size=TOKENIZER.vocab_size, context=s.model_context, width=s.model_width,
-            layers=s.model_layers, heads=s.model_heads))
+        self.family = load_family("tiny", tiny_config=s.tiny_policy(TOKENIZER.vocab_size))
         self.tokenizer = self.family.tokenizer
         device = torch.device("cpu")
         model = self.family.new_model(seed, device, dtype=torch.float32)

@@ -66,7 +66,7 @@ from shared.codec import DecodeError
 from shared.model import ModelFamily, load_family
 from shared.model.compute import context_window_of, set_gradient_checkpointing
 from shared.outage import Outage
-from shared.policy import PolicyConfig, resolve_device
+from shared.policy import resolve_device
 from shared.schemas import BatchManifest, BatchSkipped, WeightPublished
 from shared.status_server import StatusServer
 from shared.tokenizer import TOKENIZER
@@ -97,9 +97,7 @@ class TrainerLoop:
         """Data-parallel ranks (``services/trainer/parallel.py``): rank 0 runs this loop, the others follow it."""
         self.metrics = TrainerMetrics(CollectorRegistry(auto_describe=True))
         self.device = resolve_device(settings.device)
-        self.family: ModelFamily = load_family(settings.model, tiny_config=PolicyConfig(
-            vocab_size=TOKENIZER.vocab_size, context=settings.model_context, width=settings.model_width,
-            layers=settings.model_layers, heads=settings.model_heads))
+        self.family: ModelFamily = load_family(settings.model, tiny_config=settings.tiny_policy(TOKENIZER.vocab_size))
         self.metrics_log = MetricsLog(settings.run_dir / "metrics.jsonl")
         self._held: dict[int, list[tuple[str, int, int]]] = {}
         """Manifest index -> positions of every record carrying it (duplicates too), done once it is durable."""

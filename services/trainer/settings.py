@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from services.trainer.loss_settings import LossSettings
+from shared.policy import PolicyConfig
 from shared.settings import ModelServiceSettings, StopSettings
 
 
@@ -26,13 +27,13 @@ class TrainerSettings(ModelServiceSettings, StopSettings, LossSettings):
     seed: int = 0
     """Seed of the step-0 weights written at first start (same seed, same ``v0`` digest)."""
 
-    model_context: int = Field(default=64, ge=2)
+    model_context: int = Field(default=PolicyConfig.context, ge=2)
     """Context window of the step-0 tiny policy (ignored once a checkpoint exists: its config rules)."""
-    model_width: int = Field(default=64, ge=1)
+    model_width: int = Field(default=PolicyConfig.width, ge=1)
     """Width of the step-0 tiny policy (HF models: their config rules)."""
-    model_layers: int = Field(default=2, ge=1)
+    model_layers: int = Field(default=PolicyConfig.layers, ge=1)
     """Layers of the step-0 tiny policy."""
-    model_heads: int = Field(default=4, ge=1)
+    model_heads: int = Field(default=PolicyConfig.heads, ge=1)
     """Attention heads of the step-0 tiny policy."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Forward-pass precision. Weights, AdamW state and checkpoints stay fp32 in every case; ``bf16`` runs
@@ -79,3 +80,8 @@ class TrainerSettings(ModelServiceSettings, StopSettings, LossSettings):
                 "(REIN_MODEL_WIDTH / REIN_MODEL_HEADS)"
             )
         return self
+
+    def tiny_policy(self, vocab_size: int) -> PolicyConfig:
+        """The step-0 tiny policy's shape these settings give (its defaults are :class:`PolicyConfig`'s)."""
+        return PolicyConfig(vocab_size=vocab_size, context=self.model_context, width=self.model_width,
+                            layers=self.model_layers, heads=self.model_heads)
