@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.demo_metrics import EngineUsage, ToolCallSeries, proxy_rejections, proxy_tool_calls
+from ops.demo_presets import PRESETS
 from ops.demo_summary import progress_line, summarize, write_outputs
 from ops.local.launcher import LaunchError
 from ops.local.stack import LocalStack, start
@@ -70,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     config = stack_config(args, model, args.runs_dir / run_id)
     print(f"rein demo: run {run_id} -> {config.run_dir} (model {model}, task {config.task})", flush=True)
+    preset = PRESETS["tiny" if args.model == "tiny" else "hf"]
+    print(f"mode {config.mode}: " + (preset.mode_why if config.mode == preset.mode else "--mode"), flush=True)
     print("starting Kafka, Redis, trainer, engine, proxy, broadcaster, collectors, rollout ...", flush=True)
     started = time.monotonic()
     local: LocalStack | None = None

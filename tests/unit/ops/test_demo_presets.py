@@ -168,3 +168,9 @@ def test_rein_up_and_the_demo_start_the_same_stack_from_the_same_flags(tmp_path:
         from_up, from_demo = stack_config(up, "m", tmp_path), stack_config(demo, "m", tmp_path)
         assert from_up.steps == 0 and from_demo.steps == demo.steps > 0
         assert replace(from_up, steps=from_demo.steps) == from_demo, flags
+
+
+def test_each_presets_mode_says_which_measurement_chose_it() -> None:
+    for name, preset in PRESETS.items():
+        assert "docs/benchmarks.md" in preset.mode_why, name
+    assert not hasattr(parse_args([]), "mode_why")  # a reason, not a flag
