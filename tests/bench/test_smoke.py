@@ -183,6 +183,10 @@ def _stress(out: Path) -> None:
     assert all({"curve", "signal_samples", "version_gap_mean"} <= set(r[0]) for r in data["runs"].values())
 
 
+def _plot_regimes(out: Path) -> None:
+    assert out.stat().st_size > 0
+
+
 def _plot_controls(out: Path) -> None:
     assert out.stat().st_size > 0
 
@@ -208,6 +212,7 @@ SMOKE: dict[str, Smoke] = {
         _stress, fixtures=("stress_runs",),
     ),
     "plot_controls": Smoke(lambda out, _: [str(BENCH / "controls.json"), str(out)], _plot_controls),
+    "plot_regimes": Smoke(lambda out, _: [str(BENCH / "async_regimes.json"), str(out)], _plot_regimes),
     "trainer_step": Smoke(
         lambda out, _: ["--tiny-llama", "--samples", "2", "--min-len", "16", "--max-len", "24", "--rounds", "1",
                         "--threads", "1", "--out", str(out)],
@@ -271,7 +276,7 @@ def test_every_bench_script_has_a_smoke_entry() -> None:
 def test_bench_script_runs(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     smoke = SMOKE[name]
     fixtures = {f: str(request.getfixturevalue(f)) for f in smoke.fixtures}
-    out = tmp_path / (f"{name}.png" if name == "plot_controls" else f"{name}.json")
+    out = tmp_path / (f"{name}.png" if name.startswith("plot_") else f"{name}.json")
     proc = subprocess.run(
         [sys.executable, str(BENCH / f"{name}.py"), *smoke.args(out, fixtures)],
         cwd=REPO, capture_output=True, text=True, timeout=smoke.timeout_s, check=False,
