@@ -1,6 +1,6 @@
 """Where asynchrony pays: sync against async with rein's controls over a grid of environment times.
 
-Issue 34, item 5. An environment step (the answer to a turn, the grade: ``ops.demo --env-time``,
+An environment step (the answer to a turn, the grade: ``ops.demo --env-time``,
 services/rollout/env_time.py) waits without using a core. A synchronous wave waits for its slowest
 episode while the engine and the trainer idle; async hides the waits as far as it has groups in
 flight. The base cell (no environment time) runs both arms first. From it come the per-turn generation

@@ -1,6 +1,6 @@
 """Staleness under stress: unprotected async against rein's controls against sync, per trained sample.
 
-Issue 34, item 6: the seed article's central claim is that stale data hurts what a policy learns from
+The seed article's central claim is that stale data hurts what a policy learns from
 each sample and that bounding staleness recovers it. On the demo's settings a version gap of about one
 step does not hurt measurably (docs/benchmarks.md, "In the demo's learning regime"), so this script
 builds a regime where staleness is large: many groups in flight (``--concurrent-groups``) and a high

@@ -1,6 +1,6 @@
 """Time to reward: sync vs async (with and without rein's controls), same model, seeds and wall clock.
 
-The headline comparison of issue 21. Each (seed, mode) is one ``python -m ops.demo`` run with the
+The headline comparison. Each (seed, mode) is one ``python -m ops.demo`` run with the
 same wall-clock training budget (``--minutes``, counted once every service is up), one after
 another on the same machine, seed-major (every mode of seed 0, then seed 1, ...) so that a slow
 patch of a shared machine spreads over the modes. Resource placement is the demo's, the same in

@@ -414,7 +414,7 @@ N_RETRIES = 60
 def test_retry_group_rebalances_lose_and_repeat_no_retry(
     stack: Stack, unique_group: str, unique_topic: Callable[..., str]
 ) -> None:
-    """The make-test failure of issue 12: retries queued in the runner while its retry group rebalances.
+    """A make-test failure once: retries queued in the runner while its retry group rebalances.
 
     Sixty retries, fifteen per partition, dispatched one group at a time (about 0.2 s each, so
     the queue outlasts a rebalance); a foreign member joins the runner's group while retries are

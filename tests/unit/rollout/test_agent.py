@@ -147,7 +147,7 @@ def test_turn_limit_reports_zero() -> None:
         (503, {"detail": {"error": "engine_unavailable"}}, "failed", "engine_unavailable", "failed", True),
         (502, {"detail": {"error": "engine_error"}}, "failed", "engine_error", "failed", True),
         (500, {"detail": "boom"}, "failed", "boom", "failed", True),
-        # OpenAI's shape with rein's detail beside it (400 context_length_exceeded), and a proxy before issue 36
+        # OpenAI's shape with rein's detail beside it (400 context_length_exceeded), and an older proxy (413)
         (400, {"error": {"code": "context_length_exceeded"}, "detail": {"error": "context_overflow"}}, "truncated",
          "context_overflow", "truncated", True),
         (413, {"detail": {"error": "context_overflow"}}, "truncated", "context_overflow", "truncated", True),

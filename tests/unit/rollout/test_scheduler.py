@@ -59,7 +59,7 @@ def test_duplicate_retry_is_dispatched_once_and_done_with_its_original() -> None
 
 # Event tables for the retry records of one runner: (event, argument) -> outcome. A record is only
 # ever marked done by ``confirm`` (its group's GroupDispatched is in Kafka) or by an add_retry answer
-# of "dispatched"; never on behalf of work that has not happened (the make-test failure of issue 12).
+# of "dispatched"; never on behalf of work that has not happened (a make-test failure once).
 @pytest.mark.parametrize(
     ("events", "expected_done", "expected_queue"),
     [

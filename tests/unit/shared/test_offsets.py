@@ -71,7 +71,7 @@ ASSIGN: Event = ("assign", None, None)
                      id="only advances are reported"),
         pytest.param([d(0), d(0, P1), done(0, P1), COMMIT], [True, True], [{P0: 0, P1: 1}],
                      id="partitions are independent"),
-        # The make-test failure of issue 12: offset 5 queued, the group rebalances, 5 is delivered again.
+        # A make-test failure once: offset 5 queued, the group rebalances, 5 is delivered again.
         pytest.param([ASSIGN, d(5), REVOKE, ASSIGN, d(5), COMMIT, done(5), COMMIT], [True, True], [{P0: 5}, {P0: 6}],
                      id="revoke then assign: state rebuilt, the re-delivery is the work"),
         pytest.param([ASSIGN, d(5), REVOKE, done(5), COMMIT], [True], [{}],
