@@ -18,7 +18,7 @@ curve is averaged, and its **share of sync's curve** is that average over sync's
 controls keep at least 0.9 of it, unprotected async visibly less). Each run is one ``ops.demo``, kept
 under ``--runs-dir`` (the same command again continues a stopped comparison)::
 
-    $(bash deploy/venv.sh --path)/bin/python bench/stress.py --runs-dir RUNS --minutes 4 --seeds 0 1 2 \\
+    $(bash deploy/venv.sh --path)/bin/python bench/stress.py --runs-dir RUNS --minutes 3 --seeds 0 1 2 3 4 \\
         --out bench/stress.json
 """
 
@@ -117,7 +117,7 @@ def table(per_seed: dict[int, dict[str, Any]], runs: dict[str, list[dict[str, An
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--minutes", type=float, default=4.0, help="training budget of every run")
+    p.add_argument("--minutes", type=float, default=3.0, help="training budget of every run")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     p.add_argument("--stress", type=shlex.split, default=STRESS,
