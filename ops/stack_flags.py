@@ -98,7 +98,7 @@ def resolve_model(spec: str) -> str:
 
 
 def stack_config(args: argparse.Namespace, model: str, run_dir: Path) -> StackConfig:
-    """What the demo starts for parsed ``args`` and a resolved ``model`` (``resolve_model``)."""
+    """What ``make demo`` or ``rein up`` starts for parsed ``args`` and a resolved ``model`` (``resolve_model``)."""
     hf = model != "tiny"
     return StackConfig(
         run_dir=run_dir,

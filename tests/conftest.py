@@ -128,11 +128,13 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGTERM, on_sigterm)
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: `pytest -p no:xdist` runs without it
 def pytest_configure_node(node: Any) -> None:
     """pytest-xdist, in the controller: each worker is told the root its services are shared under."""
     node.workerinput["rein_infra_root"] = str(node.config.stash[_INFRA].workdir())
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from tests.support.schedule import ModulesHeavyFirst
 
