@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import hypothesis
 import pytest
 
-from tests.support.infra import KAFKA, NEEDS, REDIS, Infra, InfraError
+from tests.support.infra import KAFKA, NEEDS, REDIS, InfraError, RunInfra
 
 if TYPE_CHECKING:
     import redis
@@ -62,7 +62,7 @@ pytest_plugins = ["tests.support.hf_model"]  # smollm2_dir, tiny_llama_dir
 hypothesis.settings.register_profile("rein", deadline=None, print_blob=True)
 hypothesis.settings.load_profile("rein")
 
-_INFRA = pytest.StashKey[Infra]()
+_INFRA = pytest.StashKey[RunInfra]()
 _KEPT = pytest.StashKey[str]()
 _REDIS_DBS = itertools.cycle(range(1, 64))
 RUN_MARK = "PYTEST_REIN_RUN"
@@ -102,14 +102,14 @@ def pytest_configure(config: pytest.Config) -> None:
         ports.use_block(index, count)
         os.environ["REIN_PORT_BLOCK"] = f"{index}/{count}"  # for the deploy scripts this worker runs
         _REDIS_DBS = itertools.cycle(range(1 + index, 64, count))
-        config.stash[_INFRA] = Infra(Path(config.workerinput["rein_infra_root"]), shared=True)
+        config.stash[_INFRA] = RunInfra(Path(config.workerinput["rein_infra_root"]), shared=True)
         return
     _start_reaper()
     if _distributed(config):
         config.option.loadscopereorder = False  # tests/support/schedule.py orders the units itself
-        config.stash[_INFRA] = Infra(Path(tempfile.mkdtemp(prefix="rein-infra-")))  # the workers' shared root
+        config.stash[_INFRA] = RunInfra(Path(tempfile.mkdtemp(prefix="rein-infra-")))  # the workers' shared root
     else:
-        config.stash[_INFRA] = Infra()
+        config.stash[_INFRA] = RunInfra()
     # Backstop for a run killed with SIGTERM (e.g. a CI timeout): stop our services, then die as asked.
     if threading.current_thread() is threading.main_thread():
         previous = signal.getsignal(signal.SIGTERM)
@@ -166,11 +166,11 @@ def _start_reaper() -> None:
     os.environ[REAPER_DIR] = directory
 
 
-def _stop_services(config: pytest.Config) -> Infra:
-    """Stop the run's services (in a parallel run's controller: those its workers started); the Infra that did."""
+def _stop_services(config: pytest.Config) -> RunInfra:
+    """Stop the run's services (in a parallel run's controller: those its workers started); the RunInfra that did."""
     infra = config.stash[_INFRA]
     if _distributed(config):
-        infra = Infra.adopt(infra.workdir())
+        infra = RunInfra.adopt(infra.workdir())
         config.stash[_INFRA] = infra
     infra.stop_all()
     return infra

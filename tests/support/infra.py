@@ -1,6 +1,6 @@
 """Real Kafka and Redis for one pytest session, run through deploy/kafka.sh and deploy/redis.sh.
 
-Lifecycle: after collection, conftest asks :class:`Infra` to start the services that the selected
+Lifecycle: after collection, conftest asks :class:`RunInfra` to start the services that the selected
 tests need (found from each test's fixture closure), both at once in background threads, so the
 broker boots while the unit tests run. A fixture that needs a service waits for its start to finish.
 A run of pure unit tests starts nothing. At session end (and, as backstops, at interpreter exit and
@@ -12,7 +12,7 @@ script's message, never a skip.
 A parallel run (pytest-xdist) has one broker and one Redis for all its workers: the workers share
 one root (``shared=True``); whichever asks for a service first starts it, under a lock file, and
 records it in ``<root>/<name>.json``, where the others find it. The workers never stop them; the
-run's controller does at its end (:meth:`Infra.adopt`).
+run's controller does at its end (:meth:`RunInfra.adopt`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class InfraError(Exception):
 
 
 @dataclass
-class Service:
+class RunService:
     """One service this session owns: its script, data dir and what its start reported."""
 
     name: str
@@ -72,8 +72,9 @@ class Service:
         return self.data_dir / ("pid" if self.name == KAFKA else "redis.pid")
 
 
-class Infra:
-    """Starts and stops the session's services; thread-safe, every method idempotent."""
+class RunInfra:
+    """Starts and stops the test run's Kafka and Redis (a local stack's own are ``ops.local.launcher.Infra``'s);
+    thread-safe, every method idempotent."""
 
     def __init__(self, root: Path | None = None, *, shared: bool = False) -> None:
         self._root_arg = root
@@ -82,8 +83,8 @@ class Infra:
         self.root: Path | None = None
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._futures: dict[str, Future[Service]] = {}
-        self.services: dict[str, Service] = {}
+        self._futures: dict[str, Future[RunService]] = {}
+        self.services: dict[str, RunService] = {}
         self._closed = False
 
     def workdir(self) -> Path:
@@ -99,14 +100,14 @@ class Infra:
         return self.root
 
     @classmethod
-    def adopt(cls, root: Path) -> Infra:
+    def adopt(cls, root: Path) -> RunInfra:
         """The services the workers of a parallel run started under ``root``, to report and stop."""
         infra = cls(root)
         infra.workdir()
         for record in sorted(root.glob("*.json")):
             svc = _load_record(record)
             infra.services[svc.name] = svc
-            done: Future[Service] = Future()
+            done: Future[RunService] = Future()
             done.set_result(svc)
             infra._futures[svc.name] = done
         return infra
@@ -122,11 +123,11 @@ class Infra:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rein-infra")
                 script = DEPLOY / f"{name}.sh"
-                svc = Service(name=name, script=script, data_dir=self.workdir() / name)
+                svc = RunService(name=name, script=script, data_dir=self.workdir() / name)
                 self.services[name] = svc
                 self._futures[name] = self._pool.submit(self._start, svc)
 
-    def require(self, name: str) -> Service:
+    def require(self, name: str) -> RunService:
         """The running service, starting it now if nobody asked before; raises InfraError."""
         self.prestart([name])
         svc = self._futures[name].result()
@@ -134,7 +135,7 @@ class Infra:
             raise InfraError(svc.error)
         return svc
 
-    def _start(self, svc: Service) -> Service:
+    def _start(self, svc: RunService) -> RunService:
         if not self.shared:
             return self._launch(svc)
         assert self.root is not None
@@ -151,7 +152,7 @@ class Infra:
             tmp.replace(record)
         return svc
 
-    def _launch(self, svc: Service) -> Service:
+    def _launch(self, svc: RunService) -> RunService:
         began = time.monotonic()
         svc.data_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -172,7 +173,7 @@ class Infra:
         return svc
 
     @staticmethod
-    def _record_pid(svc: Service) -> None:
+    def _record_pid(svc: RunService) -> None:
         with contextlib.suppress(OSError, ValueError):
             svc.pids.append(int(svc.pid_file.read_text().strip()))
 
@@ -197,7 +198,7 @@ class Infra:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
 
-    def _stop(self, svc: Service) -> None:
+    def _stop(self, svc: RunService) -> None:
         if svc.stopped:
             return
         svc.stopped = True
@@ -239,9 +240,9 @@ class Infra:
         return lines
 
 
-def _load_record(path: Path) -> Service:
+def _load_record(path: Path) -> RunService:
     fields = json.loads(path.read_text())
-    return Service(**{**fields, "script": Path(fields["script"]), "data_dir": Path(fields["data_dir"])})
+    return RunService(**{**fields, "script": Path(fields["script"]), "data_dir": Path(fields["data_dir"])})
 
 
 def _alive(pid: int) -> bool:
