@@ -35,8 +35,8 @@ from shared.schemas import CompletedGroup, DecisionRecord, WeightPublished
 from shared.settings import ServiceSettings, SettingsError, load
 from shared.staleness import NoSignalGroups, StaleGroups, WindowSettings
 
-DEFAULT_BATCH_GROUPS = 32
-"""Same default as the collector's ``REIN_BATCH_GROUPS``."""
+WINDOW = WindowSettings()
+"""The collector's window defaults (``REIN_BATCH_GROUPS``, ``REIN_MAX_RETRIES``, ...), the flags' defaults here."""
 
 
 def register(subparsers: Any) -> None:
@@ -50,15 +50,17 @@ def register(subparsers: Any) -> None:
     source.add_argument("--from-file", metavar="FILE", type=Path, help="read events from a JSONL file")
     parser.add_argument("--keep-versions", type=int, required=True, help="window size N (0 = off)")
     parser.add_argument(
-        "--batch-groups", type=int, default=DEFAULT_BATCH_GROUPS, help="groups per batch (default %(default)s)"
+        "--batch-groups", type=int, default=WINDOW.batch_groups, help="groups per batch (default %(default)s)"
     )
-    parser.add_argument("--max-retries", type=int, default=2, help="retries of a failed group (default %(default)s)")
     parser.add_argument(
-        "--no-signal-groups", choices=[p.value for p in NoSignalGroups], default=NoSignalGroups.DROP.value,
+        "--max-retries", type=int, default=WINDOW.max_retries, help="retries of a failed group (default %(default)s)"
+    )
+    parser.add_argument(
+        "--no-signal-groups", choices=[p.value for p in NoSignalGroups], default=WINDOW.no_signal_groups.value,
         help="groups whose rewards are all equal: drop or keep them (default %(default)s, as REIN_NO_SIGNAL_GROUPS)",
     )
     parser.add_argument(
-        "--stale-groups", choices=[p.value for p in StaleGroups], default=StaleGroups.DROP.value,
+        "--stale-groups", choices=[p.value for p in StaleGroups], default=WINDOW.stale_groups.value,
         help="groups with members outside the window: drop them whole or withhold those members (default "
              "%(default)s, as REIN_STALE_GROUPS); withhold also replays drop and reports what it saved",
     )
