@@ -1,11 +1,11 @@
 """Lend one client per concurrent call: the most recently returned idle one, or a new one.
 
-Why not one shared client: httpcore scans every connection of a pool, with two syscalls for
-each idle one, whenever a request starts or ends. One pool holding the hundred-odd connections
-of a busy proxy spent more of the proxy's CPU on that scan than on anything else it did. A
-client lent to one call at a time holds one connection, so each scan is one connection long.
-Last returned, first lent: under light load every call reuses the same warm connection, and
-the clients made stay as many as the calls ever in flight at once.
+Why clients lent one call at a time: a client of :mod:`shared.http_client` holds one connection and
+sends one request at a time on it, so it needs no pool bookkeeping (httpcore's pool scanned every
+idle connection, two syscalls each, whenever a request started or ended: with the hundred-odd
+connections of a busy proxy, more of the proxy's CPU than anything else it did). Last returned,
+first lent: under light load every call reuses the same warm connection, and the clients made stay
+as many as the calls ever in flight at once.
 
 Pure bookkeeping, no I/O; not thread-safe (one event loop uses it).
 """

@@ -20,7 +20,7 @@ requests in flight, and each engine's last known weight version.
 
 Modules: ``settings`` (ProxySettings), ``auth`` and ``session_keys`` (credentials, pure), ``sessions``
 (pure store, TITO),
-``generation`` (pause controller + preemptible loop), ``engine_client`` (httpcore),
+``generation`` (pause controller + preemptible loop), ``engine_client`` (over ``shared.http_client``),
 ``publisher`` (Kafka), ``service`` (what each endpoint does), ``wire`` and ``wires`` (what a wire is, the
 registered ones: ``openai_api``, ``responses_api``, ``messages_api``), ``app`` (the routes, as a table of
 contents: ``lifespan``, ``chat_route``, ``routes``, ``middleware`` for error mapping and request counts).

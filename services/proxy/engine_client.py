@@ -1,10 +1,8 @@
 """HTTP client of the engines (the subset of SGLang's native HTTP API that docs/architecture.md lists).
 
-One :class:`EngineHandle` per engine URL; the handles share a :class:`~shared.lender.Lender` of
-``httpcore.AsyncConnectionPool``s, one lent to each call in flight (the module says why). httpcore
-directly, not httpx over it: for these plain JSON calls httpx's layers (request and response
-models, auth, redirects, cookies, byte-stream wrappers) cost the proxy more CPU than the HTTP
-exchange itself. A
+One :class:`EngineHandle` per engine URL, with a :class:`~shared.lender.Lender` of
+:class:`~shared.http_client.HttpClient`s, one lent to each call in flight, each holding one kept-alive
+connection (the lender says why; the client says why not httpx or httpcore). A
 handle remembers *its* engine's last known weight version (from ``GET /get_model_info``,
 every ``/generate`` answer, ``resume {version}``, and ``/get_model_info`` again on a
 resume without a version) — the candidate of the span
@@ -19,24 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import select
-import ssl
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-import httpcore
-
 from shared.errors import EngineError, EngineUnavailable
+from shared.http_client import HttpClient, Timeout, Unreachable
 from shared.lender import Lender
 from shared.schemas import SamplingParams
 from shared.versions import real_version
 
 FinishReason = Literal["stop", "length", "abort"]
-_TRANSPORT_ERRORS = (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError,
-                     httpcore.UnsupportedProtocol, httpcore.ProxyError, httpcore.ConnectionNotAvailable)
-"""What httpx calls a ``TransportError``: the engine could not be reached or spoke no HTTP."""
-_JSON_HEADERS = [(b"Accept", b"*/*"), (b"Content-Type", b"application/json")]
+ENGINE_HEADERS = {"Accept": "*/*", "Content-Type": "application/json"}
+"""The headers of every call to an engine (its clients are made with them)."""
 
 AbortOutcome = Literal["aborted", "finished", "accepted", "unknown"]
 """What an ``/abort_request`` answer says: ``aborted`` the engine ended the request now (its output is
@@ -89,18 +82,17 @@ class EngineHandle:
     def __init__(
         self,
         url: str,
-        clients: Lender[httpcore.AsyncConnectionPool],
+        clients: Lender[HttpClient],
         context_window: int | None = None,
         info_timeout_s: float = 5.0,
-        timeouts: dict[str, float] | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self.url = url
         self._info_timeout_s = info_timeout_s
         self._clients = clients
-        self._timeouts = {"timeout": timeouts or {}}
-        """httpcore's connect/read/write/pool timeouts of every call without its own bound (none: unbounded)."""
-        self._urls: dict[str, httpcore.URL] = {}
-        """Parsed once per path."""
+        """Clients of this engine's ``url``."""
+        self._timeout_s = timeout_s
+        """The bound of every call without its own (None: unbounded)."""
         self.version: str | None = None
         self.context_window: int | None = context_window
         """Tokens of prompt + output a generation may reach: the settings', else the engine's."""
@@ -228,15 +220,11 @@ class EngineHandle:
     async def _call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float | None) -> Any:
         content = None if body is None else json.dumps(  # as httpx encodes ``json=``
             body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-        extensions = self._timeouts if timeout is None else {"timeout": dict.fromkeys(_PHASES, timeout)}
         try:
-            url = self._urls.get(path)
-            if url is None:
-                url = self._urls[path] = httpcore.URL(self.url + path)
             with self._clients.use() as client:
-                headers = _JSON_HEADERS if content is not None else _JSON_HEADERS[:1]
-                resp = await client.request(method, url, headers=headers, content=content, extensions=extensions)
-        except _TRANSPORT_ERRORS as exc:
+                resp = await client.request(method, path, content,
+                                            timeout_s=self._timeout_s if timeout is None else timeout)
+        except (Unreachable, Timeout) as exc:
             raise EngineUnavailable(
                 f"engine {self.url} unreachable on {path}: {type(exc).__name__}: {exc}", engine=self.url
             ) from exc
@@ -253,8 +241,6 @@ class EngineHandle:
         except ValueError as exc:
             raise EngineError(f"engine {self.url} sent a non-JSON body on {path}", engine=self.url) from exc
 
-
-_PHASES = ("connect", "read", "write", "pool")
 
 
 def parse_generate(rid: str, data: Any, engine: str) -> EngineOutput:
@@ -311,55 +297,3 @@ def context_window_of(server_info: Any, engine: str) -> int:
         )
     return min(usable)
 
-
-class NetworkBackend(httpcore.AnyIOBackend):
-    """httpcore's asyncio backend with a cheaper idle check: :class:`_PolledStream` connections."""
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        return _PolledStream(await super().connect_tcp(host, port, timeout, local_address, socket_options))
-
-
-class _PolledStream(httpcore.AsyncNetworkStream):
-    """A connection whose ``is_readable`` is one ``poll(0)`` on a poll object registered once.
-
-    httpcore asks an idle connection whether its socket is readable (the server closed it)
-    when a request starts and when its response is closed, each time through anyio's typed
-    attributes and a new poll object: 9 % of the proxy's busy samples (docs/benchmarks.md).
-    Same answer, same syscall, without the rest. After TLS or close, httpcore's own check."""
-
-    def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
-        self._stream = stream
-        sock = stream.get_extra_info("socket")
-        fd = -1 if sock is None else sock.fileno()
-        self._poll: select.poll | None = None
-        if fd >= 0:
-            self._poll = select.poll()
-            self._poll.register(fd, select.POLLIN)
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return await self._stream.read(max_bytes, timeout)
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        await self._stream.write(buffer, timeout)
-
-    async def aclose(self) -> None:
-        self._poll = None
-        await self._stream.aclose()
-
-    async def start_tls(
-        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
-    ) -> httpcore.AsyncNetworkStream:
-        self._poll = None  # TLS may buffer what the socket no longer shows: the TLS stream answers itself
-        return await self._stream.start_tls(ssl_context, server_hostname, timeout)
-
-    def get_extra_info(self, info: str) -> Any:
-        if info == "is_readable" and self._poll is not None:
-            return bool(self._poll.poll(0))
-        return self._stream.get_extra_info(info)

@@ -1,6 +1,6 @@
 """What one proxy app owns while it runs, opened and closed by its lifespan (no module globals).
 
-Opens the engine connection pools, the engine pool (fixed and registered engines, watched for health),
+Opens the engines' HTTP clients, the engine pool (fixed and registered engines, watched for health),
 the Kafka publisher, the pause controller and the :class:`ProxyService`, and the background tasks that
 expire idle sessions and pause leases; the service and the metrics reach the routes as lifespan state.
 """
@@ -12,12 +12,11 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
-import httpcore
 import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from services.proxy.engine_client import EngineHandle, NetworkBackend
+from services.proxy.engine_client import ENGINE_HEADERS, EngineHandle
 from services.proxy.engine_pool import EnginePool
 from services.proxy.generation import PauseController
 from services.proxy.joining import Joining
@@ -27,6 +26,7 @@ from services.proxy.service import ProxyService
 from services.proxy.settings import ProxySettings
 from shared import log
 from shared.errors import EngineError, EngineUnavailable
+from shared.http_client import HttpClient
 from shared.lender import Lender
 from shared.membership import Members
 from shared.model import ChatTokenizer
@@ -44,18 +44,15 @@ def lifespan(settings: ProxySettings, tokenizer: ChatTokenizer,
     async def run(_: FastAPI) -> AsyncIterator[dict[str, Any]]:
         registry = CollectorRegistry(auto_describe=True)
         proxy_metrics = ProxyMetrics(registry)
-        timeouts = {"connect": settings.engine_connect_timeout_s, "read": settings.engine_timeout_s,
-                    "write": settings.engine_timeout_s, "pool": settings.engine_timeout_s}
-        tls = httpx.create_ssl_context()  # one for every pool: each would load the CA bundle (~50 ms)
-        backend = NetworkBackend()
-        keepalive = len(settings.engine_urls) + (8 if settings.discover_engines else 0)
-        clients = Lender(lambda: httpcore.AsyncConnectionPool(
-            ssl_context=tls, max_connections=None, max_keepalive_connections=max(1, keepalive),
-            keepalive_expiry=5.0, network_backend=backend,
-        ))
+        tls = httpx.create_ssl_context()  # one for every client: each would load the CA bundle (~50 ms)
+        lenders: list[Lender[HttpClient]] = []
 
         def handle(url: str) -> EngineHandle:
-            return EngineHandle(url, clients, settings.context_window, settings.engine_connect_timeout_s, timeouts)
+            clients = Lender(lambda: HttpClient(url, ENGINE_HEADERS, ssl_context=tls,
+                                                connect_timeout_s=settings.engine_connect_timeout_s))
+            lenders.append(clients)
+            return EngineHandle(url, clients, settings.context_window, settings.engine_connect_timeout_s,
+                                settings.engine_timeout_s)
 
         redis_client = None
         try:
@@ -99,8 +96,9 @@ def lifespan(settings: ProxySettings, tokenizer: ChatTokenizer,
         finally:
             if redis_client is not None:
                 redis_client.close()
-            for client in clients.items:
-                await client.aclose()
+            for clients in lenders:
+                for client in clients.items:
+                    await client.aclose()
 
     return run
 

@@ -1,34 +1,27 @@
-"""The runner's HTTP client of the proxy: JSON calls over one httpcore connection per episode in flight.
+"""The runner's HTTP client of the proxy: JSON calls over one kept-alive connection per episode in flight.
 
 rein's own agent loop calls one route with small JSON bodies many times a second, on the machine that
-also generates and trains: the official ``openai`` client spent about four times the CPU of this
-client per chat call there (request-parameter transforms over the whole conversation, response
-models, httpx's layers; docs/benchmarks.md), the largest share of the pipeline's CPU. The proxy speaks
-OpenAI's wire either way, and the official clients are exercised unchanged against it by the agent
-tests (``tests/integration/agents``). One client per episode in flight (:class:`~shared.lender.Lender`),
-each with one pooled connection, for the reason the lender gives.
+also generates and trains: the official ``openai`` client spent about four times the CPU of a plain
+JSON client per chat call there (request-parameter transforms over the whole conversation, response
+models, httpx's layers; docs/benchmarks.md), the largest share of the pipeline's CPU, and httpcore's
+exchange most of what was left (:mod:`shared.http_client` says why). The proxy speaks OpenAI's wire
+either way, and the official clients are exercised unchanged against it by the agent tests
+(``tests/integration/agents``). One client per episode in flight (:class:`~shared.lender.Lender`),
+each with one connection, for the reason the lender gives.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import ssl
 from dataclasses import dataclass
 from typing import Any
 
-import httpcore
+from shared.http_client import HttpClient, Response, Timeout, Unreachable
 
-_TRANSPORT_ERRORS = (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol,
-                     httpcore.ProxyError, httpcore.ConnectionNotAvailable)
+__all__ = ["Answer", "ProxyHttp", "Timeout", "Unreachable"]
 
-
-class Unreachable(Exception):
-    """The proxy could not be reached (refused, reset, not HTTP)."""
-
-
-class Timeout(Exception):
-    """The proxy did not answer within the client's bound."""
+_JSON = {"Content-Type": "application/json"}
 
 
 @dataclass(frozen=True)
@@ -39,48 +32,25 @@ class Answer:
 
 
 class ProxyHttp:
-    """Calls of one episode to the proxy at ``base_url``; ``headers`` go on every call (the runner's credential)."""
+    """Calls of one episode to the proxy at ``base_url``; ``headers`` go on every call (the runner's credential).
+    Each call is bounded by ``timeout_s``; a failure raises :class:`Unreachable` or :class:`Timeout`."""
 
     def __init__(self, base_url: str, headers: dict[str, str], timeout_s: float,
                  ssl_context: ssl.SSLContext | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        self._headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        self._timeouts = {"connect": min(5.0, timeout_s), "read": timeout_s, "write": timeout_s, "pool": timeout_s}
-        self._ssl = ssl_context
-        self._pool = self._new_pool()
-
-    def _new_pool(self) -> httpcore.AsyncConnectionPool:
-        return httpcore.AsyncConnectionPool(ssl_context=self._ssl, max_connections=1, max_keepalive_connections=1,
-                                            keepalive_expiry=5.0)
+        self._timeout_s = timeout_s
+        self._http = HttpClient(base_url, headers, ssl_context=ssl_context, connect_timeout_s=min(5.0, timeout_s))
 
     async def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> Answer:
         raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-        extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
-        return await self._call(b"POST", path, [*self._headers, *extra, (b"Content-Type", b"application/json"),
-                                                (b"Content-Length", str(len(raw)).encode())], raw)
+        return self._answer(await self._http.request("POST", path, raw, timeout_s=self._timeout_s,
+                                                     headers=_JSON | headers if headers else _JSON))
 
     async def get(self, path: str) -> Answer:
-        return await self._call(b"GET", path, self._headers, b"")
+        return self._answer(await self._http.request("GET", path, timeout_s=self._timeout_s))
 
-    async def _call(self, method: bytes, path: str, headers: list[tuple[bytes, bytes]], content: bytes) -> Answer:
-        url = f"{self.base_url}{path}".encode()
-        try:
-            try:
-                response = await self._pool.request(method, url, headers=headers, content=content,
-                                                    extensions={"timeout": self._timeouts})
-            except AttributeError:
-                # uvloop forgets a connection's socket once the peer closed it (a proxy restarted), and anyio's
-                # stream then fails with AttributeError when httpcore checks the pooled connection, before the
-                # request is sent: drop the pool and send once more on a new connection.
-                with contextlib.suppress(AttributeError, OSError, *_TRANSPORT_ERRORS):
-                    await self._pool.aclose()
-                self._pool = self._new_pool()
-                response = await self._pool.request(method, url, headers=headers, content=content,
-                                                    extensions={"timeout": self._timeouts})
-        except httpcore.TimeoutException as exc:
-            raise Timeout(str(exc) or type(exc).__name__) from None
-        except (*_TRANSPORT_ERRORS, AttributeError) as exc:
-            raise Unreachable(str(exc) or type(exc).__name__) from None
+    @staticmethod
+    def _answer(response: Response) -> Answer:
         try:
             decoded = json.loads(response.content) if response.content else None
         except ValueError:
@@ -88,4 +58,4 @@ class ProxyHttp:
         return Answer(response.status, decoded)
 
     async def aclose(self) -> None:
-        await self._pool.aclose()
+        await self._http.aclose()

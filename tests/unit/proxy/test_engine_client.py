@@ -7,31 +7,31 @@ import asyncio
 import json
 from typing import Any
 
-import httpcore
 import pytest
 
-from services.proxy.engine_client import EngineHandle, NetworkBackend, Sampling, context_window_of
+from services.proxy.engine_client import EngineHandle, Sampling, context_window_of
 from shared.errors import EngineError, EngineUnavailable
+from shared.http_client import HttpClient, Response
 from shared.lender import Lender
 
 SGLANG_MODEL_INFO = {"model_path": "/m", "tokenizer_path": "/m", "is_generation": True,
                      "preferred_sampling_params": None, "weight_version": "default"}
 
 
-class InMemoryEngine(httpcore.AsyncConnectionPool):
-    """A connection pool that answers ``routes`` (path -> JSON body; absent: 404) without a socket."""
+class InMemoryEngine(HttpClient):
+    """A client that answers ``routes`` (path -> JSON body; absent: 404) without a socket."""
 
     def __init__(self, routes: dict[str, Any]) -> None:
-        super().__init__()
+        super().__init__("http://e")
         self.routes = routes
         self.seen: list[str] = []
 
-    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
-        path = request.url.target.decode()
+    async def request(self, method: str, path: str, body: bytes | None = None, *, timeout_s: float | None = None,
+                      headers: Any = None) -> Response:
         self.seen.append(path)
         if path not in self.routes:
-            return httpcore.Response(404, content=json.dumps({"detail": "Not Found"}).encode())
-        return httpcore.Response(200, content=json.dumps(self.routes[path]).encode())
+            return Response(404, json.dumps({"detail": "Not Found"}).encode())
+        return Response(200, json.dumps(self.routes[path]).encode())
 
 
 def handle(routes: dict[str, Any], window: int | None = None) -> tuple[EngineHandle, list[str]]:
@@ -84,60 +84,18 @@ def test_missing_fields_and_routes_are_clear_errors() -> None:
         asyncio.run(no_server_info.window())
 
 
-def test_an_idle_connection_the_engine_closed_is_seen_and_not_reused() -> None:
-    """The idle check of :class:`NetworkBackend`'s streams sees the server's close (loopback socket)."""
-
-    async def scenario() -> tuple[list[tuple[bool, bool]], list[int], int]:
-        connections = 0
-        close_now, closed = asyncio.Event(), asyncio.Event()
-
-        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            nonlocal connections
-            connections += 1
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
-            await writer.drain()
-            await close_now.wait()  # the connection stays open (idle in the pool) until the test says
-            writer.close()
-            await writer.wait_closed()
-            closed.set()
-
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/get_model_info"
-        expired: list[tuple[bool, bool]] = []
-        statuses: list[int] = []
-        async with server, httpcore.AsyncConnectionPool(network_backend=NetworkBackend()) as pool:
-            for _ in range(2):
-                close_now.clear()
-                closed.clear()
-                statuses.append((await pool.request("GET", url)).status)
-                [connection] = pool.connections
-                open_ = connection.has_expired()
-                close_now.set()
-                await asyncio.wait_for(closed.wait(), 5)
-                for _ in range(500):  # the FIN crosses loopback at once; bounded in any case
-                    if connection.has_expired():
-                        break
-                    await asyncio.sleep(0.001)
-                expired.append((open_, connection.has_expired()))
-        return expired, statuses, connections
-
-    expired, statuses, connections = asyncio.run(scenario())
-    assert expired == [(False, True), (False, True)]  # not expired while the server holds it, expired once closed
-    assert statuses == [200, 200] and connections == 2  # the second call did not reuse the closed connection
-
-
-class StatusEngine(httpcore.AsyncConnectionPool):
+class StatusEngine(HttpClient):
     """Answers every call with ``status``, or never (``status`` None: a hung engine)."""
 
     def __init__(self, status: int | None) -> None:
-        super().__init__()
+        super().__init__("http://e")
         self.status = status
 
-    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+    async def request(self, method: str, path: str, body: bytes | None = None, *, timeout_s: float | None = None,
+                      headers: Any = None) -> Response:
         if self.status is None:
             await asyncio.Event().wait()
-        return httpcore.Response(self.status or 200, content=b"{}")
+        return Response(self.status or 200, b"{}")
 
 
 @pytest.mark.parametrize(("status", "up"), [(200, True), (404, True), (405, True), (503, False), (500, False)])

@@ -5,26 +5,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
-import httpcore
 import pytest
 
 from services.proxy.engine_client import EngineHandle, Sampling
 from services.proxy.engine_pool import EnginePool
 from services.proxy.session_machine import Session
 from shared.errors import EngineLost, EngineUnavailable
+from shared.http_client import HttpClient, Response, Unreachable
 from shared.lender import Lender
 
 INFO = {"weight_version": "v3", "context_length": 64, "max_req_input_len": 64}
 
 
-class HangingEngine(httpcore.AsyncConnectionPool):
+class HangingEngine(HttpClient):
     """Answers the info and health routes; never answers ``/generate`` (a hung engine)."""
 
-    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
-        if request.url.target == b"/generate":
+    def __init__(self) -> None:
+        super().__init__("http://e")
+
+    async def request(self, method: str, path: str, body: bytes | None = None, *, timeout_s: float | None = None,
+                      headers: Any = None) -> Response:
+        if path == "/generate":
             await asyncio.Event().wait()
-        return httpcore.Response(200, content=json.dumps(INFO).encode())
+        return Response(200, json.dumps(INFO).encode())
 
 
 class Registered:
@@ -86,11 +91,15 @@ def test_failed_calls_take_an_engine_out_and_lose_the_sessions_holding_its_token
     asyncio.run(scenario())
 
 
-class SilentEngine(httpcore.AsyncConnectionPool):
+class SilentEngine(HttpClient):
     """Refuses every call (registered, but not answering)."""
 
-    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
-        raise httpcore.ConnectError("refused")
+    def __init__(self) -> None:
+        super().__init__("http://e")
+
+    async def request(self, method: str, path: str, body: bytes | None = None, *, timeout_s: float | None = None,
+                      headers: Any = None) -> Response:
+        raise Unreachable("refused")
 
 
 def test_a_registered_engine_that_never_answered_gets_no_sessions_and_is_shown_as_not_admitted() -> None:

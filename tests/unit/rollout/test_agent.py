@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from ops.local.ports import free_port
 from services.rollout.agent import Agent, EpisodeResult, SessionIds, classify, error_name
 from services.rollout.env_time import EnvTime
-from services.rollout.proxy_http import Answer, ProxyHttp, Timeout, Unreachable
+from services.rollout.proxy_http import ProxyHttp, Timeout, Unreachable
 from services.rollout.task import GuessEpisode, binary_search_policy
 from shared.lender import Lender
 from tests.support.proxy import ServerThread
@@ -249,48 +249,3 @@ def test_concurrent_episodes_borrow_their_own_clients_and_give_them_back() -> No
         server.stop()
     assert [r.outcome for r in results] == ["completed"] * 4 and all(r.reported for r in results)
     assert sorted(sid for sid, _ in proxy.finishes) == ["s-0", "s-1", "s-2", "s-3"]
-
-
-@pytest.mark.parametrize("failures", [1, 2])
-def test_a_connection_uvloop_forgot_is_replaced_once_then_unreachable(failures: int) -> None:
-    """uvloop returns no socket for a transport the peer closed, and anyio's stream then raises AttributeError
-    when httpcore checks the pooled connection (seen when a proxy restarted: the runner died on it). The call
-    goes out once more on a new connection; a second such failure is the proxy unreachable, not a crash."""
-    server = _serve(FakeProxy(_binary))
-
-    async def go() -> object:
-        http = ProxyHttp(server.url, {}, 5.0)
-        left = [failures]
-        pools: list[object] = []
-
-        def flaky(pool: Any) -> None:
-            pools.append(pool)
-            real = pool.request
-
-            async def request(*args: Any, **kwargs: Any) -> Any:
-                if left[0] > 0:
-                    left[0] -= 1
-                    raise AttributeError("'NoneType' object has no attribute 'getpeername'")
-                return await real(*args, **kwargs)
-
-            pool.request = request
-
-        flaky(http._pool)
-        new_pool = http._new_pool
-        http._new_pool = lambda: (pool := new_pool(), flaky(pool), pool)[2]  # type: ignore[method-assign]
-        try:
-            return await http.get("/health")
-        except Unreachable as exc:
-            return exc
-        finally:
-            assert len(pools) == 2, "one new pool, no more"
-            await http.aclose()
-
-    try:
-        got = asyncio.run(asyncio.wait_for(go(), 30))
-    finally:
-        server.stop()
-    if failures == 1:  # the server answered (the fake has no such route)
-        assert isinstance(got, Answer) and got.status == 404
-    else:
-        assert isinstance(got, Unreachable)
