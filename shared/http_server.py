@@ -1,4 +1,5 @@
-"""What the HTTP services (engine, proxy) share: the body-size limit, the keep-alive rule, a direct route.
+"""What the HTTP services (engine, proxy) share: the body-size limit, the keep-alive rule, a direct route,
+FastAPI's options.
 
 :class:`BodyLimit` answers 413 for request bodies over a limit, declared or actually
 sent; the body (at most ``max_bytes``) is read here and replayed to the app, so a
@@ -8,8 +9,11 @@ in Content-Length. :class:`DirectRoute` takes one hot route past FastAPI's inner
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable
+from typing import Any
 
+from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -17,6 +21,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 KEEP_ALIVE_S = 75
 """Servers keep idle connections longer than any client's pool expiry (httpx: 5 s), so the
 client always closes first; equal timeouts race and a reused connection dies mid-request."""
+
+APP_OPTIONS: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI).parameters else {}
+)
+"""FastAPI's native OpenTelemetry off where FastAPI has it (0.165 on): it looks up the global providers,
+environment reads included, on every request, and rein exports no traces (2-3 % of the proxy's CPU, py-spy)."""
 
 
 def default_reject(max_bytes: int, path: str) -> Response:

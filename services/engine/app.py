@@ -35,7 +35,7 @@ from services.engine.schemas import (
 )
 from services.engine.settings import EngineSettings
 from shared import log, metrics
-from shared.http_server import BodyLimit, DirectRoute
+from shared.http_server import APP_OPTIONS, BodyLimit, DirectRoute
 from shared.membership import Members, Registration
 from shared.model import ModelFamily, load_family
 from shared.names import RedisKeys
@@ -174,7 +174,7 @@ def create_app(settings: EngineSettings) -> FastAPI:
                 registration.members.client.close()
             await runner.stop()
 
-    app = FastAPI(title="rein engine", lifespan=lifespan)
+    app = FastAPI(title="rein engine", lifespan=lifespan, **APP_OPTIONS)
     _install_error_handlers(app)
 
     @app.post("/generate")

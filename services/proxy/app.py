@@ -23,7 +23,7 @@ from services.proxy.session_keys import KeySigner
 from services.proxy.settings import ProxySettings
 from services.proxy.wires import WIRES
 from shared.errors import ReinError
-from shared.http_server import BodyLimit, DirectRoute
+from shared.http_server import APP_OPTIONS, BodyLimit, DirectRoute
 from shared.model import load_tokenizer
 
 
@@ -31,7 +31,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
     tokenizer = load_tokenizer(settings.model)  # REIN_MODEL's chat template; no weights (for tiny, no torch)
     auth = Auth(settings.admin_token, settings.runner_token, settings.open_sessions,
                 KeySigner(settings.session_key_secret, settings.run_id, settings.session_key_ttl_s))
-    app = FastAPI(title="rein proxy", lifespan=lifespan(settings, tokenizer))
+    app = FastAPI(title="rein proxy", lifespan=lifespan(settings, tokenizer), **APP_OPTIONS)
 
     # Every wire a thin adapter onto the same call (docs/agents.md, "Other wires").
     chat = ChatRoute(settings, auth)
