@@ -2,9 +2,9 @@
 
 1. Added latency: the same requests (greedy, fixed output length) sent straight to the
    engine's ``/generate``, through a minimal pass-through proxy (this file served as
-   ``python -m bench.proxy`` with ``BENCH_PASSTHROUGH_ENGINE`` set: FastAPI + uvicorn + one
-   ``httpcore.AsyncConnectionPool``, the proxy's HTTP stack, forwarding the same ``/generate`` body and
-   answer untouched) and through the proxy's ``/v1/chat/completions`` (a training session:
+   ``python -m bench.proxy`` with ``BENCH_PASSTHROUGH_ENGINE`` set: FastAPI + uvicorn + the
+   proxy's engine clients (``shared.http_client``, one lent to each call in flight), forwarding the
+   same ``/generate`` body and answer untouched) and through the proxy's ``/v1/chat/completions`` (a training session:
    the chunk is submitted to Kafka before the answer; its ack is awaited only by ``finish``,
    which this part does not call), in alternating order so drift hits all. Reports p50 / p99
    of each, the ratio proxy / direct, and the overhead ratio (proxy - direct) /
@@ -35,7 +35,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import httpcore
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request, Response
@@ -46,7 +45,9 @@ from ops.local.credentials import Credentials
 from ops.local.ports import free_port
 from shared import checkpoint
 from shared.bus import ensure_topology
+from shared.http_client import HttpClient
 from shared.http_server import KEEP_ALIVE_S
+from shared.lender import Lender
 from shared.names import Topics
 from shared.policy import PolicyConfig, init_policy
 from shared.settings import KafkaSettings
@@ -95,21 +96,22 @@ PASSTHROUGH_PORT = "BENCH_PASSTHROUGH_PORT"
 
 def serve_passthrough(engine: str, port: int) -> None:
     """The minimal pass-through: ``POST /generate`` forwarded to ``engine`` as is, its answer returned as is."""
-    client: dict[str, httpcore.AsyncConnectionPool] = {}
-    url = httpcore.URL(f"{engine}/generate")
-    headers = [(b"Content-Type", b"application/json")]
+    clients = Lender(lambda: HttpClient(engine, {"Content-Type": "application/json"}))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async with httpcore.AsyncConnectionPool(max_keepalive_connections=256, keepalive_expiry=5.0) as http:
-            client["http"] = http
+        try:
             yield
+        finally:
+            for client in clients.items:
+                await client.aclose()
 
     app = FastAPI(lifespan=lifespan)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        answer = await client["http"].request("POST", url, headers=headers, content=await request.body())
+        with clients.use() as client:
+            answer = await client.request("POST", "/generate", await request.body())
         return Response(answer.content, status_code=answer.status, media_type="application/json")
 
     @app.get("/health")
@@ -258,9 +260,9 @@ def main() -> None:
     try:
         kafka = args.kafka
         if kafka is None:
-            from tests.support.infra import KAFKA, Infra
+            from tests.support.infra import KAFKA, RunInfra
 
-            infra = Infra(work / "infra")
+            infra = RunInfra(work / "infra")
             kafka = infra.require(KAFKA).address
         engine_proc, engine = start_engine(work / "w1", 0.0, work)
         procs.append(engine_proc)
