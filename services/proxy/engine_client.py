@@ -242,7 +242,6 @@ class EngineHandle:
             raise EngineError(f"engine {self.url} sent a non-JSON body on {path}", engine=self.url) from exc
 
 
-
 def parse_generate(rid: str, data: Any, engine: str) -> EngineOutput:
     """Normalise a ``/generate`` body (SGLang's shape) or raise 502 ``engine_error``."""
     try:
@@ -296,4 +295,3 @@ def context_window_of(server_info: Any, engine: str) -> int:
             engine=engine,
         )
     return min(usable)
-
