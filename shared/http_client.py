@@ -167,6 +167,7 @@ class HttpClient:
                 raise Timeout(f"{self.base_url} did not accept a connection within {self._connect_timeout_s} s"
                               ) from None
             self.connections += 1
+            conn.idle_since = loop.time()
             self._conn = conn
         return conn
 
