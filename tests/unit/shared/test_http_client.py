@@ -163,60 +163,76 @@ def test_connection_close_chunked_bodies_and_an_idle_connection_past_keepalive(l
     assert served == 3
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-def test_a_call_past_its_bound_times_out_and_its_late_answer_is_not_read_by_the_next(loop: str) -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+class Held:
+    """Answers each request with its path at once, but ``/late``: held until ``release`` is set, then answered
+    on its connection (closed by then, if the client did its job)."""
+
+    def __init__(self) -> None:
+        self.arrived, self.release, self.sent = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
             head, _ = await read_request(reader)
-            if b" /slow " in head:
-                await asyncio.sleep(0.3)
-                writer.write(ok(b"late"))
-            else:
-                writer.write(ok(b"fast"))
+            path = head.split(b" ")[1]
+            if path == b"/late":
+                self.arrived.set()
+                await self.release.wait()
+                try:
+                    writer.write(ok(path))
+                    await writer.drain()
+                finally:
+                    self.sent.set()
+                return
+            writer.write(ok(path))
             await writer.drain()
 
-    async def go() -> tuple[bytes, int]:
-        server = Server(handler)
+
+async def late_answer_then_two_calls(client: HttpClient, held: Held, cut: Callable[[], Awaitable[None]]) -> list[bytes]:
+    """``cut`` ends a call to ``/late``; then one call, the late answer released and written, one more call."""
+    await cut()
+    first = await client.request("GET", "/next", timeout_s=2)
+    held.release.set()
+    await held.sent.wait()
+    second = await client.request("GET", "/next", timeout_s=2)
+    await client.aclose()
+    return [first.content, second.content]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_call_past_its_bound_times_out_and_its_late_answer_is_not_read_by_the_next(loop: str) -> None:
+    async def go() -> tuple[list[bytes], int]:
+        held = Held()
+        server = Server(held)
         async with server as url:
             client = HttpClient(url)
-            with pytest.raises(Timeout, match=r"within 0\.05 s"):
-                await client.request("GET", "/slow", timeout_s=0.05)
-            fast = await client.request("GET", "/fast", timeout_s=2)
-            await asyncio.sleep(0.4)  # the slow answer arrives on the closed connection, if anywhere
-            again = await client.request("GET", "/fast", timeout_s=2)
-            assert again.content == b"fast"
-            await client.aclose()
-            return fast.content, server.connections
 
-    fast, served = run(loop, go())
-    assert fast == b"fast" and served == 2
+            async def cut() -> None:
+                with pytest.raises(Timeout, match=r"within 0\.05 s"):
+                    await client.request("GET", "/late", timeout_s=0.05)
+
+            return await late_answer_then_two_calls(client, held, cut), server.connections
+
+    assert run(loop, go()) == ([b"/next", b"/next"], 2)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_cancelled_call_closes_its_connection(loop: str) -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            head, _ = await read_request(reader)
-            if b" /hang " in head:
-                await asyncio.sleep(0.3)
-            writer.write(ok(head.split(b" ")[1]))
-            await writer.drain()
-
-    async def go() -> tuple[bytes, int]:
-        server = Server(handler)
+    async def go() -> tuple[list[bytes], int]:
+        held = Held()
+        server = Server(held)
         async with server as url:
             client = HttpClient(url)
-            call = asyncio.create_task(client.request("GET", "/hang"))
-            await asyncio.sleep(0.05)
-            call.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await call
-            got = await client.request("GET", "/next", timeout_s=2)
-            await asyncio.sleep(0.4)
-            await client.aclose()
-            return got.content, server.connections
 
-    assert run(loop, go()) == (b"/next", 2)
+            async def cut() -> None:
+                call = asyncio.create_task(client.request("GET", "/late"))
+                await held.arrived.wait()
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+
+            return await late_answer_then_two_calls(client, held, cut), server.connections
+
+    assert run(loop, go()) == ([b"/next", b"/next"], 2)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
