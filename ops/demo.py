@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ops.demo_metrics import EngineUsage, ToolCallSeries, proxy_rejections, proxy_tool_calls
+from ops.demo_metrics import EngineUsage, Scraper, ToolCallSeries, proxy_rejections, proxy_tool_calls
 from ops.demo_presets import PRESETS
 from ops.demo_summary import progress_line, summarize, write_outputs
 from ops.local.launcher import LaunchError
@@ -33,6 +33,10 @@ from ops.local.stack import LocalStack, start
 from ops.report import MetricsTail, optimizer_steps, rows_so_far
 from ops.stack_flags import add_stack_flags, apply_preset, resolve_model, stack_config
 from services.rollout.tasks import TASKS
+
+PROXY_READ_S = 1.0
+"""Most often the progress loop reads the proxy's ``/metrics`` (its rejections on the progress lines, its
+tool-call counts): the proxy renders every metric for each read, and a step comes several times a second."""
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -84,10 +88,11 @@ def run(args: argparse.Namespace) -> int:
     up_at: float | None = None
     up_ts: float | None = None
     tool_calls: dict[str, Any] | None = None
-    calls = ToolCallSeries("")
+    calls = ToolCallSeries()
+    scraper = Scraper()
+    proxy_read_at = -PROXY_READ_S
     try:
         local = start(config)
-        calls.url = local.urls["proxy"]
         up_at, up_ts = time.monotonic(), time.time()
         versions = ", ".join(f"{k} {v}" for k, v in local.infra.versions.items())
         print(f"up in {up_at - started:.0f}s ({versions}); logs in {config.run_dir / 'logs'}", flush=True)
@@ -100,11 +105,14 @@ def run(args: argparse.Namespace) -> int:
         while True:
             rows = metrics.read()
             if len(rows) > shown:
-                rejections = proxy_rejections(local.urls["proxy"])
+                if time.monotonic() - proxy_read_at >= PROXY_READ_S:
+                    proxy_read_at = time.monotonic()
+                    if (text := scraper.text(local.urls["proxy"])) is not None:
+                        rejections = proxy_rejections(text)
+                        calls.sample(len(rows), text)
                 for row in rows[shown:]:
                     print(progress_line(row, config.steps, rejections, started, budget), flush=True)
                 shown = len(rows)
-                calls.sample(shown)
             steps = len(optimizer_steps(rows))
             if config.steps and steps >= config.steps:
                 break
@@ -123,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: timed out after {args.timeout_min} min at step {steps}", file=sys.stderr)
                 code = 1
                 break
-            if usage is not None:
-                usage.sample(local.urls["engine"])
+            if (text := scraper.text(local.urls["engine"])) is not None:
+                usage.sample(text)
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every process ...", file=sys.stderr)
@@ -136,12 +144,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         train_wall = None if up_at is None else time.monotonic() - up_at
         if local is not None:
-            rejections = max(rejections, proxy_rejections(local.urls["proxy"]))
-            tool_calls = proxy_tool_calls(local.urls["proxy"])
-            if tool_calls is not None and tool_calls["well_formed_share"] is None and not offers_tools(config.task):
-                tool_calls = None  # a task without tools whose replies never held call markup: nothing to say
+            if (text := scraper.text(local.urls["proxy"])) is not None:
+                rejections = max(rejections, proxy_rejections(text))
+                tool_calls = proxy_tool_calls(text)
+                if tool_calls["well_formed_share"] is None and not offers_tools(config.task):
+                    tool_calls = None  # a task without tools whose replies never held call markup: nothing to say
             local.stop()
             print("stopped every process the demo started", flush=True)
+        scraper.close()
     wall = time.monotonic() - started
     rows = rows_so_far(config.run_dir / "trainer" / "metrics.jsonl") or rows  # a stopping trainer adds its last step
     if rows:

@@ -1,6 +1,6 @@
 """What ``make demo`` reads from the services' ``/metrics`` while it runs: the proxy's rejections and
-tool-call replies, the engine's load. Read over HTTP as Prometheus text, as any scraper would; a
-service that does not answer leaves the reading out rather than stopping the demo."""
+tool-call replies, the engine's load. Read over HTTP as Prometheus text, as any scraper would, through
+one :class:`Scraper`; a service that does not answer leaves the reading out rather than stopping the demo."""
 
 from __future__ import annotations
 
@@ -20,13 +20,28 @@ _ENGINE_ACTIVE = re.compile(r"^rein_engine_active_requests\s+([0-9.eE+-]+)$", re
 _ENGINE_TOKENS = re.compile(r"^rein_engine_generated_tokens_total\s+([0-9.eE+-]+)$", re.M)
 
 
-def proxy_tool_calls(url: str) -> dict[str, Any] | None:
-    """The proxy's chat answers (``replies``), those with tool-call markup it parsed into calls or found
-    malformed, and the parsed share of the latter (None without markup); None when it could not be read."""
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=2.0).text
-    except httpx.HTTPError:
-        return None
+class Scraper:
+    """One HTTP client for every read of ``/metrics``: ``httpx.get`` makes a client, and so an SSL context
+    with the system's CA store, on each call, which took the demo's own process 16 % of a core at a read
+    per step (py-spy) on a 2-core machine that the pipeline needs whole."""
+
+    def __init__(self, timeout_s: float = 2.0) -> None:
+        self._client = httpx.Client(timeout=timeout_s)
+
+    def text(self, url: str) -> str | None:
+        """``url``'s ``/metrics`` text, or None when it could not be read."""
+        try:
+            return self._client.get(f"{url}/metrics").text
+        except httpx.HTTPError:
+            return None
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def proxy_tool_calls(text: str) -> dict[str, Any]:
+    """From the proxy's ``/metrics`` text: its chat answers (``replies``), those with tool-call markup it parsed
+    into calls or found malformed, and the parsed share of the latter (None without markup)."""
     counts = {outcome: int(float(n)) for outcome, n in _TOOL_CALLS.findall(text)}
     calls, malformed = counts.get("calls", 0), counts.get("malformed", 0)
     replies = chat_replies(text)
@@ -44,13 +59,12 @@ class ToolCallSeries:
     """The proxy's tool-call counters read with each batch of trainer lines, so a tool task's run shows how
     the share of replies that are well-formed calls moves while it trains (summary and plot)."""
 
-    url: str
     samples: list[dict[str, Any]] = field(default_factory=list)
 
-    def sample(self, lines: int) -> None:
-        """Read the counters once ``lines`` trainer lines were shown."""
-        counts = proxy_tool_calls(self.url)
-        if counts is not None and counts["replies"]:  # every batch of lines; kept only for a tool task
+    def sample(self, lines: int, text: str) -> None:
+        """The counters in the proxy's ``/metrics`` ``text``, read once ``lines`` trainer lines were shown."""
+        counts = proxy_tool_calls(text)
+        if counts["replies"]:  # kept only for a tool task
             self.samples.append({"lines": lines, "ts": round(time.time(), 1), **counts})
 
     def annotate(self, rows: list[dict[str, Any]]) -> None:
@@ -66,11 +80,8 @@ class ToolCallSeries:
             before = sample
 
 
-def proxy_rejections(url: str) -> int:
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=2.0).text
-    except httpx.HTTPError:
-        return -1
+def proxy_rejections(text: str) -> int:
+    """Sessions the proxy rejected, every reason, from its ``/metrics`` text."""
     return int(sum(float(v) for v in _REJECTIONS.findall(text)))
 
 
@@ -82,11 +93,8 @@ class EngineUsage:
     busy_samples: int = 0
     tokens: float = 0.0
 
-    def sample(self, url: str) -> None:
-        try:
-            text = httpx.get(f"{url}/metrics", timeout=2.0).text
-        except httpx.HTTPError:
-            return
+    def sample(self, text: str) -> None:
+        """One reading of the engine's ``/metrics`` ``text``."""
         active, tokens = _ENGINE_ACTIVE.search(text), _ENGINE_TOKENS.search(text)
         if active is None:
             return

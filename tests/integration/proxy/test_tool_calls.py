@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from ops.demo_metrics import proxy_tool_calls
@@ -64,5 +65,6 @@ def test_the_openai_clients_tool_loop_round_trips_token_exact(
     assert "15846" in delta and "calculator" not in delta, "the second turn adds the tool result only"
     bodies = engine.generate_bodies
     assert bodies[1]["input_ids"] == [*bodies[0]["input_ids"], *script[0], *chunks[1].context_ids]
-    assert proxy_tool_calls(proxy.url) == {"replies": 2, "replies_with_calls": 1, "malformed": 0,
-                                           "well_formed_share": 1.0}
+    scraped = httpx.get(f"{proxy.url}/metrics", timeout=5).text
+    counts = proxy_tool_calls(scraped)
+    assert counts == {"replies": 2, "replies_with_calls": 1, "malformed": 0, "well_formed_share": 1.0}

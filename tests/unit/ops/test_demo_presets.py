@@ -139,7 +139,7 @@ def test_the_rollout_flags_reach_the_runner_and_the_summary(tmp_path: Path) -> N
 
 
 def test_tool_call_counts_become_per_interval_shares_on_the_lines_they_were_read_with() -> None:
-    series = ToolCallSeries("http://proxy", samples=[
+    series = ToolCallSeries(samples=[
         {"lines": 1, "replies": 10, "replies_with_calls": 2, "malformed": 1},
         {"lines": 3, "replies": 20, "replies_with_calls": 8, "malformed": 1},
         {"lines": 4, "replies": 20, "replies_with_calls": 8, "malformed": 1},  # no reply since: nothing put
