@@ -32,7 +32,9 @@ PRESETS: dict[str, Preset] = {
     # faster machine). 4 groups of 8 per step at the trainer's lr 1e-3, twice the updates per episode of
     # 8 groups: in process it reached a reward of 0.40 within 48k played episodes on 6 seeds of 6, where
     # 8 groups did on none at lr 1e-3 and on 4 at lr 2e-3 (docs/benchmarks.md, "Learning per episode, in
-    # process"); 8 groups in flight, all that the runner's pacing admits with keep_versions 2 x 4 groups
+    # process"); 8 groups in flight, all that the runner's pacing admits with keep_versions 2 x 4 groups;
+    # the 16 newest checkpoints kept (a margin of seconds for an engine loading one; all of an 8-minute
+    # run's ~1,000 are 1.4 GB)
     "tiny": Preset(
         steps=2000,
         mode="async",
@@ -47,7 +49,7 @@ PRESETS: dict[str, Preset] = {
         max_tokens=None,
         lr=None,
         weight_decay=None,
-        keep_checkpoints=0,
+        keep_checkpoints=16,
     ),
     # a Hugging Face model on 2 cores (docs/models.md): 8 episodes per step, replies of up to 48 tokens,
     # a fine-tuning learning rate with no weight decay (the pretrained weights are the prior), and only

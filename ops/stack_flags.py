@@ -42,7 +42,7 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nonlast-version-tokens", choices=["mask", "weight"], default="mask",
                    help="the trainer's treatment of a trajectory's tokens from older versions")
     p.add_argument("--collectors", type=int, help="collector replicas (tiny: 2, HF: 1)")
-    p.add_argument("--batch-groups", type=int, help="GRPO groups per training batch (tiny: 4, HF: 2)")
+    p.add_argument("--batch-groups", type=int, help="GRPO groups per training batch (tiny: 16, HF: 2)")
     p.add_argument("--group-size", type=int, help="episodes per group (tiny: 8, HF: 4)")
     p.add_argument("--concurrent-groups", type=int, help="groups in flight (tiny: 8, HF: 4)")
     p.add_argument("--task", choices=list(TASKS),
@@ -60,7 +60,7 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, help="trainer learning rate (tiny: the trainer's 1e-3, HF: 2e-5)")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay (tiny: the trainer's 0.01, HF: 0)")
     p.add_argument("--epochs", type=int, help="optimizer steps per batch (REIN_EPOCHS; the trainer's 1)")
-    p.add_argument("--keep-checkpoints", type=int, help="newest trainer steps kept on disk (tiny: 0 = all, HF: 2)")
+    p.add_argument("--keep-checkpoints", type=int, help="newest trainer steps kept on disk (0 = all; tiny: 16, HF: 2)")
     p.add_argument("--mode", choices=["async", "sync"],
                    help="async (tiny's default) or sync (HF's: it learned faster on SmolLM2, docs/benchmarks.md)")
     p.add_argument("--no-signal-groups", choices=["drop", "keep"],

@@ -26,7 +26,7 @@ def test_tiny_demo_keeps_its_defaults() -> None:
         "guess_number",
         None,
         None,
-        0,
+        16,
         30.0,
     )
 
