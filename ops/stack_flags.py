@@ -25,6 +25,13 @@ REPO = Path(__file__).resolve().parent.parent
 SMOLLM2 = "smollm2"
 
 
+def _existing_path(value: str) -> Path:
+    path = Path(value)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"no such checkpoint: {value}")
+    return path.resolve()
+
+
 def add_stack_flags(p: argparse.ArgumentParser) -> None:
     """Every flag of the stack itself (the model, the staleness controls, the batch, the task, the trainer)."""
     p.add_argument(
@@ -60,6 +67,9 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, help="trainer learning rate (tiny: the trainer's 1e-3, HF: 2e-5)")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay (tiny: the trainer's 0.01, HF: 0)")
     p.add_argument("--epochs", type=int, help="optimizer steps per batch (REIN_EPOCHS; the trainer's 1)")
+    p.add_argument("--init-weights", type=_existing_path, metavar="CHECKPOINT",
+                   help="the trainer's step-0 weights from a checkpoint a trainer wrote (a warm start, e.g. "
+                        "runs/<id>/weights/v200.pt of a tiny run); default: fresh weights")
     p.add_argument("--keep-checkpoints", type=int, help="newest trainer steps kept on disk (0 = all; tiny: 16, HF: 2)")
     p.add_argument("--mode", choices=["async", "sync"],
                    help="async (tiny's default) or sync (HF's: it learned faster on SmolLM2, docs/benchmarks.md)")
@@ -124,6 +134,7 @@ def stack_config(args: argparse.Namespace, model: str, run_dir: Path) -> StackCo
         weight_decay=args.weight_decay,
         epochs=args.epochs,
         keep_checkpoints=args.keep_checkpoints,
+        init_weights=args.init_weights,
         startup_timeout_s=600.0 if hf else 120.0,
         stop_timeout_s=120.0 if hf else 20.0,
         extra_env={**({"trainer": {"REIN_STOP_TIMEOUT_S": "110"}} if hf else {}),  # its last checkpoint: ~0.5 GB

@@ -93,6 +93,8 @@ class StackConfig:
     """Trainer AdamW weight decay; None: the trainer's default."""
     epochs: int | None = None
     """Trainer optimizer steps per batch (``REIN_EPOCHS``); None: the trainer's default (1)."""
+    init_weights: Path | None = None
+    """The trainer's ``REIN_INIT_WEIGHTS``: a checkpoint taken as the step-0 weights (a warm start); None: fresh."""
     keep_checkpoints: int = 0
     """Trainer keeps the newest N durable steps (0: all); an HF step is ~0.5 GB of weights plus optimizer state."""
     startup_timeout_s: float = 120.0
@@ -191,7 +193,7 @@ def start(config: StackConfig) -> LocalStack:
                         "REIN_KEEP_CHECKPOINTS": str(config.keep_checkpoints),
                         **model,
                         **optional({"REIN_LR": config.lr, "REIN_WEIGHT_DECAY": config.weight_decay,
-                                    "REIN_EPOCHS": config.epochs}),
+                                    "REIN_EPOCHS": config.epochs, "REIN_INIT_WEIGHTS": config.init_weights}),
                     },
                 ),
                 f"{urls['trainer']}/health",

@@ -11,7 +11,7 @@ Lifecycle:
 
 - start: resume from the newest durable checkpoint (see ``store``), or write
   ``v0`` from the family's initial weights (tiny: from ``seed``; HF: the
-  pretrained ones); re-publish that checkpoint's event
+  pretrained ones; ``init_weights``: a checkpoint, a warm start); re-publish that checkpoint's event
   (idempotent by key: covers a crash between sidecar and publish); restore any
   metrics line a crash lost.
 - each manifest, in index order from ``last_index + 1`` (duplicates and indices
@@ -132,12 +132,16 @@ class TrainerLoop:
             _log.info("trainer_resumed", step=resumed.sidecar.step, last_index=resumed.sidecar.last_index,
                       digest=resumed.sidecar.digest, metrics_lines_restored=restored, model=self.family.name)
             return trainer, resumed.sidecar
-        model = self.family.new_model(s.seed, self.device, dtype=fp32)
+        if s.init_weights is None:
+            model = self.family.new_model(s.seed, self.device, dtype=fp32)
+        else:
+            model = self.family.load(s.init_weights, self.device, dtype=fp32).model
         trainer = self._new_trainer(model)
         sidecar = save_step(s.weights_dir, self.family, trainer.model, 0, s.first_index - 1,
                             trainer.optimizer_state())
         _log.info("trainer_initialised", step=0, path=sidecar.path, digest=sidecar.digest, model=self.family.name,
-                  params=sum(p.numel() for p in model.parameters()))
+                  params=sum(p.numel() for p in model.parameters()),
+                  init_weights=None if s.init_weights is None else str(s.init_weights))
         return trainer, sidecar
 
     def _health(self) -> tuple[bool, dict[str, object]]:

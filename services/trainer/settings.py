@@ -26,6 +26,11 @@ class TrainerSettings(ModelServiceSettings, StopSettings, LossSettings):
     """``torch.set_num_threads``: the tiny policy trains on two CPU cores, shared with the other services."""
     seed: int = 0
     """Seed of the step-0 weights written at first start (same seed, same ``v0`` digest)."""
+    init_weights: Path | None = None
+    """A checkpoint of this model family (a tiny policy's ``v<k>.pt``, an HF step's directory, as a trainer
+    writes them) taken as the step-0 weights at first start, instead of a fresh model (tiny: from ``seed``;
+    HF: the pretrained weights): a warm start, e.g. from a short run that learned the task's format, so
+    that the runs compared start from one policy. The optimizer starts fresh. Ignored on a resume."""
 
     model_context: int = Field(default=PolicyConfig.context, ge=2)
     """Context window of the step-0 tiny policy (ignored once a checkpoint exists: its config rules)."""
@@ -79,6 +84,8 @@ class TrainerSettings(ModelServiceSettings, StopSettings, LossSettings):
                 f"model_width ({self.model_width}) must be divisible by model_heads ({self.model_heads}) "
                 "(REIN_MODEL_WIDTH / REIN_MODEL_HEADS)"
             )
+        if self.init_weights is not None and not self.init_weights.exists():
+            raise ValueError(f"init_weights {self.init_weights} does not exist (REIN_INIT_WEIGHTS)")
         return self
 
     def tiny_policy(self, vocab_size: int) -> PolicyConfig:

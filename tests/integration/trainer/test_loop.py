@@ -108,18 +108,12 @@ class Env:
             self.producer.send(self.topics.batches, m)
 
     def settings(self, **overrides: object) -> TrainerSettings:
-        return load(
-            TrainerSettings,
-            kafka=self.kafka,
-            topics=self.topics,
-            weights_dir=self.tmp / "weights",
-            run_dir=self.tmp / "run",
-            consumer_group=self.group,
-            metrics_port=0,
-            torch_threads=1,
-            log_json=False,
-            **overrides,
-        )
+        values: dict[str, object] = {
+            "kafka": self.kafka, "topics": self.topics, "weights_dir": self.tmp / "weights",
+            "run_dir": self.tmp / "run", "consumer_group": self.group, "metrics_port": 0, "torch_threads": 1,
+            "log_json": False,
+        }
+        return load(TrainerSettings, **(values | overrides))
 
     def lines(self) -> list[dict[str, object]]:
         path = self.tmp / "run" / "metrics.jsonl"
@@ -200,6 +194,27 @@ def test_in_order_dedupe_and_restart_in_process(env: Env) -> None:
         assert x["train_rollout_logprob_abs_diff"] > 0
         assert x["trained_tokens"] == 2 * 4 * 4
     _check_checkpoints(env, env.published(5), 4)
+
+
+def test_a_warm_start_takes_another_runs_checkpoint_as_its_step_0(env: Env) -> None:
+    """``init_weights``: a fresh run's ``v0`` is another run's trained step (the optimizer starts fresh), and
+    a resume ignores it; a missing checkpoint is refused when the settings load."""
+    env.manifests([_manifest(i, env.groups(2, start=2 * i)) for i in range(2)])
+    run(env.settings(max_steps=2))
+    warm = checkpoint.load(env.tmp / "weights" / "v2.pt")
+    fresh = checkpoint.load(env.tmp / "weights" / "v0.pt")
+    assert warm.digest != fresh.digest
+
+    other = env.settings(max_steps=1, init_weights=env.tmp / "weights" / "v2.pt", consumer_group=f"{env.group}-warm",
+                         weights_dir=env.tmp / "warm-weights", run_dir=env.tmp / "warm-run")
+    assert run(other).trained_indices == [0]
+    v0, v1 = (checkpoint.load(env.tmp / "warm-weights" / f"v{k}.pt") for k in (0, 1))
+    assert (v0.version, v0.step, v0.digest) == ("v0", 0, warm.digest), "step 0 is the other run's v2, relabelled"
+    assert v1.digest not in (warm.digest, fresh.digest)
+    assert run(other.model_copy(update={"max_steps": 2})).start_step == 1, "a resume keeps its own step"
+
+    with pytest.raises(ValueError, match="REIN_INIT_WEIGHTS"):
+        env.settings(init_weights=env.tmp / "no-such.pt")
 
 
 NO_SIGNAL = (0.5, 0.5, 0.5, 0.5)

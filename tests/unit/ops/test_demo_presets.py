@@ -138,6 +138,21 @@ def test_the_rollout_flags_reach_the_runner_and_the_summary(tmp_path: Path) -> N
     assert stack_config(parse_args([]), "tiny", tmp_path).extra_env == {"rollout": {}}
 
 
+def test_a_warm_start_reaches_the_stack_and_the_summary_and_a_missing_checkpoint_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert stack_config(parse_args([]), "tiny", tmp_path).init_weights is None
+    ckpt = tmp_path / "v200.pt"
+    ckpt.write_bytes(b"")
+    config = stack_config(parse_args(["--init-weights", str(ckpt)]), "tiny", tmp_path)
+    assert config.init_weights == ckpt.resolve()
+    rows = [{"step": i, "reward_mean": 0.1, "ts": float(i), "step_time_s": 1.0} for i in range(1, 4)]
+    assert summarize(rows, 0, 3.0, config)["settings"]["init_weights"] == str(ckpt.resolve())
+    with pytest.raises(SystemExit):
+        parse_args(["--init-weights", str(tmp_path / "nope.pt")])
+    assert "no such checkpoint" in capsys.readouterr().err
+
+
 def test_tool_call_counts_become_per_interval_shares_on_the_lines_they_were_read_with() -> None:
     series = ToolCallSeries(samples=[
         {"lines": 1, "replies": 10, "replies_with_calls": 2, "malformed": 1},
