@@ -12,8 +12,10 @@ The reward of a moment is the policy's as the runner sees it: the mean reward of
 counted, with or without signal, so that modes which drop or skip groups are judged alike.
 Reported per mode: that reward at fixed wall-clock checkpoints (mean and spread over seeds), the
 wall time to ``--threshold``, trainer steps, trained tokens/s, generated tokens never trained by
-cause, and the mean |train - rollout logprob|. ``--from DIR`` re-reads the runs of an earlier
-invocation instead of running them. Prints a table, writes JSON and a plot::
+cause, and the mean |train - rollout logprob|. ``--warm-up-steps N`` first makes one short sync run and
+starts every arm from its last checkpoint, so that the reward compared is the reward beyond the format.
+``--from DIR`` re-reads the runs of an earlier invocation instead of running them. Prints a table,
+writes JSON and a plot::
 
     $(bash deploy/venv.sh --path)/bin/python bench/time_to_reward.py --model smollm2 --minutes 6 \\
         --seeds 0 1 2 --out bench/time_to_reward.json --plot docs/time_to_reward.png
@@ -156,22 +158,50 @@ def finished_run(runs: Path, flags: list[str] | None = None) -> Path | None:
     return done[0]
 
 
-def demo_flags(mode: str, seed: int, args: argparse.Namespace) -> list[str]:
-    """The ``ops.demo`` flags of one (mode, seed) run: what ``flags.json`` records."""
+def demo_flags(mode: str, seed: int, args: argparse.Namespace, init: Path | None = None) -> list[str]:
+    """The ``ops.demo`` flags of one (mode, seed) run, from the warm-up's checkpoint ``init`` if any: what
+    ``flags.json`` records."""
     return ["--model", args.model, "--minutes", f"{args.minutes:g}", "--seed", str(seed), *MODES[mode],
-            *args.demo_flag]
+            *args.demo_flag, *([] if init is None else ["--init-weights", str(init)])]
 
 
-def run_one(mode: str, seed: int, args: argparse.Namespace, root: Path) -> Path:
-    """Run the demo once; its run directory. A run that ended before with the same flags (its summary
-    written) is re-read, not repeated, so that the same command continues an invocation that was
-    stopped; what a stopped run left behind is removed and that run starts again. A finished run made
-    with other flags is never overwritten: that is an error."""
-    runs = root / f"{mode}-s{seed}"
-    flags = demo_flags(mode, seed, args)
+def warm_up(args: argparse.Namespace, root: Path) -> Path | None:
+    """``--warm-up-steps N``: one sync run of N trainer steps (seed 0, no time budget, the model's preset and
+    ``--warm-up-flag`` otherwise: ``--demo-flag``, an environment time say, is the arms'), made once under
+    ``root/warm-up``; the checkpoint of its last step. Every arm
+    loads it (``--init-weights``), so that all start from one policy that already keeps the format and the
+    comparison is about the reward beyond it."""
+    if not args.warm_up_steps:
+        return None
+    flags = ["--model", args.model, "--steps", str(args.warm_up_steps), "--minutes", "0", "--mode", "sync",
+             "--seed", "0", *args.warm_up_flag]
+    runs = root / "warm-up"
+    if args.source is None:
+        run_dir = _run(runs, flags, "warm-up", 30 * 60 + args.startup_timeout_s)
+    elif (found := finished_run(runs, flags)) is not None:
+        run_dir = found
+    else:
+        raise SystemExit(f"{runs}: no finished warm-up run made with {flags} to re-read")
+    sidecar = run_dir / "weights" / f"v{args.warm_up_steps}.json"
+    if not sidecar.is_file():
+        raise SystemExit(f"warm-up: no checkpoint of step {args.warm_up_steps} in {run_dir / 'weights'}")
+    return Path(json.loads(sidecar.read_text())["path"])
+
+
+def run_one(mode: str, seed: int, args: argparse.Namespace, root: Path, init: Path | None = None) -> Path:
+    """Run the demo once (from the warm-up's checkpoint ``init`` if any); its run directory."""
+    return _run(root / f"{mode}-s{seed}", demo_flags(mode, seed, args, init), f"{mode} seed {seed}",
+                args.minutes * 60 + args.startup_timeout_s)
+
+
+def _run(runs: Path, flags: list[str], label: str, timeout_s: float) -> Path:
+    """Run ``ops.demo`` with ``flags`` under ``runs``; its run directory. A run that ended before with the
+    same flags (its summary written) is re-read, not repeated, so that the same command continues an
+    invocation that was stopped; what a stopped run left behind is removed and that run starts again. A
+    finished run made with other flags is never overwritten: that is an error."""
     done = finished_run(runs, flags)
     if done is not None:
-        print(f"{mode} seed {seed}: finished before, re-read from {done}", flush=True)
+        print(f"{label}: finished before, re-read from {done}", flush=True)
         return done
     if finished_run(runs) is not None:
         raise SystemExit(f"{runs} holds a finished run made with other flags (its flags.json): "
@@ -180,13 +210,13 @@ def run_one(mode: str, seed: int, args: argparse.Namespace, root: Path) -> Path:
     runs.mkdir(parents=True)
     (runs / "flags.json").write_text(json.dumps(flags))
     cmd = [sys.executable, "-m", "ops.demo", *flags, "--runs-dir", str(runs)]
-    print(f"[{time.strftime('%H:%M:%S')}] {mode} seed {seed}: {' '.join(cmd[2:])}", flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {label}: {' '.join(cmd[2:])}", flush=True)
     with (runs / "demo.out").open("w") as out:
         code = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=False,
-                              timeout=args.minutes * 60 + args.startup_timeout_s).returncode
+                              timeout=timeout_s).returncode
     found = finished_run(runs)
     if code != 0 or found is None:
-        raise SystemExit(f"{mode} seed {seed}: demo exited {code}; see {runs / 'demo.out'}")
+        raise SystemExit(f"{label}: demo exited {code}; see {runs / 'demo.out'}")
     return found
 
 
@@ -219,6 +249,33 @@ def aggregate(runs: dict[str, list[dict[str, Any]]], checkpoints: list[float]) -
             "logprob_abs_diff_mean": _stats([r["logprob_abs_diff_mean"] for r in results]),
             "policy_move": _move([d for r in results for d in r["older_version_logprob_diff"]]),
         }
+    return out
+
+
+def rolling_best(curve: list[list[float]], last: int) -> float | None:
+    """The highest mean reward of ``last`` consecutive episodes of a run's curve."""
+    rewards = [float(r) for _, r in curve]
+    means = [sum(rewards[j - last:j]) / last for j in range(last, len(rewards) + 1)]
+    return max(means, default=None)
+
+
+def times_to_sync_best(runs: dict[str, list[dict[str, Any]]], fractions: list[float],
+                       last: int) -> dict[str, Any] | None:
+    """Seconds each run took to a rolling reward of each fraction of sync's best (the highest rolling reward any
+    sync seed reached within the budget): per mode and fraction, every seed's time in seed order (None: not
+    reached, a censored run) and their median over the seeds that reached it. None without sync runs."""
+    best = max((b for r in runs.get("sync", []) if (b := rolling_best(r["curve"], last)) is not None), default=None)
+    if best is None:
+        return None
+    out: dict[str, Any] = {"sync_best": best, "modes": {}}
+    for mode, results in runs.items():
+        per: dict[str, Any] = {}
+        for frac in fractions:
+            times = [time_to([(float(t), float(x)) for t, x in r["curve"]], 0.0, frac * best, last) for r in results]
+            reached = sorted(t for t in times if t is not None)
+            per[f"{frac:g}"] = {"level": frac * best, "seconds": times, "reached": len(reached),
+                                "median_reached_s": statistics.median(reached) if reached else None}
+        out["modes"][mode] = per
     return out
 
 
@@ -297,9 +354,15 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--threshold", type=float, default=0.18, help="reward whose wall time is reported")
     p.add_argument("--episodes", type=int, default=16, help="episodes in the rolling reward")
+    p.add_argument("--of-sync-best", type=float, nargs="+", default=[0.5, 0.75, 0.9],
+                   help="fractions of sync's best rolling reward whose time to reach is reported per run")
     p.add_argument("--checkpoints", type=float, nargs="+", default=None,
                    help="minutes at which the reward is reported (default: every minute of the budget)")
     p.add_argument("--demo-flag", action="append", default=[], help="one more ops.demo flag for every run")
+    p.add_argument("--warm-up-steps", type=int, default=0,
+                   help="first one sync run of this many trainer steps (seed 0), made once; every arm starts from "
+                        "its last checkpoint (ops.demo --init-weights). 0: every arm starts from fresh weights")
+    p.add_argument("--warm-up-flag", action="append", default=[], help="one more ops.demo flag for the warm-up run")
     p.add_argument("--startup-timeout-s", type=float, default=600)
     p.add_argument("--runs-dir", type=Path, default=None,
                    help="keep the runs here (default: a temporary dir); a run already finished there is re-read, "
@@ -314,7 +377,9 @@ def main() -> int:
     root = args.source or args.runs_dir or Path(tempfile.mkdtemp(prefix="rein-ttr-"))
     started = time.time()
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.modes}
+    init: Path | None = None
     try:
+        init = warm_up(args, root)
         for seed in args.seeds:
             for mode in args.modes:
                 if args.source is not None:
@@ -323,7 +388,7 @@ def main() -> int:
                         raise SystemExit(f"{root / f'{mode}-s{seed}'}: no finished run to re-read")
                     run_dir = found
                 else:
-                    run_dir = run_one(mode, seed, args, root)
+                    run_dir = run_one(mode, seed, args, root, init)
                 result = analyse(run_dir, args.minutes, checkpoints, args.threshold, args.episodes)
                 runs[mode].append({"seed": seed, **result})
                 print(f"  {mode} seed {seed}: {result['steps']} steps, reward "
@@ -333,11 +398,21 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
     agg = aggregate(runs, checkpoints)
     print(table(agg, checkpoints, args.threshold))
+    to_best = times_to_sync_best(runs, args.of_sync_best, args.episodes)
+    if to_best is not None:
+        print(f"seconds to a fraction of sync's best rolling reward ({to_best['sync_best']:.3f}), per seed "
+              "(- not reached):")
+        for mode, per in to_best["modes"].items():
+            cells = (f"{frac}: " + " ".join("-" if t is None else f"{t:.0f}" for t in v["seconds"])
+                     for frac, v in per.items())
+            print(f"  {mode}: " + "; ".join(cells))
     result = {
         "model": args.model, "minutes": args.minutes, "seeds": args.seeds, "threshold": args.threshold,
         "episodes_in_reward": args.episodes, "checkpoints_min": checkpoints,
         "modes": {m: MODES[m] + args.demo_flag for m in args.modes}, "wall_s": round(time.time() - started, 1),
-        "aggregate": agg, "runs": runs,
+        "warm_up": None if init is None else {"steps": args.warm_up_steps, "flags": args.warm_up_flag,
+                                              "checkpoint": str(init)},
+        "aggregate": agg, "time_to_sync_best": to_best, "runs": runs,
     }
     args.out.write_text(json.dumps(result, indent=1))
     if args.plot is not None:

@@ -26,11 +26,11 @@ def _finished_run(runs: Path, mode: str, seed: int, reward: float, flags: list[s
     finished_run(runs, mode, seed, reward=reward, flags=flags if flags is not None else _flags(mode, seed))
 
 
-def _script(runs: Path, out: Path) -> subprocess.CompletedProcess[str]:
+def _script(runs: Path, out: Path, *more: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(SCRIPT), "--model", "tiny", "--minutes", "1", "--seeds", "0", "--modes", "sync",
          "async", "--checkpoints", "1", "--episodes", "4", "--threshold", "0.5", "--runs-dir", str(runs),
-         "--startup-timeout-s", "1", "--out", str(out)],
+         "--startup-timeout-s", "1", "--out", str(out), *more],
         cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
 
 
@@ -46,6 +46,11 @@ def test_finished_runs_are_re_read_not_repeated(tmp_path: Path) -> None:
     assert data["runs"]["sync"][0]["reward_at_min"] == {"1": 0.25}
     assert data["runs"]["async"][0]["time_to_threshold_s"] == 10.0
     assert data["runs"]["sync"][0]["time_to_threshold_s"] is None, "never reached: censored, not dropped"
+    to_best = data["time_to_sync_best"]
+    assert to_best["sync_best"] == 0.25
+    assert to_best["modes"]["sync"]["0.5"] == {"level": 0.125, "seconds": [10.0], "reached": 1,
+                                               "median_reached_s": 10.0}
+    assert to_best["modes"]["async"]["0.9"]["seconds"] == [10.0]
 
 
 def test_a_finished_run_with_other_flags_is_an_error_not_overwritten(tmp_path: Path) -> None:
@@ -57,3 +62,25 @@ def test_a_finished_run_with_other_flags_is_an_error_not_overwritten(tmp_path: P
     assert json.loads((runs / "sync-s0" / "flags.json").read_text()) == other
     assert (runs / "sync-s0" / "20261206-000000" / "summary.json").is_file(), "the earlier run is kept"
     assert not out.exists()
+
+
+def test_a_warm_up_run_is_made_once_and_every_arm_starts_from_its_last_checkpoint(tmp_path: Path) -> None:
+    """``--warm-up-steps``: the warm-up (a finished sync run here) is re-read, its last step's checkpoint is the
+    ``--init-weights`` every arm was made with (an arm recorded without it would be an error: other flags)."""
+    runs, out = tmp_path / "runs", tmp_path / "ttr.json"
+    warm = finished_run(runs, "warm", 0, reward=0.1, steps=3, flags=[
+        "--model", "tiny", "--steps", "3", "--minutes", "0", "--mode", "sync", "--seed", "0"])
+    (runs / "warm-s0").rename(runs / "warm-up")
+    warm = runs / "warm-up" / warm.name
+    (warm / "weights").mkdir()
+    ckpt = warm / "weights" / "v3.pt"
+    (warm / "weights" / "v3.json").write_text(json.dumps({"path": str(ckpt), "step": 3}))
+    for mode, reward in (("sync", 0.25), ("async", 0.75)):
+        _finished_run(runs, mode, 0, reward=reward, flags=[*_flags(mode, 0), "--init-weights", str(ckpt)])
+    proc = _script(runs, out, "--warm-up-steps", "3")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("finished before, re-read") == 3, proc.stdout
+    assert json.loads(out.read_text())["warm_up"] == {"steps": 3, "flags": [], "checkpoint": str(ckpt)}
+
+    again = _script(runs, out, "--warm-up-steps", "2")  # a warm-up made with other flags is kept, not redone
+    assert again.returncode != 0 and "made with other flags" in again.stdout + again.stderr
