@@ -168,9 +168,8 @@ def demo_flags(mode: str, seed: int, args: argparse.Namespace, init: Path | None
 def warm_up(args: argparse.Namespace, root: Path) -> Path | None:
     """``--warm-up-steps N``: one sync run of N trainer steps (seed 0, no time budget, the model's preset and
     ``--warm-up-flag`` otherwise: ``--demo-flag``, an environment time say, is the arms'), made once under
-    ``root/warm-up``; the checkpoint of its last step. Every arm
-    loads it (``--init-weights``), so that all start from one policy that already keeps the format and the
-    comparison is about the reward beyond it."""
+    ``root/warm-up``; the checkpoint of its last step. Every arm loads it (``--init-weights``), so that all
+    start from one policy that already keeps the format and the comparison is about the reward beyond it."""
     if not args.warm_up_steps:
         return None
     flags = ["--model", args.model, "--steps", str(args.warm_up_steps), "--minutes", "0", "--mode", "sync",
