@@ -59,7 +59,7 @@ from shared.window_layout import WindowReader
 PACING_READ_S = 0.05
 """How often a pacing runner re-reads the prompt cursor, the window's drops and its settings from Redis. A group
 the window drops (a third of the untrained policy's groups have no signal) frees its place only once read, so
-this bounds how long the place stays empty: at 0.5 s a trainer step of the demo took 26-42 % longer
+this bounds how long the place stays empty: at 0.5 s the demo's first 45 trainer steps took 26-42 % longer
 (docs/benchmarks.md, "Where the CPU of a chat call goes"). Three small reads; a held runner makes 20 a second."""
 SYNC_DROPS_READ_S = 0.1
 """How often a sync runner re-reads the window's count of groups dropped without signal (its wave's top-ups):
