@@ -333,11 +333,21 @@ def start(config: StackConfig) -> LocalStack:
     return local
 
 
-def _port_allocator(base: int) -> Callable[[], int]:
+def _port_allocator(base: int, choose: Callable[[], int] = free_port) -> Callable[[], int]:
+    """The stack's ports: ``base``, ``base + 1``, ...; with ``base`` 0, free ones, never one handed out before.
+    A port is bound only once its service starts, so a second free choice can return the first again (two
+    services on one port: one dies with EADDRINUSE)."""
     counter = iter(range(base, base + 100)) if base else None
+    given: set[int] = set()
 
     def next_port() -> int:
-        return next(counter) if counter is not None else free_port()
+        if counter is not None:
+            return next(counter)
+        for _ in range(100):
+            if (port := choose()) not in given:
+                given.add(port)
+                return port
+        raise RuntimeError(f"no free port but the {len(given)} this stack was given")
 
     return next_port
 

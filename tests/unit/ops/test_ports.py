@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ops.local.ports import DEFAULT_EPHEMERAL_RANGE, LOWEST_PORT, ephemeral_range, free_ports
+from ops.local.stack import _port_allocator
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -64,3 +65,12 @@ def test_the_deploy_scripts_can_run_it_without_the_virtualenv() -> None:
     ports = [int(p) for p in out.stdout.split()]
     assert len(set(ports)) == 2
     assert all(LOWEST_PORT <= port < low for port in ports)
+
+
+def test_a_stack_never_hands_out_one_port_twice() -> None:
+    """Each free choice releases its port, so two choices can return one port: the stack's allocator skips it."""
+    choices = iter([20001, 20002, 20001, 20002, 20003])
+    port = _port_allocator(0, lambda: next(choices))
+    assert [port(), port(), port()] == [20001, 20002, 20003]
+    fixed = _port_allocator(30000)
+    assert [fixed(), fixed()] == [30000, 30001]
