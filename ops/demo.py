@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ops.demo_metrics import EngineUsage, Scraper, ToolCallSeries, proxy_rejections, proxy_tool_calls
+from ops.demo_metrics import EngineUsage, ToolCallSeries, proxy_rejections, proxy_tool_calls, scrape
 from ops.demo_presets import PRESETS
 from ops.demo_summary import progress_line, summarize, write_outputs
 from ops.local.launcher import LaunchError
@@ -89,7 +89,6 @@ def run(args: argparse.Namespace) -> int:
     up_ts: float | None = None
     tool_calls: dict[str, Any] | None = None
     calls = ToolCallSeries()
-    scraper = Scraper()
     proxy_read_at = -PROXY_READ_S
     try:
         local = start(config)
@@ -107,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             if len(rows) > shown:
                 if time.monotonic() - proxy_read_at >= PROXY_READ_S:
                     proxy_read_at = time.monotonic()
-                    if (text := scraper.text(local.urls["proxy"])) is not None:
+                    if (text := scrape(local.urls["proxy"])) is not None:
                         rejections = proxy_rejections(text)
                         calls.sample(len(rows), text)
                 for row in rows[shown:]:
@@ -131,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: timed out after {args.timeout_min} min at step {steps}", file=sys.stderr)
                 code = 1
                 break
-            if (text := scraper.text(local.urls["engine"])) is not None:
+            if (text := scrape(local.urls["engine"])) is not None:
                 usage.sample(text)
             time.sleep(0.5)
     except KeyboardInterrupt:
@@ -144,14 +143,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         train_wall = None if up_at is None else time.monotonic() - up_at
         if local is not None:
-            if (text := scraper.text(local.urls["proxy"])) is not None:
+            if (text := scrape(local.urls["proxy"])) is not None:
                 rejections = max(rejections, proxy_rejections(text))
                 tool_calls = proxy_tool_calls(text)
                 if tool_calls["well_formed_share"] is None and not offers_tools(config.task):
                     tool_calls = None  # a task without tools whose replies never held call markup: nothing to say
             local.stop()
             print("stopped every process the demo started", flush=True)
-        scraper.close()
     wall = time.monotonic() - started
     rows = rows_so_far(config.run_dir / "trainer" / "metrics.jsonl") or rows  # a stopping trainer adds its last step
     if rows:

@@ -1,42 +1,32 @@
 """What ``make demo`` reads from the services' ``/metrics`` while it runs: the proxy's rejections and
 tool-call replies, the engine's load. Read over HTTP as Prometheus text, as any scraper would, through
-one :class:`Scraper`; a service that does not answer leaves the reading out rather than stopping the demo."""
+one :func:`scrape`; a service that does not answer leaves the reading out rather than stopping the demo."""
 
 from __future__ import annotations
 
+import http.client
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
+from ops.status_parts import http_text, parse_rejections
 from services.proxy.wires import WIRES
 
-_REJECTIONS = re.compile(r"^rein_proxy_rejections_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 _TOOL_CALLS = re.compile(r'^rein_proxy_tool_call_replies_total\{outcome="(\w+)"\}\s+([0-9.eE+-]+)$', re.M)
 _ANSWERS = re.compile(r'^rein_proxy_requests_total\{route="([^"]*)",status="200"\}\s+([0-9.eE+-]+)$', re.M)
 _ENGINE_ACTIVE = re.compile(r"^rein_engine_active_requests\s+([0-9.eE+-]+)$", re.M)
 _ENGINE_TOKENS = re.compile(r"^rein_engine_generated_tokens_total\s+([0-9.eE+-]+)$", re.M)
 
 
-class Scraper:
-    """One HTTP client for every read of ``/metrics``: ``httpx.get`` makes a client, and so an SSL context
-    with the system's CA store, on each call, which took the demo's own process 16 % of a core at a read
-    per step (py-spy) on a 2-core machine that the pipeline needs whole."""
-
-    def __init__(self, timeout_s: float = 2.0) -> None:
-        self._client = httpx.Client(timeout=timeout_s)
-
-    def text(self, url: str) -> str | None:
-        """``url``'s ``/metrics`` text, or None when it could not be read."""
-        try:
-            return self._client.get(f"{url}/metrics").text
-        except httpx.HTTPError:
-            return None
-
-    def close(self) -> None:
-        self._client.close()
+def scrape(url: str, timeout_s: float = 2.0) -> str | None:
+    """``url``'s ``/metrics`` text, or None when it could not be read. Through ``rein status``'s plain
+    ``urllib`` read: ``httpx.get`` built a client, and so an SSL context loading the system's CA store, on each
+    call, which took the demo's own process 16 % of a core (py-spy) on a machine the pipeline needs whole."""
+    try:
+        return http_text(f"{url}/metrics", timeout_s)
+    except (OSError, http.client.HTTPException):
+        return None
 
 
 def proxy_tool_calls(text: str) -> dict[str, Any]:
@@ -82,7 +72,7 @@ class ToolCallSeries:
 
 def proxy_rejections(text: str) -> int:
     """Sessions the proxy rejected, every reason, from its ``/metrics`` text."""
-    return int(sum(float(v) for v in _REJECTIONS.findall(text)))
+    return int(sum(parse_rejections(text).values()))
 
 
 @dataclass
