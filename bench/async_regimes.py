@@ -43,7 +43,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.time_to_reward import analyse, demo_flags, ended_groups, finished_run, run_one
+from bench.run_curves import analyse, ended_groups
+from bench.time_to_reward import demo_flags, finished_run, run_one
 from ops.demo_presets import PRESETS
 
 ARMS = ("sync", "async")

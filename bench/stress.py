@@ -35,7 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.time_to_reward import analyse, run_one
+from bench.run_curves import analyse
+from bench.time_to_reward import run_one
 
 ARMS = ("sync", "async-none", "async")
 STRESS = ["--concurrent-groups=64", "--lr=0.003"]
