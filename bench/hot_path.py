@@ -1,7 +1,7 @@
 """CPU per chat call of each process of the demo pipeline, and (optionally) py-spy profiles.
 
 Starts the local stack as ``make demo`` does for the tiny policy (``bench/pipeline.py``'s
-``demo_config``: number guessing, 8 groups x 8 episodes per step, 2 collectors), lets
+``demo_config``: the tiny preset's task, batch and collectors, or ``--demo-flag`` ones), lets
 ``--warmup`` trainer steps pass, then measures a window of ``--steps`` trainer steps:
 
 * CPU seconds of every process (``utime + stime`` from ``/proc/<pid>/stat``, with its
@@ -92,10 +92,12 @@ def main() -> int:
     p.add_argument("--env", action="append", default=[], metavar="SERVICE:VAR=VALUE",
                    help="a setting of one service of the stack (repeatable): proxy:REIN_KAFKA__LINGER_MS=20; "
                         "SERVICE 'collector' means every collector")
+    p.add_argument("--demo-flag", action="append", default=[], metavar="FLAG",
+                   help="a flag of make demo's stack (repeatable): --demo-flag=--collectors=1")
     args = p.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     run_dir = Path(tempfile.mkdtemp(prefix="rein-hot-path-"))
-    config = demo_config(args.warmup + args.steps + 2, 0, run_dir)
+    config = demo_config(args.warmup + args.steps + 2, 0, run_dir, args.demo_flag)
     for item in args.env:
         service, _, setting = item.partition(":")
         name, _, value = setting.partition("=")
