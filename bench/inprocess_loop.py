@@ -61,8 +61,8 @@ class _Live:
 class Recipe:
     """What one in-process run trains with: the batch's shape, the trainer's settings and the schedule.
 
-    The default is the demo's (``tiny`` preset, the trainer's default settings, synchronous, every group
-    trained). ``in_flight`` > 0 plays the pipeline's asynchronous schedule instead (below)."""
+    The default is the demo's (``tiny`` preset: its batch and policy width, the trainer's other defaults,
+    synchronous, every group trained). ``in_flight`` > 0 plays the pipeline's asynchronous schedule instead (below)."""
 
     batch_groups: int = PRESETS["tiny"].batch_groups
     group_size: int = PRESETS["tiny"].group_size
@@ -93,7 +93,9 @@ class Recipe:
     pending groups too when the window advances); 0: no window."""
 
     def settings(self) -> TrainerSettings:
-        return TrainerSettings(**dict(self.trainer))
+        """The trainer's settings: the preset's policy width (as ``make demo`` gives its trainer), then ``trainer``."""
+        width = PRESETS["tiny"].model_width
+        return TrainerSettings(**{**({} if width is None else {"model_width": width}), **dict(self.trainer)})
 
     def describe(self) -> dict[str, Any]:
         schedule = ({"keep_versions": self.keep_versions, "jitter": self.jitter, "update_delay": self.update_delay}

@@ -187,8 +187,8 @@ def times_to_sync_best(runs: dict[str, list[dict[str, Any]]], fractions: list[fl
 
 
 def _move(diffs: list[float]) -> dict[str, float | int | None]:
-    """The per-step policy move (:func:`bench.run_curves.older_version_diffs`) over every step of every seed: median, max
-    and their ratio (how far the largest single step moved the policy against a usual one)."""
+    """The per-step policy move (:func:`bench.run_curves.older_version_diffs`) over every step of every seed:
+    median, max and their ratio (how far the largest single step moved the policy against a usual one)."""
     if not diffs:
         return {"steps": 0, "median": None, "max": None, "max_over_median": None}
     median = statistics.median(diffs)

@@ -25,6 +25,9 @@ class Preset:
     lr: float | None
     weight_decay: float | None
     keep_checkpoints: int
+    model_width: int | None
+    """Width of the tiny policy's step-0 weights (``REIN_MODEL_WIDTH``); None: the trainer's default (HF models:
+    their own config)."""
 
 
 PRESETS: dict[str, Preset] = {
@@ -34,7 +37,9 @@ PRESETS: dict[str, Preset] = {
     # 8 groups did on none at lr 1e-3 and on 4 at lr 2e-3 (docs/benchmarks.md, "Learning per episode, in
     # process"); 8 groups in flight, all that the runner's pacing admits with keep_versions 2 x 4 groups;
     # the 16 newest checkpoints kept (a margin of seconds for an engine loading one; all of an 8-minute
-    # run's ~1,000 are 1.4 GB)
+    # run's ~1,000 are 1.4 GB); a policy 128 wide instead of 64 (0.4M parameters instead of 0.1M): in
+    # process its batch mean was 0.40 after 45k played episodes on 6 seeds (median) where 64 was at 0.32,
+    # for ~10 % more CPU per episode in the pipeline (docs/benchmarks.md, "A wider policy")
     "tiny": Preset(
         steps=2000,
         mode="async",
@@ -50,6 +55,7 @@ PRESETS: dict[str, Preset] = {
         lr=None,
         weight_decay=None,
         keep_checkpoints=16,
+        model_width=128,
     ),
     # a Hugging Face model on 2 cores (docs/models.md): 8 episodes per step, replies of up to 48 tokens,
     # a fine-tuning learning rate with no weight decay (the pretrained weights are the prior), and only
@@ -69,5 +75,6 @@ PRESETS: dict[str, Preset] = {
         lr=2e-5,
         weight_decay=0.0,
         keep_checkpoints=2,
+        model_width=None,
     ),
 }

@@ -117,6 +117,7 @@ def summarize(
             "weight_decay": config.weight_decay,
             "epochs": config.epochs,
             "keep_checkpoints": config.keep_checkpoints,
+            "model_width": config.model_width,
             "init_weights": None if config.init_weights is None else str(config.init_weights),
             "rollout_env": config.extra_env.get("rollout") or None,  # --temperature, --agent-command, --env-time
         },

@@ -49,7 +49,7 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nonlast-version-tokens", choices=["mask", "weight"], default="mask",
                    help="the trainer's treatment of a trajectory's tokens from older versions")
     p.add_argument("--collectors", type=int, help="collector replicas (tiny: 2, HF: 1)")
-    p.add_argument("--batch-groups", type=int, help="GRPO groups per training batch (tiny: 16, HF: 2)")
+    p.add_argument("--batch-groups", type=int, help="GRPO groups per training batch (tiny: 4, HF: 2)")
     p.add_argument("--group-size", type=int, help="episodes per group (tiny: 8, HF: 4)")
     p.add_argument("--concurrent-groups", type=int, help="groups in flight (tiny: 8, HF: 4)")
     p.add_argument("--task", choices=list(TASKS),
@@ -70,6 +70,8 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-weights", type=_existing_path, metavar="CHECKPOINT",
                    help="the trainer's step-0 weights from a checkpoint a trainer wrote (a warm start, e.g. "
                         "runs/<id>/weights/v200.pt of a tiny run); default: fresh weights")
+    p.add_argument("--model-width", type=int,
+                   help="width of the tiny policy's step-0 weights (REIN_MODEL_WIDTH; tiny: 128; HF: its config)")
     p.add_argument("--keep-checkpoints", type=int, help="newest trainer steps kept on disk (0 = all; tiny: 16, HF: 2)")
     p.add_argument("--mode", choices=["async", "sync"],
                    help="async (tiny's default) or sync (HF's: it learned faster on SmolLM2, docs/benchmarks.md)")
@@ -134,6 +136,7 @@ def stack_config(args: argparse.Namespace, model: str, run_dir: Path) -> StackCo
         weight_decay=args.weight_decay,
         epochs=args.epochs,
         keep_checkpoints=args.keep_checkpoints,
+        model_width=None if hf else args.model_width,
         init_weights=args.init_weights,
         startup_timeout_s=600.0 if hf else 120.0,
         stop_timeout_s=120.0 if hf else 20.0,

@@ -96,6 +96,9 @@ class StackConfig:
     init_weights: Path | None = None
     """The trainer's ``REIN_INIT_WEIGHTS``: a checkpoint taken as the step-0 weights (a warm start); None: fresh."""
     keep_checkpoints: int = 0
+    model_width: int | None = None
+    """Width of the tiny policy's step-0 weights (the trainer's ``REIN_MODEL_WIDTH``; the engines load what it
+    writes); None: the trainer's default."""
     """Trainer keeps the newest N durable steps (0: all); an HF step is ~0.5 GB of weights plus optimizer state."""
     startup_timeout_s: float = 120.0
     """Bound on each service's start (an HF trainer writes ``v0`` and an HF engine loads it first)."""
@@ -193,7 +196,8 @@ def start(config: StackConfig) -> LocalStack:
                         "REIN_KEEP_CHECKPOINTS": str(config.keep_checkpoints),
                         **model,
                         **optional({"REIN_LR": config.lr, "REIN_WEIGHT_DECAY": config.weight_decay,
-                                    "REIN_EPOCHS": config.epochs, "REIN_INIT_WEIGHTS": config.init_weights}),
+                                    "REIN_EPOCHS": config.epochs, "REIN_INIT_WEIGHTS": config.init_weights,
+                                    "REIN_MODEL_WIDTH": config.model_width}),
                     },
                 ),
                 f"{urls['trainer']}/health",

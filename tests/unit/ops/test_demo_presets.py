@@ -153,6 +153,16 @@ def test_a_warm_start_reaches_the_stack_and_the_summary_and_a_missing_checkpoint
     assert "no such checkpoint" in capsys.readouterr().err
 
 
+def test_the_tiny_demo_trains_the_presets_wider_policy_and_a_flag_or_a_real_model_changes_it(tmp_path: Path) -> None:
+    tiny = stack_config(parse_args([]), "tiny", tmp_path)
+    assert tiny.model_width == PRESETS["tiny"].model_width == 128
+    rows = [{"step": i, "reward_mean": 0.1, "ts": float(i), "step_time_s": 1.0} for i in range(1, 4)]
+    assert summarize(rows, 0, 3.0, tiny)["settings"]["model_width"] == 128
+    assert stack_config(parse_args(["--model-width", "64"]), "tiny", tmp_path).model_width == 64
+    # an HF model's shape is its own config: the flag and the preset do not reach its trainer
+    assert stack_config(parse_args(["--model", "smollm2"]), "/m", tmp_path).model_width is None
+
+
 def test_tool_call_counts_become_per_interval_shares_on_the_lines_they_were_read_with() -> None:
     series = ToolCallSeries(samples=[
         {"lines": 1, "replies": 10, "replies_with_calls": 2, "malformed": 1},
