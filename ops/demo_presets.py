@@ -39,7 +39,7 @@ PRESETS: dict[str, Preset] = {
     # the 16 newest checkpoints kept (a margin of seconds for an engine loading one; all of an 8-minute
     # run's ~1,000 are 1.4 GB); a policy 128 wide instead of 64 (0.4M parameters instead of 0.1M): in
     # process its batch mean was 0.40 after 45k played episodes on 6 seeds (median) where 64 was at 0.32,
-    # for ~10 % more CPU per episode in the pipeline (docs/benchmarks.md, "A wider policy")
+    # for ~9 % more CPU per episode in the pipeline (docs/benchmarks.md, "A wider policy")
     "tiny": Preset(
         steps=2000,
         mode="async",

@@ -96,10 +96,10 @@ class StackConfig:
     init_weights: Path | None = None
     """The trainer's ``REIN_INIT_WEIGHTS``: a checkpoint taken as the step-0 weights (a warm start); None: fresh."""
     keep_checkpoints: int = 0
+    """Trainer keeps the newest N durable steps (0: all); an HF step is ~0.5 GB of weights plus optimizer state."""
     model_width: int | None = None
     """Width of the tiny policy's step-0 weights (the trainer's ``REIN_MODEL_WIDTH``; the engines load what it
     writes); None: the trainer's default."""
-    """Trainer keeps the newest N durable steps (0: all); an HF step is ~0.5 GB of weights plus optimizer state."""
     startup_timeout_s: float = 120.0
     """Bound on each service's start (an HF trainer writes ``v0`` and an HF engine loads it first)."""
     stop_timeout_s: float = 20.0
