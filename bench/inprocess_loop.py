@@ -101,7 +101,8 @@ class Recipe:
         schedule = ({"keep_versions": self.keep_versions, "jitter": self.jitter, "update_delay": self.update_delay}
                     if self.in_flight else {})
         return {"batch_groups": self.batch_groups, "group_size": self.group_size, "trainer": dict(self.trainer),
-                "no_signal": self.no_signal, "lag": self.lag, "in_flight": self.in_flight, **schedule}
+                "model_width": self.settings().model_width, "no_signal": self.no_signal, "lag": self.lag,
+                "in_flight": self.in_flight, **schedule}
 
 
 def _index_of(label: str) -> int:

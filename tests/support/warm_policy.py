@@ -18,14 +18,14 @@ import torch.nn.functional as F
 
 from services.rollout.task import NumberGuessTask, play, random_policy
 from shared.model import load_family
+from shared.model.base import ChatTokenizer
 from shared.tokenizer import TOKENIZER
 
 
-def _examples(seed: int, games: int) -> list[tuple[list[int], list[int]]]:
+def _examples(template: ChatTokenizer, seed: int, games: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids up to the assistant header, the reply's ids: one number and the end) of every assistant
     turn of ``games`` games played by random valid guesses."""
     task, rng = NumberGuessTask(), random.Random(seed)
-    template = load_family("tiny").tokenizer
     out = []
     for prompt in itertools.islice(task.prompts(seed), games):
         _, messages = play(task, dict(prompt.payload), random_policy(rng, [str(n) for n in range(16)]))
@@ -53,7 +53,7 @@ def _fit(path: Path, seed: int, games: int, steps: int) -> Path:
     family = load_family("tiny")
     model = family.new_model(seed, torch.device("cpu"))
     model.train()
-    examples = _examples(seed, games)
+    examples = _examples(family.tokenizer, seed, games)
     width = max(len(p) + len(r) for p, r in examples)
     ids = torch.full((len(examples), width), TOKENIZER.pad_id, dtype=torch.long)
     targets = torch.full((len(examples), width), -100, dtype=torch.long)
