@@ -1,17 +1,34 @@
-"""The bus's producer: idempotent, acks=all, bounded waits for the broker's ack."""
+"""The bus's producer: idempotent, acks=all, bounded waits for the broker's ack.
+
+It replaces its kafka-python client after a delivery expired. kafka-python 2.3's idempotent sender
+can stop sending to a partition for good after a broker outage: when a batch it had already sent
+expires, it resets its producer id and returns without sending the batches it had just drained, and
+their partitions stay muted (one request in flight per partition), so every later record to them
+expires too, while the broker answers and other partitions work. A new client has no such state;
+records the old one still holds are delivered or fail with their own delivery timeout, and their
+callers hear either way. (Reproduced, and tested, by killing the broker under load:
+``tests/integration/shared/test_producer_recovery.py``.)
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 
 from kafka import KafkaProducer
 from kafka.errors import KafkaError, KafkaTimeoutError
 
+from shared import log
 from shared.bus.client import BusUnavailable, Delivered, connect, servers
 from shared.codec import DEFAULT_MAX_BYTES, encode
 from shared.schemas import Record
 from shared.settings import KafkaSettings
+
+_log = log.get(__name__)
+
+REBUILD_RETRY_S = 5.0
+"""After a failed rebuild (broker still down), the old client serves this long before the next try."""
 
 
 class Producer:
@@ -19,23 +36,67 @@ class Producer:
 
     def __init__(self, settings: KafkaSettings, client_suffix: str = "producer") -> None:
         self._settings = settings
+        self._client_id = f"{settings.client_id}-{client_suffix}"
         self._timeout_s = settings.request_timeout_ms / 1000
-        self._producer: KafkaProducer = connect(
+        # every record is answered (acked or failed) within one request bound after its linger
+        self._delivery_timeout_ms = settings.linger_ms + settings.request_timeout_ms
+        self._expired = threading.Event()
+        """Set by a delivery that expired: the next send replaces the client (see the module's docstring)."""
+        self._rebuild_lock = threading.Lock()
+        self._next_rebuild = 0.0
+        self.replacements = 0
+        """Clients replaced since start."""
+        self._producer: KafkaProducer = self._build(attempts=5)
+
+    def _build(self, attempts: int) -> KafkaProducer:
+        settings = self._settings
+        producer: KafkaProducer = connect(
             lambda: KafkaProducer(
                 bootstrap_servers=servers(settings),
-                client_id=f"{settings.client_id}-{client_suffix}",
+                client_id=self._client_id,
                 acks="all",
                 enable_idempotence=True,
                 linger_ms=settings.linger_ms,
                 request_timeout_ms=settings.request_timeout_ms,
-                # every record is answered (acked or failed) within one request bound after its linger
-                delivery_timeout_ms=settings.linger_ms + settings.request_timeout_ms,
+                delivery_timeout_ms=self._delivery_timeout_ms,
                 max_block_ms=settings.max_block_ms,
                 max_request_size=min(settings.max_record_bytes, DEFAULT_MAX_BYTES),
             ),
             "producer",
             settings,
+            attempts=attempts,
         )
+        return producer
+
+    def _client(self) -> KafkaProducer:
+        """The client to send with: a new one when a delivery has expired since the last build."""
+        if self._expired.is_set() and time.monotonic() >= self._next_rebuild:
+            with self._rebuild_lock:
+                if self._expired.is_set() and time.monotonic() >= self._next_rebuild:
+                    self._replace()
+        return self._producer
+
+    def _replace(self) -> None:
+        try:
+            fresh = self._build(attempts=1)
+        except (BusUnavailable, KafkaError) as exc:
+            self._next_rebuild = time.monotonic() + REBUILD_RETRY_S
+            _log.warning("kafka_producer_not_replaced", client_id=self._client_id, error=str(exc),
+                         retry_in_s=REBUILD_RETRY_S)
+            return
+        old, self._producer = self._producer, fresh
+        self._expired.clear()
+        self.replacements += 1
+        _log.warning("kafka_producer_replaced", client_id=self._client_id, replacements=self.replacements,
+                     reason="a delivery expired")
+        # the old client answers what it holds within its delivery timeout, then closes
+        threading.Thread(target=_close_quietly, args=(old, self._delivery_timeout_ms / 1000 + 1.0),
+                         name="producer-retire", daemon=True).start()
+
+    def _note(self, exc: BaseException) -> None:
+        """Errback on every record: an expired delivery marks the client for replacement."""
+        if isinstance(exc, KafkaTimeoutError):
+            self._expired.set()
 
     def send(self, topic: str, record: Record, key: str | None = None) -> Delivered:
         """Produce one record and wait for the broker's ack (bounded by request_timeout_ms)."""
@@ -46,7 +107,9 @@ class Producer:
         """Queue one record; pair with :meth:`wait` or :meth:`flush`."""
         # keys are encoded here: kafka-python 3 deprecates plain callables as serializers
         text = key if key is not None else record.key()
-        return self._producer.send(topic, value=encode(record), key=text.encode("utf-8"))
+        future = self._client().send(topic, value=encode(record), key=text.encode("utf-8"))
+        future.add_errback(self._note)
+        return future
 
     def send_encoded(self, topic: str, value: bytes, key: str, done: Callable[[BaseException | None], None]) -> None:
         """Queue one encoded record; ``done(None)`` once acked, ``done(error)`` once it cannot be.
@@ -54,11 +117,12 @@ class Producer:
         ``done`` is called exactly once: from kafka-python's I/O thread, or from this call when
         the record could not even be queued (no metadata within max_block_ms, too large)."""
         try:
-            future = self._producer.send(topic, value=value, key=key.encode("utf-8"))
+            future = self._client().send(topic, value=value, key=key.encode("utf-8"))
         except Exception as exc:  # a KafkaError, or an AssertionError of a closed producer
             done(exc)
             return
         future.add_callback(lambda _meta: done(None))
+        future.add_errback(self._note)
         future.add_errback(done)
 
     def wait(self, future: object, timeout_s: float | None = None) -> Delivered:
@@ -87,3 +151,10 @@ class Producer:
         except KafkaTimeoutError:
             return False
         return True
+
+
+def _close_quietly(producer: KafkaProducer, timeout_s: float) -> None:
+    try:
+        producer.close(timeout=timeout_s)
+    except KafkaError as exc:
+        _log.warning("retired_kafka_producer_not_closed", error=str(exc))

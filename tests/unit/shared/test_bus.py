@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -29,25 +31,48 @@ class _Future:
     ack_after_s: float
     waits: list[float] = field(default_factory=list)
 
+    errbacks: list[Callable[[BaseException], None]] = field(default_factory=list)
+
     def get(self, timeout: float) -> _Meta:
         self.waits.append(timeout)
         if timeout < self.ack_after_s:
             raise KafkaTimeoutError("not acked in time")
         return _Meta()
 
+    def add_callback(self, fn: Callable[[_Meta], None]) -> _Future:
+        return self
+
+    def add_errback(self, fn: Callable[[BaseException], None]) -> _Future:
+        self.errbacks.append(fn)
+        return self
+
+    def fail(self, error: BaseException) -> None:
+        for fn in self.errbacks:
+            fn(error)
+
 
 class _Client:
     def __init__(self, futures: list[_Future]) -> None:
         self.futures = list(futures)
+        self.closed = threading.Event()
 
     def send(self, topic: str, value: bytes, key: bytes) -> _Future:
         return self.futures.pop(0)
 
+    def close(self, timeout: float) -> None:
+        self.closed.set()
+
 
 def _producer(futures: list[_Future], timeout_s: float = 30.0) -> Producer:
-    producer = Producer.__new__(Producer)  # no broker: only the waiting logic is under test
+    producer = Producer.__new__(Producer)  # no broker: only the client logic is under test
     producer._timeout_s = timeout_s
-    producer._producer = _Client(futures)  # type: ignore[assignment]
+    producer._client_id = "test"
+    producer._delivery_timeout_ms = 1000
+    producer._expired = threading.Event()
+    producer._rebuild_lock = threading.Lock()
+    producer._next_rebuild = 0.0
+    producer.replacements = 0
+    producer._producer = _Client(futures)
     return producer
 
 
@@ -67,6 +92,53 @@ def test_send_many_fails_when_the_bound_runs_out() -> None:
     with pytest.raises(BusUnavailable, match="producing to Kafka failed"):
         _producer(futures).send_many([("t", _record())] * 2, timeout_s=1.0)
     assert futures[1].waits and futures[1].waits[0] <= 1.0
+
+
+def test_an_expired_delivery_makes_the_next_send_use_a_new_client_and_retires_the_old(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kafka-python 2.3 can leave partitions muted for good once a delivery expired (shared/bus/producer.py)."""
+    first = _Future(0.0)
+    producer = _producer([first, _Future(0.0)])
+    old = producer._producer
+    fresh = _Client([_Future(0.0)])
+    builds: list[int] = []
+
+    def build(attempts: int) -> _Client:
+        builds.append(attempts)
+        return fresh
+
+    monkeypatch.setattr(producer, "_build", build)
+    producer.send_async("t", _record())
+    producer.send_async("t", _record())  # nothing expired yet: the same client
+    assert builds == [] and producer._producer is old
+    first.fail(KafkaTimeoutError("Expiring 1 record(s) for t-0: 3000 ms has passed since batch creation"))
+    producer.send_async("t", _record())
+    assert builds == [1] and producer._producer is fresh and producer.replacements == 1
+    assert old.closed.wait(5), "the replaced client was not closed"
+
+
+def test_other_failures_keep_the_client_and_a_failed_rebuild_waits_before_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first, second = _Future(0.0), _Future(0.0)
+    producer = _producer([first, second, _Future(0.0), _Future(0.0)])
+    old = producer._producer
+    builds: list[int] = []
+
+    def build(attempts: int) -> _Client:
+        builds.append(attempts)
+        raise BusUnavailable("no broker")
+
+    monkeypatch.setattr(producer, "_build", build)
+    producer.send_async("t", _record())
+    first.fail(BusUnavailable("a record too large"))  # not an expiry: nothing to replace
+    producer.send_async("t", _record())
+    assert builds == []
+    second.fail(KafkaTimeoutError("Expiring 1 record(s)"))
+    producer.send_async("t", _record())  # the broker is still down: the old client goes on
+    producer.send_async("t", _record())  # within REBUILD_RETRY_S of the failed try: no new one
+    assert builds == [1] and producer._producer is old and producer.replacements == 0
 
 
 def test_a_group_members_trail_names_where_each_partition_starts_and_any_gap(
