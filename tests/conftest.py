@@ -7,7 +7,7 @@ Service fixtures (session scope; the services are started by ``tests/support/inf
   (4 partitions by default, topic auto-creation off: create what you use).
 - ``redis_url -> str``: ``"redis://127.0.0.1:PORT/0"``; the server has 64 logical DBs.
 - ``kafka_admin -> KafkaAdminClient`` on that broker.
-- ``topics -> shared.names.Topics``: DESIGN's topics (default names), created with 4 partitions.
+- ``topics -> shared.names.Topics``: the topics ``shared.topology`` declares (default names), created with 4 partitions.
   They are shared by the whole session; a test that reads what it wrote should use ``unique_topic``.
 
 Per-test helpers (function scope):
@@ -102,7 +102,7 @@ def pytest_configure(config: pytest.Config) -> None:
         ports.use_block(index, count)
         os.environ["REIN_PORT_BLOCK"] = f"{index}/{count}"  # for the deploy scripts this worker runs
         _REDIS_DBS = itertools.cycle(range(1 + index, 64, count))
-        config.stash[_INFRA] = RunInfra(Path(config.workerinput["rein_infra_root"]), shared=True)
+        config.stash[_INFRA] = RunInfra(Path(config.workerinput["rein_infra_root"]), shared=True)  # type: ignore[attr-defined]
         return
     _start_reaper()
     if _distributed(config):
@@ -244,7 +244,7 @@ def _create_topics(admin: KafkaAdminClient, partitions: dict[str, int], configs:
 
 @pytest.fixture(scope="session")
 def topics(kafka_admin: KafkaAdminClient) -> Topics:
-    """DESIGN's topics under their default names, as ``shared.topology`` specifies (shared by the session)."""
+    """The topics ``shared.topology`` declares and specifies, under their default names (shared by the session)."""
     from shared.names import Topics
     from shared.topology import topic_specs
 

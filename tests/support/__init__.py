@@ -1,11 +1,18 @@
-"""Helpers the tests import (nothing here is collected as a test).
+"""Helpers the tests import (nothing here is collected as a test); each module's docstring says more.
 
-- ``infra``: the session's real Kafka and Redis, behind ``tests/conftest.py``'s fixtures.
-- ``procs``: any service as a subprocess, healthy before it is returned, stopped by PID.
-- ``stack``: the one starter of real engine and proxy processes.
-- ``proxy``: the proxy suites' in-thread proxy factory and Kafka readers.
-- ``collector``: collector settings, record sources and topic tails, a replica in a thread.
-- ``rebalance``: a foreign consumer-group member that forces rebalances.
-- ``wait``: ``wait_until``, a bounded wait on a condition.
-- ``gradients``: the gradient a trainer's optimizer stepped with (the step frees it afterwards).
+Infrastructure and processes: ``infra`` (the session's real Kafka and Redis), ``procs`` (a service as a
+subprocess, healthy before it is returned), ``stack`` (the one starter of engine and proxy processes),
+``reaper`` and ``killed_run_probe`` (a killed run leaves nothing behind), ``wait`` (``wait_until``, the
+tests' bounded replacement for sleeps).
+
+Per service: ``proxy``, ``engine_fronts``, ``generation_engine`` (the proxy); ``collector``,
+``rollout_records`` (the collector); ``rollout_runner`` (the runner); ``trainer_kafka``, ``gradients``,
+``warm_policy`` (the trainer); ``broadcaster_fakes`` (the broadcaster); ``chat_turns``, ``templates``,
+``hf_model`` (chat templates and models); ``scripted_agent``, ``sglang_engine`` (agents and SGLang's API).
+
+Records and read-back: ``kafka_io``, ``readback``, ``rebalance``, ``poison``, ``proxy_fuzz``, ``demo_runs``;
+checks shared by registries (``registry``) and by the compose file (``compose_file``).
+
+The run itself: ``schedule`` (which xdist worker runs what), ``timeline`` and ``durations`` (where a run's
+time goes).
 """

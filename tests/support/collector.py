@@ -138,7 +138,8 @@ class Tail:
         deadline = time.monotonic() + timeout_s
         while not until(self.poll()):
             if time.monotonic() > deadline:
-                faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)  # where is the collector?
+                # where is the collector? (pytest captures sys.stderr)
+                faulthandler.dump_traceback(file=sys.__stderr__ or sys.stderr, all_threads=True)
                 raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; have {len(self.records)}")
         return self.records
 
@@ -198,6 +199,17 @@ def final_decisions(records: Iterable[Record]) -> dict[str, str]:
             if r.group_id not in best or step >= best[r.group_id][0]:
                 best[r.group_id] = (step, r.decision)
     return {gid: d for gid, (_, d) in best.items()}
+
+
+def decided(tail: Tail, group_ids: list[str]) -> dict[str, str]:
+    """Wait until every group of ``group_ids`` has a decision on ``tail``; every group's final decision."""
+    records = tail.wait(lambda rs: set(group_ids) <= set(final_decisions(rs)), f"decisions of {group_ids}")
+    return final_decisions(records)
+
+
+def steps_of(records: Iterable[Record], group_id: str) -> list[tuple[int | None, str]]:
+    """``(window step, decision)`` of every decision ``group_id`` got, in the order read."""
+    return [(r.step, r.decision) for r in records if isinstance(r, DecisionRecord) and r.group_id == group_id]
 
 
 def manifests_by_index(records: Iterable[Record]) -> dict[int, BatchManifest]:

@@ -1,7 +1,7 @@
-"""The reference's §8 window scenarios end to end through one collector, plus retries, manifests, poison records.
+"""The staleness window end to end through one collector, plus retries, manifests, poison records.
 
-Topics have one partition here, so the collector takes groups in the order they were
-written and every decision is deterministic.
+The window keeps the newest ``keep_versions`` versions, ranked in the order they were published. Topics have one
+partition here, so the collector takes groups in the order they were written and every decision is deterministic.
 """
 
 from __future__ import annotations
@@ -22,23 +22,16 @@ from tests.support.collector import (
     Running,
     Source,
     Tail,
+    decided,
     distinct_retries,
     final_decisions,
     make_settings,
     manifests_by_index,
+    steps_of,
     wait_settled,
 )
 
 pytestmark = [pytest.mark.integration]
-
-
-def decided(tail: Tail, group_ids: list[str]) -> dict[str, str]:
-    records = tail.wait(lambda rs: set(group_ids) <= set(final_decisions(rs)), f"decisions of {group_ids}")
-    return final_decisions(records)
-
-
-def steps_of(records: list[object], group_id: str) -> list[tuple[int | None, str]]:
-    return [(r.step, r.decision) for r in records if isinstance(r, DecisionRecord) and r.group_id == group_id]
 
 
 def test_sliding_window_whole_group_drops_and_retroactive_removal_only_on_advance(
@@ -114,7 +107,7 @@ def test_highest_segment_decides_and_unversioned_samples_are_ignored(kafka_boots
 def test_late_straggler_on_an_older_published_label_is_stale_and_does_not_move_the_window(
     kafka_bootstrap: str, redis_db_url: str
 ) -> None:
-    """The reference's W1: a never-observed old label was ranked newest; here the registry order decides."""
+    """A label first seen late is not ranked newest: versions rank in the order they were published, not seen."""
     settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=1)
     source = Source(settings)
     source.weights(["v0", "v1", "v2"])
@@ -373,7 +366,7 @@ def test_groups_without_signal_are_dropped_counted_and_not_retried(
         retries = Tail(settings, settings.topics.retries)
         manifests = Tail(settings, settings.topics.batches)
         for gid, trajs, kw in SIGNAL_STREAM:
-            source.group(gid, trajs, **kw)  # type: ignore[arg-type]
+            source.group(gid, trajs, **kw)
         final = decided(tail, [gid for gid, _, _ in SIGNAL_STREAM])
         wait_settled(settings, [tail, retries, manifests])  # every retry and manifest there is, is read
     assert final == decisions
@@ -397,7 +390,7 @@ def test_groups_without_signal_are_dropped_counted_and_not_retried(
     assert int(window.get("drops:dropped_no_signal", 0)) == (no_signal if policy == "drop" else 0)
     assert window["no_signal_run"] == "0"
     flat_tokens = 8 + 4 + 8 if policy == "drop" else 0  # flat1, solo, flat0 (4 tokens a trajectory)
-    assert decode_window(window).tokens == TokenTally(generated=44, window=0, no_signal=flat_tokens, failed=8)
+    assert decode_window(window).tokens == TokenTally(generated=44, window=0, no_signal=flat_tokens, failed=8)  # type: ignore[arg-type]
     if policy == "drop":
         assert made[0].untrained_tokens_cumulative == {
             "window": 0, "no_signal": flat_tokens, "failed": 8, "withheld": 0,

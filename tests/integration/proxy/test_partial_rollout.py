@@ -7,23 +7,17 @@ depend on each other's engine state.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import openai
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from ops.local.ports import free_port
 from shared.schemas import Chunk, SessionRejected
 from shared.span_cap import check_span
+from tests.support.engine_fronts import CountingFront, NaturalStopShim
 from tests.support.proxy import (
     Proxy,
     ProxyFactory,
@@ -65,8 +59,8 @@ def labels(n: int) -> list[str]:
 def ask(client: openai.OpenAI, messages: list[dict[str, str]], max_tokens: int = 2, **kw: Any) -> Any:
     return client.chat.completions.create(
         model="m",
-        messages=messages,
-        max_tokens=max_tokens,  # type: ignore[arg-type]
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
         extra_body=SLOW,
         **kw,
     )
@@ -153,7 +147,7 @@ def test_max_preempts_1_rejects_third_version_before_generating(engine: Engine, 
     assert expected is not None
     assert info.value.status_code == 502
     body = info.value.response.json()
-    assert body["detail"] == expected.detail(), "DESIGN's body, beside OpenAI's error object"
+    assert body["detail"] == expected.detail(), "rein's detail (code, message, span fields) beside OpenAI's error"
     assert body["error"]["code"] == "partial_rollout_staleness_exceeded" and body["error"]["type"] == "server_error"
     assert engine.requests_total() == before  # the continuation was never sent
     chunks = chunks_of(proxy, 3)
@@ -280,43 +274,6 @@ def test_soft_reject_gives_empty_assistant_message(engine: Engine, proxy_factory
         ask(client, m2)
 
 
-class NaturalStopShim:
-    """A front for the engine that holds each /generate answer until an abort for it arrived,
-    and answers every abort 200 like SGLang does (the reference's W7 trigger)."""
-
-    def __init__(self, engine_url: str) -> None:
-        self.engine_url = engine_url
-        self.generated = threading.Event()
-        self.generate_calls = 0
-        self.aborts: list[str] = []
-        self._abort_seen = asyncio.Event()
-        self.app = Starlette(
-            routes=[
-                Route("/generate", self.generate, methods=["POST"]),
-                Route("/abort_request", self.abort, methods=["POST"]),
-                Route("/get_model_info", self.forward_get, methods=["GET"]),
-                Route("/get_server_info", self.forward_get, methods=["GET"]),
-            ]
-        )
-
-    async def generate(self, request: Request) -> JSONResponse:
-        self.generate_calls += 1
-        async with httpx.AsyncClient(timeout=60) as client:
-            answer = (await client.post(f"{self.engine_url}/generate", json=await request.json())).json()
-        self.generated.set()
-        await asyncio.wait_for(self._abort_seen.wait(), 30)
-        return JSONResponse(answer)
-
-    async def abort(self, request: Request) -> JSONResponse:
-        self.aborts.append((await request.json())["rid"])
-        self._abort_seen.set()
-        return JSONResponse({})
-
-    async def forward_get(self, request: Request) -> JSONResponse:
-        async with httpx.AsyncClient(timeout=10) as client:
-            return JSONResponse((await client.get(f"{self.engine_url}{request.url.path}")).json())
-
-
 def test_abort_after_natural_stop_does_not_extend(engine: Engine, proxy_factory: ProxyFactory) -> None:
     (a,) = labels(1)
     engine.load(a)
@@ -362,33 +319,6 @@ def test_weights_swapped_mid_request_give_per_token_versions_on_the_chunk(
     assert chunk.version == b  # the label the engine reported when it answered
 
 
-class CountingFront:
-    """Forwards every call to the real engine and counts them by path. ``bulk=False`` hides rein's
-    ``/abort_requests`` (404, as SGLang, which has no such route)."""
-
-    def __init__(self, engine_url: str, bulk: bool) -> None:
-        self.engine_url = engine_url
-        self.bulk = bulk
-        self.calls: dict[str, int] = {}
-        self.app = Starlette(
-            routes=[Route(p, self.post, methods=["POST"]) for p in ("/generate", "/abort_request", "/abort_requests")]
-            + [Route(p, self.get, methods=["GET"]) for p in ("/get_model_info", "/get_server_info")]
-        )
-
-    async def post(self, request: Request) -> JSONResponse:
-        path = request.url.path
-        self.calls[path] = self.calls.get(path, 0) + 1
-        if path == "/abort_requests" and not self.bulk:
-            return JSONResponse({"detail": "Not Found"}, status_code=404)
-        async with httpx.AsyncClient(timeout=60) as client:
-            answer = await client.post(f"{self.engine_url}{path}", json=await request.json())
-        return JSONResponse(answer.json(), status_code=answer.status_code)
-
-    async def get(self, request: Request) -> JSONResponse:
-        async with httpx.AsyncClient(timeout=10) as client:
-            return JSONResponse((await client.get(f"{self.engine_url}{request.url.path}")).json())
-
-
 @pytest.mark.parametrize("bulk", [True, False], ids=["rein", "sglang"])
 def test_pause_aborts_every_generation_in_one_call(engine: Engine, proxy_factory: ProxyFactory, bulk: bool) -> None:
     """Three generations in flight: rein's engine gets one ``/abort_requests`` naming all three; an
@@ -400,7 +330,7 @@ def test_pause_aborts_every_generation_in_one_call(engine: Engine, proxy_factory
     server.start()
     try:
         proxy = proxy_factory([server.url])
-        joins = [in_background(lambda i=i: ask(proxy.client(f"s{i}-{uuid.uuid4().hex}", "g"), USER,
+        joins = [in_background(lambda i=i: ask(proxy.client(f"s{i}-{uuid.uuid4().hex}", "g"), USER,  # type: ignore[misc]
                                                max_tokens=IN_FLIGHT_TOKENS)) for i in range(3)]
 
         def all_generating() -> bool:

@@ -14,164 +14,43 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from kafka import KafkaProducer, TopicPartition
 
 from ops.local.ports import free_port
 from services.trainer.loop import RunResult, TrainerLoop, run
-from services.trainer.settings import TrainerSettings
 from shared import checkpoint
-from shared.bus import Consumer, Delivered, Producer
-from shared.codec import encode
 from shared.model import load_family
 from shared.names import Topics
-from shared.schemas import (
-    BatchManifest,
-    BatchSkipped,
-    CompletedGroup,
-    GapInfo,
-    GroupRef,
-    Record,
-    Segment,
-    Trajectory,
-    WeightPublished,
-    WindowInfo,
-)
-from shared.settings import KafkaSettings, load
-from shared.tokenizer import TOKENIZER
+from shared.schemas import BatchManifest, BatchSkipped, WeightPublished
+from shared.settings import KafkaSettings
+from tests.support.kafka_io import produce
 from tests.support.procs import REPO_ROOT, start_service
 from tests.support.rebalance import ForeignMember
+from tests.support.trainer_kafka import TrainerEnv, batch_manifest, check_checkpoints
 from tests.support.wait import wait_until
 
 pytestmark = [
     pytest.mark.integration,
 ]
 
-WINDOW = WindowInfo(keep_versions=2, current_version="v0", current_index=0, cutoff_index=0)
-
-
-def _group(i: int, rewards: tuple[float, ...] = (1.0, 0.0, 0.5, 0.0)) -> CompletedGroup:
-    trajs = []
-    for k, reward in enumerate(rewards):
-        ids = [3 + (i + k + j) % (TOKENIZER.vocab_size - 3) for j in range(12)]
-        mask = [0] * 4 + [1] * 8
-        versions: list[str | None] = [None] * 4 + ["v0"] * 4 + ["v1"] * 4  # mixed: half masked
-        trajs.append(
-            Trajectory(
-                session_id=f"s{i}-{k}",
-                status="completed",
-                reward=reward,
-                segments=[
-                    Segment(
-                        segment_index=0,
-                        token_ids=ids,
-                        loss_mask=mask,
-                        logprobs=[0.0] * 4 + [-3.0] * 8,
-                        versions=versions,
-                    )
-                ],
-            )
-        )
-    return CompletedGroup(group_id=f"g{i}", prompt_id=f"p{i}", failed=False, trajectories=trajs)
-
-
-def _manifest(index: int, refs: list[GroupRef]) -> BatchManifest:
-    return BatchManifest(
-        batch_id=f"b{index}",
-        index=index,
-        groups=refs,
-        window=WINDOW,
-        version_gap=GapInfo(min=0, max=1, mean=0.5),
-        drops_in_batch=0,
-        drops_cumulative=0,
-    )
-
-
-class Env:
-    def __init__(self, kafka: KafkaSettings, topics: Topics, tmp: Path, group: str) -> None:
-        self.kafka, self.topics, self.tmp, self.group = kafka, topics, tmp, group
-        self.producer = Producer(kafka, client_suffix="test")
-
-    def groups(self, n: int, start: int = 0, rewards: tuple[float, ...] | None = None) -> list[GroupRef]:
-        refs = []
-        for i in range(start, start + n):
-            d: Delivered = self.producer.send(self.topics.groups, _group(i) if rewards is None else _group(i, rewards))
-            refs.append(GroupRef(group_id=f"g{i}", partition=d.partition, offset=d.offset))
-        return refs
-
-    def manifests(self, items: list[BatchManifest]) -> None:
-        for m in items:
-            self.producer.send(self.topics.batches, m)
-
-    def settings(self, **overrides: object) -> TrainerSettings:
-        values: dict[str, object] = {
-            "kafka": self.kafka, "topics": self.topics, "weights_dir": self.tmp / "weights",
-            "run_dir": self.tmp / "run", "consumer_group": self.group, "metrics_port": 0, "torch_threads": 1,
-            "log_json": False,
-        }
-        return load(TrainerSettings, **(values | overrides))
-
-    def lines(self) -> list[dict[str, object]]:
-        path = self.tmp / "run" / "metrics.jsonl"
-        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-    def weight_records(self) -> list[Record]:
-        """Every record on ``weights``, read to the end the topic has now."""
-        reader = Consumer(self.kafka, (), None, client_suffix="test-weights")
-        try:
-            raw = reader.raw
-            tps = [TopicPartition(self.topics.weights, p) for p in range(4)]
-            raw.assign(tps)
-            raw.seek_to_beginning(*tps)
-            end = raw.end_offsets(tps)
-            out: list[Record] = []
-            deadline = time.monotonic() + 30
-            while any(raw.position(tp) < end[tp] for tp in tps) and time.monotonic() < deadline:
-                out += [p.record for p in reader.poll(0.5)]
-            return out
-        finally:
-            reader.close()
-
-    def published(self, want: int, timeout_s: float = 30.0) -> list[WeightPublished]:
-        consumer = Consumer(self.kafka, [self.topics.weights], f"{self.group}-reader", client_suffix="test-reader")
-        out: dict[str, WeightPublished] = {}
-        deadline = time.monotonic() + timeout_s
-        try:
-            while len(out) < want and time.monotonic() < deadline:
-                for p in consumer.poll(0.5):
-                    if isinstance(p.record, WeightPublished):
-                        out[p.record.version] = p.record
-        finally:
-            consumer.close()
-        return sorted(out.values(), key=lambda e: e.seq)
-
-    def close(self) -> None:
-        self.producer.close()
-
 
 @pytest.fixture
-def env(kafka_bootstrap: str, unique_topic: Callable[..., str], unique_group: str, tmp_path: Path) -> Env:
+def env(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], unique_group: str, tmp_path: Path
+) -> Iterator[TrainerEnv]:
     topics = Topics(groups=unique_topic(4), batches=unique_topic(4), weights=unique_topic(4))
-    e = Env(KafkaSettings(bootstrap_servers=kafka_bootstrap), topics, tmp_path, unique_group)
-    yield e  # type: ignore[misc]
+    e = TrainerEnv(KafkaSettings(bootstrap_servers=kafka_bootstrap), topics, tmp_path, unique_group)
+    yield e
     e.close()
 
 
-def _check_checkpoints(env: Env, events: list[WeightPublished], steps: int) -> None:
-    assert [e.seq for e in events] == list(range(steps + 1))
-    for e in events:
-        assert e.version == f"v{e.seq}" and e.step == e.seq
-        ckpt = checkpoint.load(e.path)
-        assert ckpt.digest == e.digest and ckpt.version == e.version and ckpt.step == e.step
-
-
-def test_in_order_dedupe_and_restart_in_process(env: Env) -> None:
+def test_in_order_dedupe_and_restart_in_process(env: TrainerEnv) -> None:
     refs = env.groups(8)
-    m = [_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(4)]
+    m = [batch_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(4)]
     env.manifests([m[2], m[0], m[1], m[1], m[3]])  # out of order, index 1 published twice
 
     first = run(env.settings(max_steps=2))
@@ -193,13 +72,13 @@ def test_in_order_dedupe_and_restart_in_process(env: Env) -> None:
         assert x["version_gap_mean"] == 0.5
         assert x["train_rollout_logprob_abs_diff"] > 0
         assert x["trained_tokens"] == 2 * 4 * 4
-    _check_checkpoints(env, env.published(5), 4)
+    check_checkpoints(env, env.published(5), 4)
 
 
-def test_a_warm_start_takes_another_runs_checkpoint_as_its_step_0(env: Env) -> None:
+def test_a_warm_start_takes_another_runs_checkpoint_as_its_step_0(env: TrainerEnv) -> None:
     """``init_weights``: a fresh run's ``v0`` is another run's trained step (the optimizer starts fresh), and
     a resume ignores it; a missing checkpoint is refused when the settings load."""
-    env.manifests([_manifest(i, env.groups(2, start=2 * i)) for i in range(2)])
+    env.manifests([batch_manifest(i, env.groups(2, start=2 * i)) for i in range(2)])
     run(env.settings(max_steps=2))
     warm = checkpoint.load(env.tmp / "weights" / "v2.pt")
     fresh = checkpoint.load(env.tmp / "weights" / "v0.pt")
@@ -220,14 +99,14 @@ def test_a_warm_start_takes_another_runs_checkpoint_as_its_step_0(env: Env) -> N
 NO_SIGNAL = (0.5, 0.5, 0.5, 0.5)
 
 
-def test_a_batch_without_signal_is_consumed_without_a_step_or_a_version(env: Env) -> None:
+def test_a_batch_without_signal_is_consumed_without_a_step_or_a_version(env: TrainerEnv) -> None:
     """Manifests whose groups all have equal rewards: no update, no step counted, no WeightPublished; their
     offsets are committed (the next run does not see them) and a BatchSkipped releases sync-mode runners,
     sent again at start when the run stopped right after one."""
     signal = env.groups(4)
     flat = env.groups(6, start=4, rewards=NO_SIGNAL)
     plan = [flat[0:2], signal[0:2], flat[2:4], flat[4:6], signal[2:4]]  # indices 0, 2, 3 carry no signal
-    env.manifests([_manifest(i, refs) for i, refs in enumerate(plan)])
+    env.manifests([batch_manifest(i, refs) for i, refs in enumerate(plan)])
     stop = threading.Event()
     loop = TrainerLoop(env.settings(max_steps=2), stop)
     train = loop._train
@@ -260,28 +139,28 @@ def test_a_batch_without_signal_is_consumed_without_a_step_or_a_version(env: Env
         (0, -1), (1, 1), (1, 3), (2, 4)]
     skips = [(r.index, r.version) for r in records if isinstance(r, BatchSkipped)]
     assert skips == [(0, "v0"), (2, "v1"), (3, "v1"), (3, "v1")]  # and the skip of index 3
-    _check_checkpoints(env, env.published(3), 2)
+    check_checkpoints(env, env.published(3), 2)
 
 
-def test_a_skip_between_publishes_is_made_durable_with_the_next_checkpoint(env: Env) -> None:
+def test_a_skip_between_publishes_is_made_durable_with_the_next_checkpoint(env: TrainerEnv) -> None:
     """publish_every=2: the skip of index 1 waits for step 2's checkpoint, whose version announces it."""
     signal = env.groups(6)
     flat = env.groups(2, start=6, rewards=NO_SIGNAL)
-    env.manifests([_manifest(0, signal[0:2]), _manifest(1, flat), _manifest(2, signal[2:4])])
+    env.manifests([batch_manifest(0, signal[0:2]), batch_manifest(1, flat), batch_manifest(2, signal[2:4])])
     result = run(env.settings(max_steps=2, publish_every=2))
     assert (result.step, result.trained_indices, result.skipped_indices) == (2, [0, 1, 2], [1])
     assert [e.seq for e in result.published] == [0, 2]
     assert [(x["step"], x["skipped"]) for x in env.lines()] == [(1, None), (1, "no_signal"), (2, None)]
     assert json.loads((env.tmp / "weights" / "v2.json").read_text())["last_index"] == 2
     assert not [r for r in env.weight_records() if isinstance(r, BatchSkipped)]
-    env.manifests([_manifest(3, signal[4:6])])
+    env.manifests([batch_manifest(3, signal[4:6])])
     again = run(env.settings(max_steps=3, publish_every=2))  # 0..2 were committed with v2
     assert (again.start_step, again.trained_indices) == (2, [3])
 
 
-def test_sigkill_mid_run_trains_each_manifest_once(env: Env) -> None:
+def test_sigkill_mid_run_trains_each_manifest_once(env: TrainerEnv) -> None:
     refs = env.groups(12)
-    manifests = [_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(6)]
+    manifests = [batch_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(6)]
     env.manifests(manifests[:3])
     port = free_port()
     run_env = {
@@ -321,15 +200,15 @@ def test_sigkill_mid_run_trains_each_manifest_once(env: Env) -> None:
     lines = env.lines()
     assert [x["manifest_index"] for x in lines] == [0, 1, 2, 3, 4, 5]
     assert [x["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
-    _check_checkpoints(env, env.published(7), 6)
+    check_checkpoints(env, env.published(7), 6)
 
 
-def test_two_ranks_under_torchrun_train_the_weights_one_rank_trains(env: Env) -> None:
+def test_two_ranks_under_torchrun_train_the_weights_one_rank_trains(env: TrainerEnv) -> None:
     """``torchrun --nproc-per-node 2 -m services.trainer`` (gloo on loopback): rank 0 consumes, checkpoints
     and publishes as one trainer does, both ranks step on their shards, and the checkpoints equal those of
     one trainer on the same manifests (float summation order aside)."""
     refs = env.groups(6)
-    env.manifests([_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(3)])
+    env.manifests([batch_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(3)])
     alone = run(env.settings(max_steps=3))
     assert alone.trained_indices == [0, 1, 2]
     ddp = env.tmp / "ddp"
@@ -357,11 +236,11 @@ def test_two_ranks_under_torchrun_train_the_weights_one_rank_trains(env: Env) ->
             assert torch.allclose(tensor, two[name], atol=1e-5, rtol=0), (step, name)
 
 
-def test_hf_model_trains_resumes_and_prunes_directory_checkpoints(env: Env, tiny_llama_dir: Path) -> None:
+def test_hf_model_trains_resumes_and_prunes_directory_checkpoints(env: TrainerEnv, tiny_llama_dir: Path) -> None:
     """REIN_MODEL=<HF directory>: same ordering and exactly-once machinery; checkpoints are HF directories."""
     family = load_family(str(tiny_llama_dir))
     refs = env.groups(6)
-    env.manifests([_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(3)])
+    env.manifests([batch_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(3)])
     hf = {"model": str(tiny_llama_dir), "keep_checkpoints": 2, "gradient_checkpointing": True}
 
     first = run(env.settings(max_steps=2, **hf))
@@ -383,20 +262,12 @@ def test_hf_model_trains_resumes_and_prunes_directory_checkpoints(env: Env, tiny
     assert events[3].digest != events[2].digest
 
 
-def _produce_to(bootstrap: str, topic: str, partition: int, record: object) -> None:
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
-    try:
-        producer.send(topic, value=encode(record), partition=partition).get(timeout=30)  # type: ignore[arg-type]
-    finally:
-        producer.close(timeout=10)
-
-
-def test_trainer_member_joins_and_leaves(env: Env) -> None:
+def test_trainer_member_joins_and_leaves(env: TrainerEnv) -> None:
     """A foreign member joins the trainer's group mid-run, holds the next index, and leaves again:
     the trainer stays alive and trains every manifest once, in index order."""
     kafka_bootstrap, topics, unique_group = env.kafka.bootstrap_servers, env.topics, env.group
     refs = env.groups(16)
-    manifests = [_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(8)]
+    manifests = [batch_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(8)]
     env.manifests(manifests[:2])
     stop = threading.Event()
     results: list[RunResult] = []
@@ -417,9 +288,9 @@ def test_trainer_member_joins_and_leaves(env: Env) -> None:
             ours = sorted(set(range(4)) - set(theirs))
             assert theirs and ours
             # index 2 on the member's partition, 3 and 4 on the trainer's: it buffers them and waits
-            _produce_to(kafka_bootstrap, topics.batches, theirs[0], manifests[2])
+            produce(kafka_bootstrap, topics.batches, manifests[2], theirs[0], keyed=False)
             for m in manifests[3:5]:
-                _produce_to(kafka_bootstrap, topics.batches, ours[0], m)
+                produce(kafka_bootstrap, topics.batches, m, ours[0], keyed=False)
             wait_until(lambda: member.records > 0, 30, "the foreign member to read index 2")
             assert len(env.lines()) == 2 and not errors, "index 2 is held by the member: no step can follow"
         env.manifests(manifests[5:])
@@ -436,15 +307,15 @@ def test_trainer_member_joins_and_leaves(env: Env) -> None:
     assert [x["step"] for x in lines] == list(range(1, 9))
 
 
-def test_stop_during_a_backlog_ends_after_the_current_step(env: Env) -> None:
+def test_stop_during_a_backlog_ends_after_the_current_step(env: TrainerEnv) -> None:
     """Eight manifests become ready in one offer (indices 1..7 first, then 0, on one partition); a stop
     that arrives during the first step ends the run after that step instead of training the backlog
     (with a real model that is minutes past a SIGTERM). The untrained seven are read again next run."""
     bootstrap = env.kafka.bootstrap_servers
     refs = env.groups(16)
-    manifests = [_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(8)]
+    manifests = [batch_manifest(i, refs[2 * i : 2 * i + 2]) for i in range(8)]
     for m in [*manifests[1:], manifests[0]]:
-        _produce_to(bootstrap, env.topics.batches, 0, m)
+        produce(bootstrap, env.topics.batches, m, 0, keyed=False)
     stop = threading.Event()
     loop = TrainerLoop(env.settings(max_steps=8, publish_every=1), stop)
     train = loop._train

@@ -1,4 +1,4 @@
-"""docker-compose.yml, Prometheus and Grafana files checked against the services' settings (STYLE 3).
+"""docker-compose.yml checked against the services' settings (STYLE 3).
 
 Docker is not needed: the compose file is parsed, its ``${VAR:-default}`` values are
 interpolated with the defaults (as ``docker compose`` does with an empty environment),
@@ -10,169 +10,31 @@ Nothing is skipped: a service whose settings module is missing fails with its na
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from pydantic import BaseModel
-from pydantic_settings import BaseSettings
 
 from shared.names import Topics
-from shared.settings import ENV_PREFIX, NESTED_DELIMITER, ServiceSettings, load
-
-REPO = Path(__file__).resolve().parents[3]
-COMPOSE = REPO / "docker-compose.yml"
-PROMETHEUS = REPO / "deploy" / "prometheus" / "prometheus.yml"
-GRAFANA = REPO / "deploy" / "grafana"
-
-REIN_SERVICES = ("engine", "proxy", "collector", "trainer", "weight_broadcaster", "rollout")
-"""Compose service name = package under services/ = ``python -m services.<name>``."""
-REPLICATED = ("engine", "proxy", "collector", "rollout")
-LISTEN_FIELDS = {"engine": ("host", "port"), "proxy": ("host", "port")}
-"""Services whose main HTTP server carries /health and /metrics; the others use metrics_host/metrics_port."""
-
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
-SECRETS = {"ADMIN_TOKEN": "compose-admin-token", "RUNNER_TOKEN": "compose-runner-token",
-           "SESSION_KEY_SECRET": "compose-session-key-secret", "RUN_ID": "compose-run",
-           "GRAFANA_ADMIN_PASSWORD": "compose-grafana-password"}
-"""The deployment's secrets: mandatory (``${NAME:?...}``, no public default), written by deploy/compose-env.sh;
-these stand-ins fill them here."""
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def interpolate(value: str, env: dict[str, str] | None = None) -> str:
-    """Compose's interpolation: ``${VAR}``, ``${VAR:-default}``, ``${VAR-default}``, ``${VAR:?err}``, ``$$``."""
-    env = env or {}
-
-    def sub(match: re.Match[str]) -> str:
-        name, op, arg = match.group(1), match.group(2), match.group(3)
-        if op is None:
-            if name not in env:
-                raise AssertionError(f"${{{name}}} has no default: `docker compose up` needs it set")
-            return env[name]
-        if op == ":-":
-            return env.get(name) or arg
-        if op == "-":
-            return env.get(name, arg)
-        if op == ":?" and name in SECRETS:
-            return env.get(name) or SECRETS[name]
-        raise AssertionError(f"${{{name}{op}{arg}}} makes {name} mandatory for every `docker compose up`")
-
-    escaped = value.replace("$$", "\0")
-    out = _VAR.sub(sub, escaped)
-    stray = re.search(r"\$[A-Za-z_{]", out)
-    assert stray is None, f"unsupported or unbraced variable in {value!r}"
-    return out.replace("\0", "$")
-
-
-def _load_yaml(path: Path) -> dict[str, Any]:
-    assert path.is_file(), f"{path.relative_to(REPO)} is missing"
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    assert isinstance(data, dict), f"{path} is not a YAML mapping"
-    return data
-
-
-@pytest.fixture(scope="module")
-def compose() -> dict[str, Any]:
-    return _load_yaml(COMPOSE)
-
-
-def _service(compose: dict[str, Any], name: str) -> dict[str, Any]:
-    services = compose["services"]
-    assert name in services, f"docker-compose.yml has no service {name!r} (has {sorted(services)})"
-    svc: dict[str, Any] = services[name]
-    return svc
-
-
-def environment(svc: dict[str, Any]) -> dict[str, str]:
-    """A service's environment, interpolated with compose's defaults; values must be strings or numbers."""
-    raw = svc.get("environment") or {}
-    if isinstance(raw, list):
-        raw = dict(item.split("=", 1) for item in raw)
-    out: dict[str, str] = {}
-    for key, value in raw.items():
-        assert isinstance(value, str | int | float) and not isinstance(value, bool), (
-            f"{key}: {value!r} must be a string (compose rejects YAML booleans and nulls in environment)"
-        )
-        out[key] = interpolate(str(value))
-    return out
-
-
-def settings_class(name: str) -> type[ServiceSettings]:
-    """The one ServiceSettings subclass defined in services/<name>/settings.py."""
-    module_name = f"services.{name}.settings"
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        pytest.fail(f"{module_name} does not exist ({exc}); docker-compose.yml runs `python -m services.{name}`")
-    found = [
-        obj
-        for obj in vars(module).values()
-        if isinstance(obj, type)
-        and issubclass(obj, ServiceSettings)
-        and obj is not ServiceSettings
-        and obj.__module__ == module_name
-    ]
-    assert len(found) == 1, f"{module_name} should define exactly one ServiceSettings subclass, found {found}"
-    return found[0]
-
-
-def field_path_error(cls: type[BaseModel], key: str) -> str | None:
-    """None when ``REIN_A__B`` names a field (``a`` then nested ``b``) of ``cls``; else why not."""
-    if not key.startswith(ENV_PREFIX):
-        return f"{key} lacks the {ENV_PREFIX} prefix"
-    parts = key[len(ENV_PREFIX) :].lower().split(NESTED_DELIMITER)
-    model: type[BaseModel] | None = cls
-    for i, part in enumerate(parts):
-        if model is None or part not in model.model_fields:
-            where = model.__name__ if model is not None else "a non-model field"
-            known = sorted(model.model_fields) if model is not None else []
-            return f"{key}: {part!r} is not a field of {where} (fields: {known})"
-        annotation = model.model_fields[part].annotation
-        is_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
-        model = annotation if is_model else None
-        if i == len(parts) - 1:
-            return None
-    return None
-
-
-def load_service_settings(name: str, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> ServiceSettings:
-    """Build the service's settings from exactly ``env`` (the machine's REIN_* variables removed)."""
-    import os
-
-    for key in list(os.environ):
-        if key.startswith(ENV_PREFIX):
-            monkeypatch.delenv(key)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return load(settings_class(name))
-
-
-def listen(name: str, settings: BaseSettings) -> tuple[str, int]:
-    host_field, port_field = LISTEN_FIELDS.get(name, ("metrics_host", "metrics_port"))
-    return getattr(settings, host_field), getattr(settings, port_field)
-
-
-@pytest.fixture(scope="module")
-def loaded(compose: dict[str, Any]) -> dict[str, Any]:
-    """Every rein service's settings as compose configures them."""
-    out: dict[str, Any] = {}
-    with pytest.MonkeyPatch.context() as mp:
-        for name in REIN_SERVICES:
-            out[name] = load_service_settings(name, rein_env(compose, name), mp)
-    return out
-
-
-def rein_env(compose: dict[str, Any], name: str) -> dict[str, str]:
-    return {k: v for k, v in environment(_service(compose, name)).items() if k.startswith(ENV_PREFIX)}
+from shared.settings import ENV_PREFIX
+from tests.support.compose_file import (
+    COMPOSE,
+    REIN_SERVICES,
+    REPLICATED,
+    REPO,
+    _service,
+    environment,
+    field_path_error,
+    interpolate,
+    listen,
+    load_service_settings,
+    rein_env,
+    settings_class,
+)
 
 
 def _health_url(svc: dict[str, Any], name: str) -> str:
@@ -188,9 +50,6 @@ def _health_url(svc: dict[str, Any], name: str) -> str:
 def http_probe() -> str:
     """The compose file's HTTP health probe (``x-http-probe``), as written there (``$$`` not yet interpolated)."""
     return str(yaml.safe_load(COMPOSE.read_text())["x-http-probe"])
-
-
-# --------------------------------------------------------------------------- the compose file
 
 
 def test_compose_has_every_service(compose: dict[str, Any]) -> None:
@@ -391,9 +250,6 @@ def test_weights_volume_is_shared_by_trainer_and_engine(compose: dict[str, Any],
     assert "redis-data" in mounts["redis"]
 
 
-# --------------------------------------------------------------------------- gpu profile
-
-
 def _sglang_port(compose: dict[str, Any]) -> int:
     command = [interpolate(str(c)) for c in _service(compose, "sglang")["command"]]
     return int(command[command.index("--port") + 1])
@@ -419,122 +275,3 @@ def test_gpu_profile_swaps_the_engine_for_sglang(compose: dict[str, Any], loaded
         assert "${ENGINE_URLS:-" in raw, f"{name}: REIN_ENGINE_URLS must follow the ENGINE_URLS override"
         swapped = json.loads(interpolate(raw, {"ENGINE_URLS": '["http://sglang:30000"]'}))
         assert swapped == [f"http://sglang:{_sglang_port(compose)}"]
-
-
-# --------------------------------------------------------------------------- observability
-
-
-def test_prometheus_scrapes_every_service_on_its_port(compose: dict[str, Any], loaded: dict[str, Any]) -> None:
-    config = _load_yaml(PROMETHEUS)
-    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    for name in REIN_SERVICES:
-        assert name in jobs, f"prometheus.yml does not scrape {name}"
-        job = jobs[name]
-        port = listen(name, loaded[name])[1]
-        if name in REPLICATED:
-            sd = job["dns_sd_configs"][0]  # every replica, found through compose's DNS
-            assert sd["names"] == [name] and sd["port"] == port
-        else:
-            assert job["static_configs"][0]["targets"] == [f"{name}:{port}"]
-    prom = _service(compose, "prometheus")
-    assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
-    assert prom["profiles"] == ["observability"]
-
-
-STALENESS_METRICS = (
-    "rein_staleness_version_gap_min",
-    "rein_staleness_version_gap_max",
-    "rein_staleness_version_gap_mean",
-    "rein_staleness_version_span_min",
-    "rein_staleness_version_span_max",
-    "rein_staleness_version_span_mean",
-    "rein_staleness_dropped_groups",
-    "rein_staleness_partial_rollout_rejected_groups",
-    "rein_staleness_partial_rollout_rejected_samples",
-    "rein_staleness_current_version_index",
-    "rein_staleness_cutoff_version_index",
-    "rein_trainer_reward_mean",
-    "rein_trainer_train_rollout_logprob_abs_diff",
-)
-
-
-def test_grafana_dashboard_is_provisioned_and_shows_the_staleness_metrics(compose: dict[str, Any]) -> None:
-    datasource = _load_yaml(GRAFANA / "provisioning" / "datasources" / "prometheus.yml")["datasources"][0]
-    assert urlsplit(datasource["url"]).hostname == "prometheus"
-    provider = _load_yaml(GRAFANA / "provisioning" / "dashboards" / "rein.yml")["providers"][0]
-    grafana = _service(compose, "grafana")
-    mounted = {spec.split(":")[1]: spec.split(":")[0] for spec in grafana["volumes"]}
-    assert mounted[provider["options"]["path"]] == "./deploy/grafana/dashboards"
-    assert mounted["/etc/grafana/provisioning"] == "./deploy/grafana/provisioning"
-
-    dashboard = json.loads((GRAFANA / "dashboards" / "rein.json").read_text(encoding="utf-8"))
-    exprs = " ".join(
-        t["expr"] for p in dashboard["panels"] for t in p.get("targets", []) if isinstance(t.get("expr"), str)
-    )
-    missing = [m for m in STALENESS_METRICS if m not in exprs]
-    assert not missing, f"dashboard lacks {missing}"
-    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
-    assert uids == {datasource["uid"]}
-    ids = [p["id"] for p in dashboard["panels"]]
-    assert len(ids) == len(set(ids))
-
-
-# --------------------------------------------------------------------------- the helpers themselves
-
-
-@pytest.mark.parametrize(
-    ("raw", "env", "expected"),
-    [
-        ("${A:-x}", {}, "x"),
-        ("${A:-x}", {"A": ""}, "x"),
-        ("${A-x}", {"A": ""}, ""),
-        ("${A:-x}", {"A": "y"}, "y"),
-        ('${U:-["http://e:1"]}', {}, '["http://e:1"]'),
-        ("for t in $$TOPICS", {}, "for t in $TOPICS"),
-        ("plain", {}, "plain"),
-    ],
-)
-def test_interpolate(raw: str, env: dict[str, str], expected: str) -> None:
-    assert interpolate(raw, env) == expected
-
-
-def test_the_secrets_have_no_default_and_the_set_up_writes_each_once(compose: dict[str, Any], tmp_path: Path) -> None:
-    """No public default secret: compose refuses to start without them, and deploy/compose-env.sh writes each
-    (fresh, 0600), keeps what is there on a second run and makes a new RUN_ID with --new-run."""
-    mandatory = set(re.findall(r"\$\{([A-Z_]+):\?", COMPOSE.read_text()))
-    assert mandatory == set(SECRETS)
-    env = tmp_path / "secrets.env"
-    env.write_text("KEEP_VERSIONS=3\n")
-
-    def written() -> dict[str, str]:
-        subprocess.run(["bash", str(REPO / "deploy" / "compose-env.sh"), *extra, str(env)], check=True,
-                       capture_output=True, timeout=30)
-        return dict(line.split("=", 1) for line in env.read_text().splitlines())
-
-    extra: list[str] = []
-    first = written()
-    assert set(first) == {*SECRETS, "KEEP_VERSIONS"} and (env.stat().st_mode & 0o777) == 0o600
-    assert all(len(first[name]) >= 16 for name in SECRETS)
-    assert written() == first, "a second run keeps the deployment's secrets"
-    extra = ["--new-run"]
-    again = written()
-    assert again["RUN_ID"] != first["RUN_ID"] and {k: v for k, v in again.items() if k != "RUN_ID"} == {
-        k: v for k, v in first.items() if k != "RUN_ID"}
-    other = tmp_path / "other.env"
-    subprocess.run(["bash", str(REPO / "deploy" / "compose-env.sh"), str(other)], check=True, capture_output=True)
-    assert not set(first.values()) & set(dict(line.split("=", 1) for line in other.read_text().splitlines()).values())
-
-
-@pytest.mark.parametrize("raw", ["${A}", "${A:?set A}", "$A"])
-def test_interpolate_refuses_values_compose_would_need_from_the_shell(raw: str) -> None:
-    with pytest.raises(AssertionError):
-        interpolate(raw)
-
-
-def test_field_path_error_walks_nested_settings() -> None:
-    assert field_path_error(ServiceSettings, "REIN_KAFKA__BOOTSTRAP_SERVERS") is None
-    assert field_path_error(ServiceSettings, "REIN_TOPICS__CHUNKS") is None
-    assert "not a field" in str(field_path_error(ServiceSettings, "REIN_KAFKA__BOOTSTRAP"))
-    assert "not a field" in str(field_path_error(ServiceSettings, "REIN_PORT"))
-    assert "not a field" in str(field_path_error(ServiceSettings, "REIN_LOG_LEVEL__X"))
-    assert "prefix" in str(field_path_error(ServiceSettings, "KAFKA_NODE_ID"))

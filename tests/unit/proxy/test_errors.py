@@ -1,4 +1,4 @@
-"""shared.errors: statuses, codes, the DESIGN detail bodies, and engine body parsing."""
+"""shared.errors: statuses, codes, the ``detail`` body each error answers with, and engine body parsing."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_parse_generate_rejects_malformed(body: dict[str, object]) -> None:
 def test_openai_routes_answer_openais_error_shape_with_reins_detail_beside_it(path: str) -> None:
     error = ContextOverflow("prompt of 90 tokens leaves no room", context_window=64, input_tokens=90)
     response = error_response(path, error)
-    body = json.loads(response.body)
+    body = json.loads(response.body)  # type: ignore[arg-type]
     assert response.status_code == 400, "OpenAI's status for a context overflow (413 before)"
     assert body["error"] == {"message": "prompt of 90 tokens leaves no room", "type": "invalid_request_error",
                              "param": None, "code": "context_length_exceeded", "detail": error.detail()}
@@ -100,7 +100,7 @@ def test_openai_routes_answer_openais_error_shape_with_reins_detail_beside_it(pa
 
 def test_an_openai_error_names_the_parameter() -> None:
     error = UnsupportedParameter("unsupported parameter(s): seed", fields=[{"field": "seed", "message": "m"}])
-    body = json.loads(error_response("/v1/chat/completions", error).body)
+    body = json.loads(error_response("/v1/chat/completions", error).body)  # type: ignore[arg-type]
     assert (body["error"]["param"], body["error"]["code"]) == ("seed", "unsupported_parameter")
 
 
@@ -112,12 +112,12 @@ def test_an_openai_error_names_the_parameter() -> None:
 ])
 def test_the_messages_route_answers_anthropics_error_shape(error: ReinError, status: int, kind: str) -> None:
     response = error_response("/sessions/rein-sk-x/v1/messages", error)
-    body = json.loads(response.body)
+    body = json.loads(response.body)  # type: ignore[arg-type]
     assert response.status_code == status
     assert body == {"type": "error", "error": {"type": kind, "message": error.message, "detail": error.detail()},
                     "detail": error.detail()}
 
 
 def test_reins_own_routes_keep_reins_body() -> None:
-    body = json.loads(error_response("/v1/sessions/s-1/finish", SessionNotFound("gone", session_id="s-1")).body)
+    body = json.loads(error_response("/v1/sessions/s-1/finish", SessionNotFound("gone", session_id="s-1")).body)  # type: ignore[arg-type]
     assert body == {"detail": {"error": "session_not_found", "message": "gone", "session_id": "s-1"}}
