@@ -22,19 +22,11 @@ from shared.bus import topic_configs
 from shared.names import Topics
 from shared.schemas import WeightPublished
 from shared.settings import KafkaSettings
-from tests.support.readback import (
-    assert_every_manifest_trained_once,
-    assert_groups_accounted_for,
-    batches_made,
-    small_stack,
-    stop_and_read,
-    trained_index,
-)
+from tests.support.fault_runs import PROGRESS_TIMEOUT_S, assert_nothing_lost_or_trained_twice, wait_trained
+from tests.support.readback import batches_made, small_stack, stop_and_read, trained_index
 from tests.support.wait import wait_on_stack, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
-
-PROGRESS_TIMEOUT_S = 300
 
 
 def _partitions(bootstrap: str) -> dict[tuple[str, int], dict[str, Any]]:
@@ -74,10 +66,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 local.infra.kill_broker(victim)
             else:
                 local.infra.restart("kafka", kill=False, broker=victim)
-            def trained(m: int = made) -> bool:
-                return trained_index(local) >= m
-
-            wait_on_stack(f"a batch made after the broker was {phase} trained", trained, PROGRESS_TIMEOUT_S, local)
+            wait_trained(local, made, f"a batch made after the broker was {phase}")
             # The leader moves once the controller fences the dead broker (broker.session.timeout.ms, 9 s),
             # which may come after the batch above: wait for it rather than read it once.
             def led(p: str = phase) -> int | None:
@@ -114,8 +103,7 @@ def test_training_went_on_with_a_broker_down_and_after_it_came_back(run: dict[st
 
 def test_nothing_lost_and_nothing_trained_twice(run: dict[str, Any]) -> None:
     assert len(run["rows"]) >= 3
-    assert_every_manifest_trained_once(run["rows"])
-    assert_groups_accounted_for(run["batches"], run["decisions"], run["pending"])
+    assert_nothing_lost_or_trained_twice(run)
     digests: dict[str, set[str]] = {}
     for record in run["weights"]:
         if isinstance(record, WeightPublished):

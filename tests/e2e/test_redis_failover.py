@@ -21,22 +21,19 @@ from redis.exceptions import RedisError
 from ops.local.stack import LocalStack, start
 from shared.bus import read_topic
 from shared.names import Topics
-from shared.schemas import CompletedGroup, DecisionRecord, WeightPublished
+from shared.schemas import CompletedGroup, DecisionRecord
 from shared.settings import KafkaSettings
 from shared.state import client_for
-from tests.support.readback import (
-    assert_every_manifest_trained_once,
-    assert_groups_accounted_for,
-    batches_made,
-    small_stack,
-    stop_and_read,
-    trained_index,
+from tests.support.fault_runs import (
+    PROGRESS_TIMEOUT_S,
+    assert_nothing_lost_or_trained_twice,
+    assert_registry_matches_weights,
+    wait_trained,
 )
+from tests.support.readback import batches_made, small_stack, stop_and_read, trained_index
 from tests.support.wait import wait_on_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
-
-PROGRESS_TIMEOUT_S = 300
 
 
 def _primary(local: LocalStack) -> tuple[str, int] | None:
@@ -66,12 +63,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                       PROGRESS_TIMEOUT_S, local)
         after = _primary(local)
         promoted_s = round(time.monotonic() - t0, 1)
-        made = batches_made(local)
-
-        def trained(m: int = made) -> bool:
-            return trained_index(local) >= m
-
-        wait_on_stack("a batch made on the promoted primary trained", trained, PROGRESS_TIMEOUT_S, local)
+        wait_trained(local, batches_made(local), "a batch made on the promoted primary")
         recovered_s = round(time.monotonic() - t0, 1)
         data = stop_and_read(local)
         kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
@@ -101,7 +93,5 @@ def test_no_window_decision_lost_or_taken_twice(run: dict[str, Any]) -> None:
 
 
 def test_nothing_trained_twice_and_the_registry_matches_the_topic(run: dict[str, Any]) -> None:
-    assert_every_manifest_trained_once(run["rows"])
-    assert_groups_accounted_for(run["batches"], run["decisions"], run["pending"])
-    published = {r.version: r.seq for r in run["weights"] if isinstance(r, WeightPublished)}
-    assert {label: int(seq) for label, seq in run["registry"]} == published
+    assert_nothing_lost_or_trained_twice(run)
+    assert_registry_matches_weights(run)

@@ -10,8 +10,9 @@ Per service: ``proxy``, ``engine_fronts``, ``generation_engine`` (the proxy); ``
 ``warm_policy`` (the trainer); ``broadcaster_fakes`` (the broadcaster); ``chat_turns``, ``templates``,
 ``hf_model`` (chat templates and models); ``scripted_agent``, ``sglang_engine`` (agents and SGLang's API).
 
-Records and read-back: ``kafka_io``, ``readback``, ``rebalance``, ``poison``, ``proxy_fuzz``, ``demo_runs``;
-checks shared by registries (``registry``) and by the compose file (``compose_file``).
+Records and read-back: ``kafka_io``, ``readback``, ``fault_runs`` (what the e2e runs that break the stack
+share besides read-back), ``rebalance``, ``poison``, ``proxy_fuzz``, ``demo_runs``; checks shared by registries
+(``registry``) and by the compose file (``compose_file``).
 
 The run itself: ``schedule`` (which xdist worker runs what), ``timeline`` and ``durations`` (where a run's
 time goes).

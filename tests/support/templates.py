@@ -8,8 +8,9 @@ Qwen-style one.
   is rendered only for the turns after the last user message; earlier turns lose it. So the template
   rewrites history whenever a new user message arrives.
 
-:data:`QWEN_CALLS_AND_RESULTS` is the end every Qwen-style template here shares (an assistant's calls, the tool
-turn, the generation prompt); :func:`with_template` builds a tokenizer from markers and a template.
+:data:`QWEN_SYSTEM_AND_USER` and :data:`QWEN_CALLS_AND_RESULTS` are the parts every Qwen-style template here
+shares (the system and user turns; an assistant's calls, the tool turn, the generation prompt), so a template
+spells out only its own convention; :func:`with_template` builds a tokenizer from markers and a template.
 """
 
 from __future__ import annotations
@@ -22,6 +23,20 @@ from shared.model.hf_chat import HFChatTokenizer
 
 QWEN_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 """Added to the tokenizer as tokens that are not *special*, as Qwen-family tokenizers add them."""
+
+QWEN_SYSTEM_AND_USER = """{% elif messages[0].role == 'system' -%}
+<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' -%}
+<|im_start|>user
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' -%}
+"""
+"""The middle of a Qwen-style template, after its ``{%- if tools -%}`` system message (which lists the tools
+its own way): a system message without tools, the loop over messages, a user turn, and the line that opens an
+assistant's turn (its rendering is the template's own)."""
 
 QWEN_CALLS_AND_RESULTS = """{% endif %}<tool_call>
 {"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
@@ -54,16 +69,7 @@ QWEN3_TEMPLATE = """
 <tools>
 {% for tool in tools %}{{ tool | tojson }}
 {% endfor %}</tools><|im_end|>
-{% elif messages[0].role == 'system' -%}
-<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif -%}
-{%- for message in messages -%}
-{%- if message.role == 'user' -%}
-<|im_start|>user
-{{ message.content }}<|im_end|>
-{% elif message.role == 'assistant' -%}
-{%- set content = message.content or '' -%}
+""" + QWEN_SYSTEM_AND_USER + """{%- set content = message.content or '' -%}
 {%- set reasoning = '' -%}
 {%- if message.reasoning_content is string -%}
 {%- set reasoning = message.reasoning_content -%}

@@ -22,7 +22,7 @@ from services.proxy.session_machine import Session
 from shared.model.hf_chat import HFChatTokenizer
 from shared.model.tool_calls import ToolCallFormat
 from shared.schemas import Chunk
-from tests.support.templates import QWEN_ADDED, QWEN_CALLS_AND_RESULTS, with_template
+from tests.support.templates import QWEN_ADDED, QWEN_CALLS_AND_RESULTS, QWEN_SYSTEM_AND_USER, with_template
 
 ADDED = QWEN_ADDED
 TEMPLATE = """
@@ -37,16 +37,7 @@ TEMPLATE = """
 Call one as <tool_call>
 {"name": <name>, "arguments": <object>}
 </tool_call><|im_end|>
-{% elif messages[0].role == 'system' -%}
-<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif -%}
-{%- for message in messages -%}
-{%- if message.role == 'user' -%}
-<|im_start|>user
-{{ message.content }}<|im_end|>
-{% elif message.role == 'assistant' -%}
-<|im_start|>assistant
+""" + QWEN_SYSTEM_AND_USER + """<|im_start|>assistant
 {% if message.content %}{{ message.content }}{% endif %}
 {%- for call in message.tool_calls or [] %}{% if message.content or not loop.first %}
 """ + QWEN_CALLS_AND_RESULTS

@@ -187,52 +187,48 @@ class Held:
             await writer.drain()
 
 
-async def late_answer_then_two_calls(client: HttpClient, held: Held, cut: Callable[[], Awaitable[None]]) -> list[bytes]:
-    """``cut`` ends a call to ``/late``; then one call, the late answer released and written, one more call."""
-    await cut()
-    first = await client.request("GET", "/next", timeout_s=2)
-    held.release.set()
-    await held.sent.wait()
-    second = await client.request("GET", "/next", timeout_s=2)
-    await client.aclose()
-    return [first.content, second.content]
+def late_answer_then_two_calls(
+    loop: str, cut: Callable[[HttpClient, Held], Awaitable[None]]
+) -> tuple[list[bytes], int]:
+    """On ``loop``, against a server that holds its answer to ``/late``: ``cut`` ends a call to ``/late``; then
+    one call, the late answer released and written, one more call. The two calls' bodies, and how many
+    connections the server accepted."""
+
+    async def go() -> tuple[list[bytes], int]:
+        held = Held()
+        server = Server(held)
+        async with server as url:
+            client = HttpClient(url)
+            await cut(client, held)
+            first = await client.request("GET", "/next", timeout_s=2)
+            held.release.set()
+            await held.sent.wait()
+            second = await client.request("GET", "/next", timeout_s=2)
+            await client.aclose()
+            return [first.content, second.content], server.connections
+
+    return run(loop, go())
 
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_call_past_its_bound_times_out_and_its_late_answer_is_not_read_by_the_next(loop: str) -> None:
-    async def go() -> tuple[list[bytes], int]:
-        held = Held()
-        server = Server(held)
-        async with server as url:
-            client = HttpClient(url)
+    async def cut(client: HttpClient, held: Held) -> None:
+        with pytest.raises(Timeout, match=r"within 0\.05 s"):
+            await client.request("GET", "/late", timeout_s=0.05)
 
-            async def cut() -> None:
-                with pytest.raises(Timeout, match=r"within 0\.05 s"):
-                    await client.request("GET", "/late", timeout_s=0.05)
-
-            return await late_answer_then_two_calls(client, held, cut), server.connections
-
-    assert run(loop, go()) == ([b"/next", b"/next"], 2)
+    assert late_answer_then_two_calls(loop, cut) == ([b"/next", b"/next"], 2)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_cancelled_call_closes_its_connection(loop: str) -> None:
-    async def go() -> tuple[list[bytes], int]:
-        held = Held()
-        server = Server(held)
-        async with server as url:
-            client = HttpClient(url)
+    async def cut(client: HttpClient, held: Held) -> None:
+        call = asyncio.create_task(client.request("GET", "/late"))
+        await held.arrived.wait()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
 
-            async def cut() -> None:
-                call = asyncio.create_task(client.request("GET", "/late"))
-                await held.arrived.wait()
-                call.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await call
-
-            return await late_answer_then_two_calls(client, held, cut), server.connections
-
-    assert run(loop, go()) == ([b"/next", b"/next"], 2)
+    assert late_answer_then_two_calls(loop, cut) == ([b"/next", b"/next"], 2)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
