@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.run_curves import analyse, ended_groups
 from bench.time_to_reward import demo_flags, finished_run, run_one
-from ops.demo_presets import PRESETS
+from ops.stack_flags import preset_stack
 
 ARMS = ("sync", "async")
 BASE = (0.0, 0.0)
@@ -205,9 +205,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("bench/async_regimes.json"))
     args = p.parse_args()
 
-    preset = PRESETS["tiny" if args.model == "tiny" else "hf"]
-    wave, group = preset.batch_groups * preset.group_size, preset.group_size
-    in_flight = min(preset.concurrent_groups, 2 * preset.batch_groups)  # pacing: keep_versions 2 x groups per batch
+    demo = preset_stack(args.model)
+    group = demo.setting("rollout", "group_size")
+    wave = demo.batch_groups * group
+    in_flight = min(demo.setting("rollout", "max_concurrent_groups"), 2 * demo.batch_groups)  # pacing: 2 x a batch
     base_runs = cell_runs(*BASE, 0.0, args, run=True)
     assert base_runs is not None
     base = base_figures(base_runs)

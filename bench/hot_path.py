@@ -90,20 +90,22 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "rein-hot-path.json")
     p.add_argument("--env", action="append", default=[], metavar="SERVICE:VAR=VALUE",
-                   help="a setting of one service of the stack (repeatable): proxy:REIN_KAFKA__LINGER_MS=20; "
-                        "SERVICE 'collector' means every collector")
+                   help="a setting of one service of the stack by its variable (repeatable): "
+                        "proxy:REIN_KAFKA__LINGER_MS=20; SERVICE 'collector' means every collector")
     p.add_argument("--demo-flag", action="append", default=[], metavar="FLAG",
                    help="a flag of make demo's stack (repeatable): --demo-flag=--collectors=1")
     args = p.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     run_dir = Path(tempfile.mkdtemp(prefix="rein-hot-path-"))
     config = demo_config(args.warmup + args.steps + 2, 0, run_dir, args.demo_flag)
-    for item in args.env:
+    for item in args.env:  # REIN_KAFKA__LINGER_MS=20 is the setting kafka.linger_ms, checked when the stack starts
         service, _, setting = item.partition(":")
         name, _, value = setting.partition("=")
-        targets = [f"collector-{i}" for i in range(config.collectors)] if service == "collector" else [service]
-        for target in targets:
-            config.extra_env.setdefault(target, {})[name] = value
+        *outer, last = name.upper().removeprefix("REIN_").lower().split("__")
+        target = config.services.setdefault(service, {})
+        for part in outer:
+            target = target.setdefault(part, {})
+        target[last] = value
     local = start(config)
     spies: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
     try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ops.demo_presets import PRESETS
+from ops.stack_flags import preset_stack
 from services.collector.assembly import Assembler, Position
 from services.engine.batcher import Batcher, Weights
 from services.engine.sampling import SamplingParams
@@ -57,6 +57,10 @@ class _Live:
     """When its next call reaches the engine (the asynchronous schedule's clock, in mean turn times)."""
 
 
+DEMO = preset_stack("tiny")
+"""The stack ``make demo`` starts on the tiny policy: what the in-process loop plays unless a recipe says otherwise."""
+
+
 @dataclass(frozen=True)
 class Recipe:
     """What one in-process run trains with: the batch's shape, the trainer's settings and the schedule.
@@ -64,8 +68,8 @@ class Recipe:
     The default is the demo's (``tiny`` preset: its batch and policy width, the trainer's other defaults,
     synchronous, every group trained). ``in_flight`` > 0 plays the pipeline's asynchronous schedule instead (below)."""
 
-    batch_groups: int = PRESETS["tiny"].batch_groups
-    group_size: int = PRESETS["tiny"].group_size
+    batch_groups: int = DEMO.batch_groups
+    group_size: int = DEMO.setting("rollout", "group_size")
     trainer: tuple[tuple[str, Any], ...] = ()
     """:class:`TrainerSettings` fields set over their defaults (``lr``, ``entropy_coef``, ...)."""
     no_signal: str = "keep"
@@ -94,8 +98,7 @@ class Recipe:
 
     def settings(self) -> TrainerSettings:
         """The trainer's settings: the preset's policy width (as ``make demo`` gives its trainer), then ``trainer``."""
-        width = PRESETS["tiny"].model_width
-        return TrainerSettings(**{**({} if width is None else {"model_width": width}), **dict(self.trainer)})
+        return TrainerSettings(**{"model_width": DEMO.setting("trainer", "model_width"), **dict(self.trainer)})
 
     def describe(self) -> dict[str, Any]:
         schedule = ({"keep_versions": self.keep_versions, "jitter": self.jitter, "update_delay": self.update_delay}
@@ -113,7 +116,6 @@ class Reference:
     """The demo's loop in one process; :meth:`step` plays until one batch is trained (or skipped)."""
 
     def __init__(self, seed: int = 0, threads: int = 1, recipe: Recipe | None = None) -> None:
-        preset = PRESETS["tiny"]
         self.recipe = recipe = recipe or Recipe()
         torch.set_num_threads(threads)
         self.trainer_settings = recipe.settings()
@@ -129,10 +131,10 @@ class Reference:
         self._served: deque[Weights] = deque([self._serve(0)], maxlen=recipe.lag + 1)
         self.batcher = Batcher(self._served[0], end_id=self.tokenizer.stop_ids, pad_id=self.tokenizer.pad_id,
                                seed=seed, device=device)
-        self.task = TASKS[preset.task]()
+        self.task = TASKS[DEMO.setting("rollout", "task")]()
         self.prompts: Iterator[Prompt] = self.task.prompts(seed)
         self.assembler = Assembler()
-        self.params = SamplingParams(max_new_tokens=preset.max_tokens or self.rollout_settings.max_tokens,
+        self.params = SamplingParams(max_new_tokens=DEMO.setting("rollout", "max_tokens"),
                                      temperature=self.rollout_settings.temperature)
         self.window = WindowReplay(WindowSettings(
             keep_versions=recipe.keep_versions if recipe.in_flight else 0, batch_groups=recipe.batch_groups,

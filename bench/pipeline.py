@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -61,30 +61,34 @@ _IN_FLIGHT = re.compile(r"^rein_rollout_groups_in_flight\s+([0-9.eE+-]+)$", re.M
 
 def config_for(name: str, steps: int, root: Path, seed: int) -> StackConfig:
     """The compared set-ups. ``controls``/``none`` run under high asynchrony (48 groups in flight
-    for batches of 8, multi-token replies) so that staleness actually occurs."""
-    base = dict(run_dir=root / f"{name}-s{seed}", steps=steps, seed=seed, collectors=1, batch_groups=8, group_size=8)
-    if name == "sync":
-        return StackConfig(**base, mode="sync", keep_versions=2, max_preempts=2, max_concurrent_groups=8)
-    if name == "async":
-        return StackConfig(**base, mode="async", keep_versions=2, max_preempts=2, max_concurrent_groups=16)
-    high = dict(max_concurrent_groups=48, engine_step_delay_s=0.002, extra_env={"rollout": {"REIN_MAX_TOKENS": "2"}})
-    if name == "controls":
-        return StackConfig(**base, **high, mode="async", keep_versions=1, max_preempts=1)
-    if name == "none":
-        return StackConfig(**base, **high, mode="async", keep_versions=0, max_preempts=None, mask_nonlast_version=False)
-    # The demo's learning regime (one-token replies) under the same asynchrony: a reply cannot
-    # span versions, so of the three controls only the window acts.
-    learn = dict(max_concurrent_groups=48, extra_env={"rollout": {"REIN_MAX_TOKENS": "1"}})
-    if name == "learn-controls":
-        return StackConfig(**base, **learn, mode="async", keep_versions=1, max_preempts=1)
-    if name == "learn-none":
+    for batches of 8, two-token replies, a slower engine step) so that staleness actually occurs; ``learn-*`` are
+    the demo's learning regime (one-token replies) under the same asynchrony: a reply cannot span versions, so of
+    the three controls only the window acts."""
+
+    def setup(mode: Literal["async", "sync"], keep: int, preempts: int | None, in_flight: int, *, high: bool = False,
+              mask: bool = True, pacing: str = "window") -> StackConfig:
         return StackConfig(
-            **base, **learn, mode="async", keep_versions=0, max_preempts=None, mask_nonlast_version=False
+            run_dir=root / f"{name}-s{seed}", seed=seed, collectors=1, batch_groups=8, mode=mode,
+            services={
+                "trainer": {"max_steps": steps, "nonlast_version_tokens": "mask" if mask else "weight"},
+                "collector": {"keep_versions": keep}, "proxy": {"max_preempts": preempts},
+                "rollout": {"group_size": 8, "max_concurrent_groups": in_flight, "max_tokens": 2 if high else 1,
+                            "pacing": pacing},
+                "engine": {"step_delay_s": 0.002 if high else 0.0},
+            },
         )
+
+    if name == "sync":
+        return setup("sync", 2, 2, 8)
+    if name == "async":
+        return setup("async", 2, 2, 16)
+    if name in ("controls", "learn-controls"):
+        return setup("async", 1, 1, 48, high=name == "controls")
+    if name in ("none", "learn-none"):
+        return setup("async", 0, None, 48, high=name == "none", mask=False)
     if name.startswith("cost-"):  # cost-k<keep>-p<preempts>-<pacing>
         _, k, p, pacing = name.split("-")
-        return StackConfig(**base, **high, mode="async", keep_versions=int(k[1:]), max_preempts=int(p[1:]),
-                           pacing=pacing)
+        return setup("async", int(k[1:]), int(p[1:]), 48, high=True, pacing=pacing)
     raise ValueError(f"unknown set-up {name!r}")
 
 

@@ -74,9 +74,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     config = stack_config(args, model, args.runs_dir / run_id)
-    print(f"rein demo: run {run_id} -> {config.run_dir} (model {model}, task {config.task})", flush=True)
+    task, steps_cap = config.setting("rollout", "task"), config.setting("trainer", "max_steps")
+    print(f"rein demo: run {run_id} -> {config.run_dir} (model {model}, task {task})", flush=True)
     preset = PRESETS["tiny" if args.model == "tiny" else "hf"]
-    print(f"mode {config.mode}: " + (preset.mode_why if config.mode == preset.mode else "--mode"), flush=True)
+    print(f"mode {config.mode}: " + (preset.mode_why if config.mode == preset.flags["mode"] else "--mode"), flush=True)
     print("starting Kafka, Redis, trainer, engine, proxy, broadcaster, collectors, rollout ...", flush=True)
     started = time.monotonic()
     local: LocalStack | None = None
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         versions = ", ".join(f"{k} {v}" for k, v in local.infra.versions.items())
         print(f"up in {up_at - started:.0f}s ({versions}); logs in {config.run_dir / 'logs'}", flush=True)
         if args.minutes:
-            print(f"training for at most {config.steps} steps or {args.minutes:g} minutes", flush=True)
+            print(f"training for at most {steps_cap} steps or {args.minutes:g} minutes", flush=True)
         deadline = started + args.timeout_min * 60
         budget = (up_at, args.minutes * 60) if args.minutes else None
         shown = 0
@@ -110,10 +111,10 @@ def run(args: argparse.Namespace) -> int:
                         rejections = proxy_rejections(text)
                         calls.sample(len(rows), text)
                 for row in rows[shown:]:
-                    print(progress_line(row, config.steps, rejections, started, budget), flush=True)
+                    print(progress_line(row, steps_cap, rejections, started, budget), flush=True)
                 shown = len(rows)
             steps = len(optimizer_steps(rows))
-            if config.steps and steps >= config.steps:
+            if steps_cap and steps >= steps_cap:
                 break
             if budget is not None and time.monotonic() - budget[0] >= budget[1]:
                 stopped_by = "time"
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                 break
             dead = [s for s in local.stack.dead() if s.name != "trainer"]
             trainer_gone = any(s.name == "trainer" for s in local.stack.dead())
-            if dead or (trainer_gone and steps < config.steps):
+            if dead or (trainer_gone and steps < steps_cap):
                 who = dead[0] if dead else next(s for s in local.stack.services if s.name == "trainer")
                 print(f"error: {who.name} exited early; see {who.log_path}", file=sys.stderr)
                 code = 1
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             if (text := scrape(local.urls["proxy"])) is not None:
                 rejections = max(rejections, proxy_rejections(text))
                 tool_calls = proxy_tool_calls(text)
-                if tool_calls["well_formed_share"] is None and not offers_tools(config.task):
+                if tool_calls["well_formed_share"] is None and not offers_tools(task):
                     tool_calls = None  # a task without tools whose replies never held call markup: nothing to say
             local.stop()
             print("stopped every process the demo started", flush=True)

@@ -3,31 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Preset:
-    """A model's demo defaults; a flag given on the command line overrides its field."""
+    """A model's demo defaults: the flags it sets (``ops.stack_flags``), each overridden by the same flag given on
+    the command line; a knob it leaves out keeps the service's own default."""
 
-    steps: int
-    mode: str
-    """``async`` or ``sync``."""
     mode_why: str
-    """Why ``mode`` is this model's default: the measurement it comes from, printed when a run starts in it."""
+    """Why ``flags["mode"]`` is this model's default: the measurement it comes from, printed when a run starts in it."""
     minutes: float
     """Training wall-time budget, counted from when every service is up (0: steps only)."""
-    collectors: int
-    batch_groups: int
-    group_size: int
-    concurrent_groups: int
-    task: str
-    max_tokens: int | None
-    lr: float | None
-    weight_decay: float | None
-    keep_checkpoints: int
-    model_width: int | None
-    """Width of the tiny policy's step-0 weights (``REIN_MODEL_WIDTH``); None: the trainer's default (HF models:
-    their own config)."""
+    flags: dict[str, Any]
+    """Flag (argparse ``dest``) -> value."""
 
 
 PRESETS: dict[str, Preset] = {
@@ -41,40 +30,21 @@ PRESETS: dict[str, Preset] = {
     # process its batch mean was 0.40 after 45k played episodes on 6 seeds (median) where 64 was at 0.32,
     # for ~9 % more CPU per episode in the pipeline (docs/benchmarks.md, "A wider policy")
     "tiny": Preset(
-        steps=2000,
-        mode="async",
         mode_why="async trained 1.11x sync's samples with signal per second on this policy, more once episodes "
                  "wait on their environment (docs/benchmarks.md, \"Where async pays on the tiny policy\")",
         minutes=8,
-        collectors=2,
-        batch_groups=4,
-        group_size=8,
-        concurrent_groups=8,
-        task="guess_number",
-        max_tokens=None,
-        lr=None,
-        weight_decay=None,
-        keep_checkpoints=16,
-        model_width=128,
+        flags={"steps": 2000, "mode": "async", "collectors": 2, "batch_groups": 4, "group_size": 8,
+               "concurrent_groups": 8, "keep_checkpoints": 16, "model_width": 128},
     ),
     # a Hugging Face model on 2 cores (docs/models.md): 8 episodes per step, replies of up to 48 tokens,
     # a fine-tuning learning rate with no weight decay (the pretrained weights are the prior), and only
     # the two newest checkpoints kept (an HF step is ~0.5 GB of weights plus ~1 GB of AdamW state)
     "hf": Preset(
-        steps=500,
-        mode="sync",
         mode_why="on SmolLM2 arithmetic sync reached 0.18 (90 % of the format reward) in 101 s, async in 237 s "
                  "(docs/benchmarks.md, \"Time to reward\"); --mode async for the asynchronous pipeline",
         minutes=20,
-        collectors=1,
-        batch_groups=2,
-        group_size=4,
-        concurrent_groups=4,
-        task="arithmetic",
-        max_tokens=48,
-        lr=2e-5,
-        weight_decay=0.0,
-        keep_checkpoints=2,
-        model_width=None,
+        flags={"steps": 500, "mode": "sync", "collectors": 1, "batch_groups": 2, "group_size": 4,
+               "concurrent_groups": 4, "task": "arithmetic", "max_tokens": 48, "lr": 2e-5, "weight_decay": 0.0,
+               "keep_checkpoints": 2},
     ),
 }

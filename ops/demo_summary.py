@@ -47,6 +47,33 @@ def timing(rows: list[dict[str, Any]], usage: EngineUsage | None, train_wall_s: 
     return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
 
 
+SUMMARY_SETTINGS = {
+    "keep_versions": ("collector", "keep_versions"), "max_preempts": ("proxy", "max_preempts"),
+    "pacing": ("rollout", "pacing"), "offpolicy_correction": ("trainer", "offpolicy_correction"),
+    "stale_groups": ("collector", "stale_groups"), "nonlast_version_tokens": ("trainer", "nonlast_version_tokens"),
+    "partial_rollout": ("proxy", "partial_rollout"), "batch_groups": ("collector", "batch_groups"),
+    "group_size": ("rollout", "group_size"), "mode": ("rollout", "mode"), "seed": ("trainer", "seed"),
+    "torch_threads": ("trainer", "torch_threads"), "no_signal_groups": ("collector", "no_signal_groups"),
+    "max_tokens": ("rollout", "max_tokens"), "temperature": ("rollout", "temperature"),
+    "env_time_median_s": ("rollout", "env_time_median_s"), "env_time_sigma": ("rollout", "env_time_sigma"),
+    "agent_command": ("rollout", "agent_command"), "lr": ("trainer", "lr"),
+    "weight_decay": ("trainer", "weight_decay"), "epochs": ("trainer", "epochs"),
+    "keep_checkpoints": ("trainer", "keep_checkpoints"), "model_width": ("trainer", "model_width"),
+    "init_weights": ("trainer", "init_weights"),
+}
+"""The settings a run's summary records (its key -> service and setting): what it ran with, defaults included."""
+
+
+def settings_of(config: StackConfig) -> dict[str, Any]:
+    """The values of ``SUMMARY_SETTINGS`` this run's services ran with (a path as text), and its collectors."""
+    values = {key: config.setting(*where) for key, where in SUMMARY_SETTINGS.items()}
+    if values["init_weights"] is not None:
+        values["init_weights"] = str(values["init_weights"])
+    if config.model != "tiny":
+        values["model_width"] = None  # an HF model's width is its config's
+    return {**values, "collectors": config.collectors}
+
+
 def summarize(
     rows: list[dict[str, Any]],
     rejections: int,
@@ -60,7 +87,8 @@ def summarize(
     tool_calls: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     rewards = [float(r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]  # skipped batches too
-    verdict = judge(config.task, rewards)
+    task = config.setting("rollout", "task")
+    verdict = judge(task, rewards)
     steps = optimizer_steps(rows)
     skipped = Counter(str(r["skipped"]) for r in rows if r.get("skipped"))
     gaps = [float(r["version_gap_mean"]) for r in rows if r.get("version_gap_mean") is not None]
@@ -72,7 +100,7 @@ def summarize(
     masked = [float(r["masked_token_fraction"]) for r in rows if r.get("masked_token_fraction") is not None]
     return {
         "model": config.model,
-        "task": config.task,
+        "task": task,
         "steps": len(steps),
         "batches": len(rows),
         "skipped_steps": dict(sorted(skipped.items())),  # batches consumed without an update, by reason
@@ -97,30 +125,7 @@ def summarize(
         "waste": waste(rows),  # generated tokens never trained, by cause (ops.report.waste)
         "rejected_sessions": rejections,
         "tool_calls": tool_calls,  # replies with call markup, parsed or malformed (the proxy's counter); None: none
-        "settings": {
-            "keep_versions": config.keep_versions,
-            "max_preempts": config.max_preempts,
-            "pacing": config.pacing,
-            "offpolicy_correction": config.offpolicy_correction,
-            "stale_groups": config.stale_groups,
-            "nonlast_version_tokens": "mask" if config.mask_nonlast_version else "weight",
-            "partial_rollout": config.partial_rollout,
-            "collectors": config.collectors,
-            "batch_groups": config.batch_groups,
-            "group_size": config.group_size,
-            "mode": config.mode,
-            "seed": config.seed,
-            "torch_threads": config.torch_threads,
-            "no_signal_groups": config.no_signal_groups or ("keep" if config.mode == "sync" else "drop"),
-            "max_tokens": config.max_tokens,
-            "lr": config.lr,
-            "weight_decay": config.weight_decay,
-            "epochs": config.epochs,
-            "keep_checkpoints": config.keep_checkpoints,
-            "model_width": config.model_width,
-            "init_weights": None if config.init_weights is None else str(config.init_weights),
-            "rollout_env": config.extra_env.get("rollout") or None,  # --temperature, --agent-command, --env-time
-        },
+        "settings": settings_of(config),
     }
 
 

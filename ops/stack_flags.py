@@ -10,11 +10,10 @@ directory and an unbounded default step count.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import subprocess
-from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from ops.args import RegistryChoices, max_preempts_arg
 from ops.demo_presets import PRESETS
@@ -84,12 +83,43 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+FLAG_SETTINGS: dict[str, tuple[str, str]] = {
+    "steps": ("trainer", "max_steps"),
+    "keep_versions": ("collector", "keep_versions"),
+    "stale_groups": ("collector", "stale_groups"),
+    "no_signal_groups": ("collector", "no_signal_groups"),
+    "max_preempts": ("proxy", "max_preempts"),
+    "pacing": ("rollout", "pacing"),
+    "group_size": ("rollout", "group_size"),
+    "concurrent_groups": ("rollout", "max_concurrent_groups"),
+    "task": ("rollout", "task"),
+    "max_tokens": ("rollout", "max_tokens"),
+    "temperature": ("rollout", "temperature"),
+    "agent_command": ("rollout", "agent_command"),
+    "env_time": ("rollout", "env_time_median_s"),
+    "env_time_sigma": ("rollout", "env_time_sigma"),
+    "correction": ("trainer", "offpolicy_correction"),
+    "nonlast_version_tokens": ("trainer", "nonlast_version_tokens"),
+    "lr": ("trainer", "lr"),
+    "weight_decay": ("trainer", "weight_decay"),
+    "epochs": ("trainer", "epochs"),
+    "init_weights": ("trainer", "init_weights"),
+    "model_width": ("trainer", "model_width"),
+    "keep_checkpoints": ("trainer", "keep_checkpoints"),
+}
+"""Flag (its argparse ``dest``) -> the service and the setting it gives; a flag left unset (None) leaves the
+service's default. The other flags are :class:`StackConfig` fields of the same name (``STACK_FIELDS``)."""
+
+STACK_FIELDS = ("collectors", "batch_groups", "mode", "seed", "torch_threads")
+
+
 def apply_preset(args: argparse.Namespace) -> None:
-    """Fill every preset field the command has and the user left unset (None) from the model's preset."""
+    """Fill every flag the command has and the user left unset (None) from the model's preset (the demo's
+    ``--minutes`` too)."""
     preset = PRESETS["tiny" if args.model == "tiny" else "hf"]
-    for f in fields(preset):
-        if getattr(args, f.name, 0) is None:
-            setattr(args, f.name, getattr(preset, f.name))
+    for name, value in {**preset.flags, "minutes": preset.minutes}.items():
+        if getattr(args, name, 0) is None:
+            setattr(args, name, value)
 
 
 def resolve_model(spec: str) -> str:
@@ -112,39 +142,30 @@ def resolve_model(spec: str) -> str:
 def stack_config(args: argparse.Namespace, model: str, run_dir: Path) -> StackConfig:
     """What ``make demo`` or ``rein up`` starts for parsed ``args`` and a resolved ``model`` (``resolve_model``)."""
     hf = model != "tiny"
+    services: dict[str, dict[str, Any]] = {}
+    for dest, (service, setting) in FLAG_SETTINGS.items():
+        value = getattr(args, dest, None)
+        if value is not None and not (hf and dest == "model_width"):  # an HF model's width is its config's
+            services.setdefault(service, {})[setting] = value
+    if hf:  # a stopping HF trainer writes its last checkpoint, ~0.5 GB
+        services.setdefault("trainer", {})["stop_timeout_s"] = 110
     return StackConfig(
         run_dir=run_dir,
-        steps=args.steps,
-        keep_versions=args.keep_versions,
-        max_preempts=args.max_preempts,
-        pacing=args.pacing,
-        offpolicy_correction=args.correction,
-        stale_groups=args.stale_groups,
-        mask_nonlast_version=args.nonlast_version_tokens == "mask",
-        collectors=args.collectors,
-        batch_groups=args.batch_groups,
-        group_size=args.group_size,
-        max_concurrent_groups=args.concurrent_groups,
-        mode=args.mode,
-        seed=args.seed,
-        torch_threads=args.torch_threads,
-        no_signal_groups=args.no_signal_groups,
         model=model,
-        task=args.task,
-        max_tokens=args.max_tokens,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        epochs=args.epochs,
-        keep_checkpoints=args.keep_checkpoints,
-        model_width=None if hf else args.model_width,
-        init_weights=args.init_weights,
+        services=services,
+        **{name: getattr(args, name) for name in STACK_FIELDS if getattr(args, name, None) is not None},
         startup_timeout_s=600.0 if hf else 120.0,
         stop_timeout_s=120.0 if hf else 20.0,
-        extra_env={**({"trainer": {"REIN_STOP_TIMEOUT_S": "110"}} if hf else {}),  # its last checkpoint: ~0.5 GB
-                   "rollout": {
-            **({} if args.temperature is None else {"REIN_TEMPERATURE": str(args.temperature)}),
-            **({"REIN_AGENT_COMMAND": json.dumps(args.agent_command)} if args.agent_command else {}),
-            **({} if args.env_time is None else {"REIN_ENV_TIME_MEDIAN_S": str(args.env_time)}),
-            **({} if args.env_time_sigma is None else {"REIN_ENV_TIME_SIGMA": str(args.env_time_sigma)}),
-        }},
     )
+
+
+def preset_stack(model: str = "tiny") -> StackConfig:
+    """What ``make demo`` starts for ``model`` (``tiny``, or a Hugging Face model's name or path) without flags:
+    its preset over the services' defaults (the run directory left unset). For what plays the demo's set-up
+    elsewhere (the in-process loop, the benchmarks' predictions)."""
+    parser = argparse.ArgumentParser()
+    add_stack_flags(parser)
+    args = parser.parse_args(["--model", model])
+    args.steps = None
+    apply_preset(args)
+    return stack_config(args, model, Path())

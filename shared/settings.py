@@ -8,11 +8,13 @@ values fail at start with the variable's name, never later in a request path.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.names import Topics
@@ -193,6 +195,46 @@ def unknown_variables(cls: type[BaseSettings], environ: Mapping[str, str]) -> li
 def env_name(loc: tuple[int | str, ...]) -> str:
     """The environment variable that sets the field at ``loc``."""
     return ENV_PREFIX + NESTED_DELIMITER.join(str(part).upper() for part in loc)
+
+
+def settings_env(cls: type[BaseModel], values: Mapping[str, Any], loc: tuple[str, ...] = ()) -> dict[str, str]:
+    """The ``REIN_*`` variables that give ``cls``'s fields ``values``, by field name (a mapping for a nested
+    model: ``{"kafka": {"linger_ms": 20}}``). Each name is checked against the class and each value against its
+    field's type here, so whoever composes a service's environment (the local stack) fails on a typo before
+    starting anything; None leaves a field whose default is None unset. Cross-field rules are checked by the
+    service itself at its start."""
+    env: dict[str, str] = {}
+    for name, value in values.items():
+        where = (*loc, name)
+        field = cls.model_fields.get(name)
+        if field is None:
+            raise SettingsError(f"{cls.__name__} has no setting {name!r} ({env_name(where)}); known: "
+                                f"{', '.join(sorted(cls.model_fields))}")
+        nested = field.annotation
+        if isinstance(value, Mapping) and isinstance(nested, type) and issubclass(nested, BaseModel):
+            env |= settings_env(nested, value, where)
+            continue
+        if value is None and field.default is None:
+            continue
+        try:
+            TypeAdapter(field.rebuild_annotation()).validate_python(value)
+        except ValidationError as exc:
+            raise SettingsError(f"{env_name(where)}: {exc.errors()[0]['msg']} (got {value!r})") from None
+        env[env_name(where)] = _env_text(value)
+    return env
+
+
+def _env_text(value: Any) -> str:
+    """A value as pydantic-settings reads it back: JSON for lists, mappings and models, lower-case booleans."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, Enum):
+        return str(value.value)
+    if isinstance(value, BaseModel):
+        return value.model_dump_json()
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, default=str)
+    return str(value)
 
 
 def load(cls: type[S], **overrides: Any) -> S:

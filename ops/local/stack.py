@@ -8,104 +8,142 @@ Kafka + Redis -> topics -> trainer (writes and publishes ``v0``) -> engine (load
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from enum import Enum
+from functools import cache
 from pathlib import Path
+from typing import Any, Literal
 
 from ops.local.credentials import Credentials
 from ops.local.launcher import Infra, LaunchError, Service, Stack, deploy_script
 from ops.local.ports import free_port
 from shared import bus
 from shared.names import Topics
-from shared.settings import KafkaSettings
+from shared.settings import KafkaSettings, ServiceSettings, settings_env
+from shared.staleness import WindowSettings
 
-PROXY_KAFKA = {"REIN_KAFKA__LINGER_MS": "20"}
-"""The proxy's chunks in batches of 20 ms: no agent waits for their acks (only a session's finish does), and
-fewer, larger produce requests cost the broker and the proxy less CPU per chat call (docs/benchmarks.md)."""
-COLLECTOR_KAFKA = {"REIN_KAFKA__FETCH_MIN_BYTES": "65536", "REIN_KAFKA__FETCH_MAX_WAIT_MS": "20"}
-"""The collectors read the busy chunk and event topics in fetches of up to 20 ms: fewer fetch requests, at
-most 20 ms later. The other consumers (manifests, weights) keep Kafka's defaults: their records are few and
-each is on the path from one training step to the next."""
+SERVICES: dict[str, str] = {
+    "trainer": "services.trainer.settings:TrainerSettings", "engine": "services.engine.settings:EngineSettings",
+    "proxy": "services.proxy.settings:ProxySettings",
+    "broadcaster": "services.weight_broadcaster.settings:BroadcasterSettings",
+    "collector": "services.collector.settings:CollectorSettings",
+    "rollout": "services.rollout.settings:RolloutSettings",
+}
+"""The stack's services by the name :attr:`StackConfig.services` uses, each with the settings class that declares
+its knobs (name, type, default, meaning: docs/settings.md); imported when a config is made (the trainer's imports
+torch, which the flags of ``make demo`` and ``rein up`` do not need)."""
+
+
+@cache
+def settings_class(service: str) -> type[ServiceSettings]:
+    """The settings class of ``service`` (a key of ``SERVICES``)."""
+    module, _, name = SERVICES[service].partition(":")
+    cls: type[ServiceSettings] = getattr(importlib.import_module(module), name)
+    return cls
+
+TUNING: dict[str, dict[str, Any]] = {
+    # the proxy's chunks in batches of 20 ms: no agent waits for their acks (only a session's finish does), and
+    # fewer, larger produce requests cost the broker and the proxy less CPU per chat call (docs/benchmarks.md)
+    "proxy": {"kafka": {"linger_ms": 20}},
+    # the collectors read the busy chunk and event topics in fetches of up to 20 ms: fewer fetch requests, at most
+    # 20 ms later; the other consumers (manifests, weights) keep Kafka's defaults: their records are few and each is
+    # on the path from one training step to the next
+    "collector": {"kafka": {"fetch_min_bytes": 65536, "fetch_max_wait_ms": 20}},
+}
+"""Settings the local stack gives its services beyond their defaults; :attr:`StackConfig.services` overrides them."""
+
+STACK_WIDE: dict[str, dict[str, str]] = {
+    "model": {"trainer": "model", "engine": "model", "proxy": "model"},
+    "seed": {"trainer": "seed", "engine": "seed", "rollout": "seed"},
+    "torch_threads": {"trainer": "torch_threads", "engine": "torch_threads"},
+    "mode": {"rollout": "mode"},
+    "batch_groups": {"collector": "batch_groups", "rollout": "groups_per_step"},
+}
+"""The :class:`StackConfig` fields that are one value in several services: field -> service -> its setting."""
 
 
 @dataclass
 class StackConfig:
-    """Knobs of a local run; every service gets its settings from these."""
+    """A local run: its shape (replicas, brokers, ports), the values several services must share, and each
+    service's own settings by the names its settings class declares (``services``); a knob not given keeps
+    that class's default, so none is declared twice."""
 
     run_dir: Path
-    steps: int = 40
-    """Trainer steps before the trainer stops (0 = unbounded)."""
-    keep_versions: int = 2
-    max_preempts: int | None = 2
-    partial_rollout: bool = True
-    collectors: int = 2
-    group_size: int = 8
-    batch_groups: int = 8
-    """Groups per training batch (GRPO groups of ``group_size`` episodes)."""
-    max_concurrent_groups: int = 16
-    mode: str = "async"
-    """``async`` or ``sync`` (the runner waits for each weight update before the next wave)."""
-    no_signal_groups: str | None = None
-    """The collectors' ``REIN_NO_SIGNAL_GROUPS``: ``drop`` or ``keep``; None: ``drop`` in async mode, ``keep`` in
-    sync mode. A sync wave whose groups are dropped tops itself up with one more group for each (the runner
-    reads the window's count), so its batch still fills; under environment time each top-up round is one
-    more episode's wait, so sync keeps them by default (docs/benchmarks.md, "The fair sync")."""
+    model: str = "tiny"
+    """``REIN_MODEL`` of the trainer, engines and proxies: ``tiny``, a Hugging Face directory or a ``.gguf`` file."""
+    mode: Literal["async", "sync"] = "async"
+    """The rollout runner's ``REIN_MODE`` (sync: it waits for each weight update before the next wave); in sync
+    mode the collectors keep groups without signal unless ``services`` says otherwise (a sync wave whose groups
+    are dropped tops itself up, one more episode's wait each under environment time: docs/benchmarks.md)."""
     seed: int = 0
-    mask_nonlast_version: bool = True
-    """The trainer's ``REIN_NONLAST_VERSION_TOKENS``: ``mask`` when true, ``weight`` (older-version tokens
-    trained) when false."""
-    pacing: str = "window"
-    """The rollout runner's ``REIN_PACING`` (async mode): ``window`` or ``off``."""
-    offpolicy_correction: str = "none"
-    """The trainer's ``REIN_OFFPOLICY_CORRECTION``."""
-    stale_groups: str = "drop"
-    """The collectors' ``REIN_STALE_GROUPS``: ``drop`` or ``withhold``."""
+    """``REIN_SEED`` of the trainer, engines and rollout runner."""
+    batch_groups: int = WindowSettings.model_fields["batch_groups"].default
+    """Groups per training batch: the collectors' ``REIN_BATCH_GROUPS`` and a sync wave (``REIN_GROUPS_PER_STEP``)."""
     torch_threads: int = 1
-    """Torch threads of the trainer and of each engine (``REIN_TORCH_THREADS``). 1 pins each to a core of its
-    own, as async mode wants (both run at once); in sync mode one phase runs at a time, so each may take
-    every core in its turn (docs/benchmarks.md, "The fair sync", measures both placements)."""
-    engine_step_delay_s: float = 0.0
-    base_port: int = 0
-    """First of a block of ports for the services; 0 picks free ports."""
-    partitions: int = 4
-    kafka_brokers: int = 1
-    """Kafka nodes: 1, or a KRaft cluster whose topics are replicated 3 ways with min.insync.replicas 2."""
+    """``REIN_TORCH_THREADS`` of the trainer and each engine. 1 pins each to a core of its own, as async mode wants
+    (both run at once); in sync mode one phase runs at a time, so each may take every core in its turn
+    (docs/benchmarks.md, "The fair sync", measures both placements)."""
+    services: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each service's settings by field name (``{"collector": {"keep_versions": 1}, "trainer": {"lr": 2e-5}}``; a
+    mapping for a nested model: ``{"proxy": {"kafka": {"linger_ms": 0}}}``), checked against its settings class
+    when the config is made; "collector" is every collector. The fields above are set above, not here."""
+    collectors: int = 2
     engines: int = 1
     """Engine replicas. More than one: each registers itself (``REIN_ADVERTISE_URL``), the proxies route to the
     registered engines (``REIN_DISCOVER_ENGINES``) and the broadcaster updates them; none is configured by URL."""
     proxies: int = 1
     """Proxy replicas. More than one: each registers itself (``REIN_ADVERTISE_URL``) so the broadcaster finds
     it, and HAProxy (``deploy/haproxy.sh``) sits in front with session affinity; agents use its URL."""
+    kafka_brokers: int = 1
+    """Kafka nodes: 1, or a KRaft cluster whose topics are replicated 3 ways with min.insync.replicas 2."""
     redis_failover: bool = False
     """Redis as a primary, two replicas and three Sentinels; every service finds the primary through the
     Sentinels and acts on a window step or a registry entry only once a replica holds it."""
-    model: str = "tiny"
-    """``REIN_MODEL`` of the trainer, engine and proxy: ``tiny``, a Hugging Face directory or a ``.gguf`` file."""
-    task: str = "guess_number"
-    """``REIN_TASK`` of the rollout runner (``arithmetic`` for an instruct model)."""
-    max_tokens: int | None = None
-    """Output budget of each assistant reply (``REIN_MAX_TOKENS``); None: the runner's default."""
-    lr: float | None = None
-    """Trainer learning rate; None: the trainer's default (tuned for the tiny policy)."""
-    weight_decay: float | None = None
-    """Trainer AdamW weight decay; None: the trainer's default."""
-    epochs: int | None = None
-    """Trainer optimizer steps per batch (``REIN_EPOCHS``); None: the trainer's default (1)."""
-    init_weights: Path | None = None
-    """The trainer's ``REIN_INIT_WEIGHTS``: a checkpoint taken as the step-0 weights (a warm start); None: fresh."""
-    keep_checkpoints: int = 0
-    """Trainer keeps the newest N durable steps (0: all); an HF step is ~0.5 GB of weights plus optimizer state."""
-    model_width: int | None = None
-    """Width of the tiny policy's step-0 weights (the trainer's ``REIN_MODEL_WIDTH``; the engines load what it
-    writes); None: the trainer's default."""
+    partitions: int = 4
+    base_port: int = 0
+    """First of a block of ports for the services; 0 picks free ports."""
     startup_timeout_s: float = 120.0
     """Bound on each service's start (an HF trainer writes ``v0`` and an HF engine loads it first)."""
     stop_timeout_s: float = 20.0
     """How long stopping services get before SIGKILL (a stopping HF trainer writes its last checkpoint)."""
-    extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
-    """Per-service extra ``REIN_*`` variables (service name -> variables)."""
+
+    def __post_init__(self) -> None:
+        for name in self.services:
+            if name not in SERVICES:
+                raise ValueError(f"services: no service {name!r}; one of {', '.join(SERVICES)}")
+        for wide, targets in STACK_WIDE.items():
+            for name, setting in targets.items():
+                if setting in self.services.get(name, {}):
+                    raise ValueError(f"services[{name!r}][{setting!r}]: set StackConfig.{wide} instead")
+        for name in SERVICES:
+            self.env_of(name)  # every name and value checked now, before anything starts
+
+    def env_of(self, service: str) -> dict[str, str]:
+        """The ``REIN_*`` variables of ``service``'s settings: the stack's tuning, the shared fields, its own."""
+        cls = settings_class(service)
+        shared = {setting: getattr(self, wide) for wide, targets in STACK_WIDE.items()
+                  if (setting := targets.get(service)) is not None}
+        if service == "collector" and self.mode == "sync":
+            shared["no_signal_groups"] = "keep"
+        return (settings_env(cls, TUNING.get(service, {})) | settings_env(cls, shared)
+                | settings_env(cls, self.services.get(service, {})))
+
+    def setting(self, service: str, name: str) -> Any:
+        """The value ``service`` runs with for its setting ``name``: given here, or its settings class's default."""
+        for wide, targets in STACK_WIDE.items():
+            if targets.get(service) == name:
+                return getattr(self, wide)
+        given = self.services.get(service, {})
+        if name in given:
+            return given[name]
+        if service == "collector" and name == "no_signal_groups" and self.mode == "sync":
+            return "keep"
+        value = settings_class(service).model_fields[name].get_default(call_default_factory=True)
+        return value.value if isinstance(value, Enum) else value
 
 
 @dataclass
@@ -167,16 +205,12 @@ def start(config: StackConfig) -> LocalStack:
         weights.mkdir(exist_ok=True)
         logs = run_dir / "logs"
 
-        def env(name: str, values: dict[str, str]) -> dict[str, str]:
-            return {**common, **values, **config.extra_env.get(name, {})}
+        def env(service: str, values: dict[str, str]) -> dict[str, str]:
+            """What the stack wires (addresses, ports, credentials), then the service's settings."""
+            return {**common, **values, **config.env_of(service)}
 
         def port_of(name: str) -> str:
             return urls[name].rsplit(":", 1)[1]
-
-        def optional(values: dict[str, object | None]) -> dict[str, str]:
-            return {k: str(v) for k, v in values.items() if v is not None}
-
-        model = {"REIN_MODEL": config.model}
 
         stack.add(
             Service(
@@ -187,17 +221,7 @@ def start(config: StackConfig) -> LocalStack:
                     {
                         "REIN_WEIGHTS_DIR": str(weights),
                         "REIN_RUN_DIR": str(run_dir / "trainer"),
-                        "REIN_SEED": str(config.seed),
-                        "REIN_MAX_STEPS": str(config.steps),
-                        "REIN_TORCH_THREADS": str(config.torch_threads),
-                        "REIN_NONLAST_VERSION_TOKENS": "mask" if config.mask_nonlast_version else "weight",
-                        "REIN_OFFPOLICY_CORRECTION": config.offpolicy_correction,
                         "REIN_METRICS_PORT": port_of("trainer"),
-                        "REIN_KEEP_CHECKPOINTS": str(config.keep_checkpoints),
-                        **model,
-                        **optional({"REIN_LR": config.lr, "REIN_WEIGHT_DECAY": config.weight_decay,
-                                    "REIN_EPOCHS": config.epochs, "REIN_INIT_WEIGHTS": config.init_weights,
-                                    "REIN_MODEL_WIDTH": config.model_width}),
                     },
                 ),
                 f"{urls['trainer']}/health",
@@ -217,10 +241,6 @@ def start(config: StackConfig) -> LocalStack:
                             "REIN_PORT": port_of(name),
                             "REIN_WEIGHTS_DIR": str(weights),
                             "REIN_MODEL_PATH": str(v0),
-                            "REIN_SEED": str(config.seed),
-                            "REIN_TORCH_THREADS": str(config.torch_threads),
-                            "REIN_STEP_DELAY_S": str(config.engine_step_delay_s),
-                            **model,
                             **({"REIN_ADVERTISE_URL": urls[name]} if config.engines > 1 else {}),
                         },
                     ),
@@ -232,15 +252,10 @@ def start(config: StackConfig) -> LocalStack:
         # Replicas register themselves: the proxies and the broadcaster find them in Redis.
         engine_urls = json.dumps([urls["engine"]] if config.engines == 1 else [])
         proxy_env = {
-            **PROXY_KAFKA,
             "REIN_ENGINE_URLS": engine_urls,
             "REIN_DISCOVER_ENGINES": str(config.engines > 1).lower(),
             **credentials.proxy_env(),
-            "REIN_PARTIAL_ROLLOUT": str(config.partial_rollout).lower(),
-            **model,
         }
-        if config.max_preempts is not None:
-            proxy_env["REIN_MAX_PREEMPTS"] = str(config.max_preempts)
         if config.proxies == 1:
             stack.add(
                 Service("proxy", "services.proxy", env("proxy", {**proxy_env, "REIN_PORT": port_of("proxy")}),
@@ -282,15 +297,9 @@ def start(config: StackConfig) -> LocalStack:
                     name,
                     "services.collector",
                     env(
-                        name,
+                        "collector",
                         {
-                            **COLLECTOR_KAFKA,
                             "REIN_REPLICA_ID": name,
-                            "REIN_KEEP_VERSIONS": str(config.keep_versions),
-                            "REIN_BATCH_GROUPS": str(config.batch_groups),
-                            "REIN_NO_SIGNAL_GROUPS": config.no_signal_groups or (
-                                "keep" if config.mode == "sync" else "drop"),
-                            "REIN_STALE_GROUPS": config.stale_groups,
                             "REIN_METRICS_PORT": port_of(name),
                         },
                     ),
@@ -307,15 +316,7 @@ def start(config: StackConfig) -> LocalStack:
                     {
                         "REIN_PROXY_URL": urls["proxy"],
                         **credentials.runner_env(),
-                        "REIN_SEED": str(config.seed),
-                        "REIN_GROUP_SIZE": str(config.group_size),
-                        "REIN_MAX_CONCURRENT_GROUPS": str(config.max_concurrent_groups),
-                        "REIN_MODE": config.mode,
-                        "REIN_PACING": config.pacing,
-                        "REIN_GROUPS_PER_STEP": str(config.batch_groups),
                         "REIN_METRICS_PORT": port_of("rollout"),
-                        "REIN_TASK": config.task,
-                        **optional({"REIN_MAX_TOKENS": config.max_tokens}),
                     },
                 ),
                 f"{urls['rollout']}/health",

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ops.demo_presets import PRESETS
+from ops.stack_flags import preset_stack
 from tests.support.demo_runs import finished_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,8 +96,9 @@ def _proxy(out: Path) -> None:
 
 def _inprocess(out: Path) -> None:
     data = _json(out, "steps", "wall_s", "episodes_per_s", "reward_first", "reward_last", "reward_at", "rows")
-    tiny = PRESETS["tiny"]
-    assert data["steps"] == 3 and data["episodes"] == 3 * tiny.batch_groups * tiny.group_size, "the demo's batch"
+    tiny = preset_stack("tiny")
+    batch = tiny.batch_groups * tiny.setting("rollout", "group_size")
+    assert data["steps"] == 3 and data["episodes"] == 3 * batch, "the demo's batch"
     assert data["episodes_per_s"] > 0
     assert set(data["reward_at"]) == {"1", "1000"}
 

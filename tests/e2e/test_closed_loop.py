@@ -48,18 +48,19 @@ def _last_trainable_version(mask: list[int], versions: list[str | None]) -> str 
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     config = small_stack(
         tmp_path_factory.mktemp("closed-loop"),
-        steps=STEPS,
         collectors=COLLECTORS,
-        # Unpaced: the engine keeps generating while the trainer steps, so updates land on
-        # generations in flight and the token mask is exercised. Paced, the runner starts a batch's
-        # prompts right after an update and they finish before the next (that is pacing's purpose,
-        # tested in tests/integration/rollout/test_runner.py), leaving the mask nothing to do.
-        pacing="off",
-        max_tokens=6,
-        # From a policy that already answers one valid number: untrained, its replies almost never read as
-        # the secret, every reward of a group is equal and a batch has no gradient (99 to 198 batches for
-        # the 5 optimizer steps, a wait set by luck); warm, almost every batch trains.
-        init_weights=format_keeping_checkpoint(tmp_path_factory.mktemp("warm") / "v0.pt"),
+        services={
+            # Unpaced: the engine keeps generating while the trainer steps, so updates land on
+            # generations in flight and the token mask is exercised. Paced, the runner starts a batch's
+            # prompts right after an update and they finish before the next (that is pacing's purpose,
+            # tested in tests/integration/rollout/test_runner.py), leaving the mask nothing to do.
+            "rollout": {"pacing": "off", "max_tokens": 6},
+            # From a policy that already answers one valid number: untrained, its replies almost never read as
+            # the secret, every reward of a group is equal and a batch has no gradient (99 to 198 batches for
+            # the 5 optimizer steps, a wait set by luck); warm, almost every batch trains.
+            "trainer": {"max_steps": STEPS,
+                        "init_weights": format_keeping_checkpoint(tmp_path_factory.mktemp("warm") / "v0.pt")},
+        },
     )
     local = start(config)
     try:

@@ -14,26 +14,16 @@ from typing import Any
 import pytest
 
 from ops.local.stack import LocalStack, start
-from shared.bus import read_topic
 from shared.membership import Members
-from shared.names import RedisKeys, Topics
-from shared.schemas import Chunk, SessionFinished, SessionRejected, WeightApplied
-from shared.settings import KafkaSettings
+from shared.names import RedisKeys
+from shared.schemas import SessionFinished, SessionRejected, WeightApplied
 from shared.state import client_for
-from tests.support.readback import (
-    assert_every_manifest_trained_once,
-    assert_groups_accounted_for,
-    engine_info,
-    kill_replica,
-    small_stack,
-    stop_and_read,
-    trained_steps,
-)
+from tests.support.fault_runs import PROGRESS_TIMEOUT_S, assert_nothing_lost_or_trained_twice, read_chunks
+from tests.support.readback import engine_info, kill_replica, small_stack, stop_and_read, trained_steps
 from tests.support.wait import wait_on_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
-PROGRESS_TIMEOUT_S = 300
 ENGINES = ("engine-0", "engine-1")
 
 
@@ -43,9 +33,8 @@ def _version(local: LocalStack, name: str) -> str:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    config = small_stack(tmp_path_factory.mktemp("engines"), engines=2)
-    config.extra_env["engine"] = {"REIN_HEARTBEAT_S": "0.5", "REIN_REGISTRATION_TTL_S": "3"}
-    config.extra_env["proxy"] = {"REIN_ENGINE_HEALTH_INTERVAL_S": "0.5"}
+    config = small_stack(tmp_path_factory.mktemp("engines"), engines=2, services={
+        "engine": {"heartbeat_s": 0.5, "registration_ttl_s": 3}, "proxy": {"engine_health_interval_s": 0.5}})
     local = start(config)
     redis = client_for(local.infra.redis_settings())
     members = Members(redis, RedisKeys(), "engine")
@@ -59,8 +48,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # One engine dies: its sessions are lost on record, its registration lapses, the other carries the run.
         data |= kill_replica(local, "engine-1", members, [local.urls["engine-0"]], PROGRESS_TIMEOUT_S)
         data |= stop_and_read(local, allow_dead=("engine-1",))
-        kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
-        data["chunks"] = [r for r in read_topic(kafka, Topics().chunks, 60) if isinstance(r, Chunk)]
+        data["chunks"] = read_chunks(local)
         print(f"\nengine replicas: registration lapsed {data['lapsed_s']} s after the kill, two steps with one "
               f"engine in {data['two_steps_s']} s, {len(data['rows'])} steps")
     finally:
@@ -104,5 +92,4 @@ def test_the_dead_engines_sessions_ended_on_record_and_the_run_went_on(run: dict
     assert lost, "no session ended for its engine's death"
     elsewhere = {s for s in lost if engines.get(s, {dead}) != {dead}}
     assert not elsewhere, f"sessions of the live engine ended as lost: {sorted(elsewhere)[:5]}"
-    assert_every_manifest_trained_once(run["rows"])
-    assert_groups_accounted_for(run["batches"], run["decisions"], run["pending"])
+    assert_nothing_lost_or_trained_twice(run)

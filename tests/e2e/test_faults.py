@@ -28,15 +28,15 @@ from ops.local.launcher import Service
 from ops.local.stack import LocalStack, start
 from shared.bus import read_topic
 from shared.names import RedisKeys, Topics
-from shared.schemas import DecisionRecord, GroupDispatched, SessionRejected, WeightPublished
+from shared.schemas import DecisionRecord, GroupDispatched, SessionRejected
 from shared.settings import KafkaSettings
+from tests.support.fault_runs import PROGRESS_TIMEOUT_S, assert_registry_matches_weights, wait_trained
 from tests.support.readback import (
     assert_every_manifest_trained_once,
     assert_groups_accounted_for,
     batches_made,
     small_stack,
     stop_and_read,
-    trained_index,
     trained_steps,
 )
 from tests.support.rebalance import ForeignMember
@@ -58,7 +58,6 @@ GROUPS = {
 }
 DOWN_S = 5.0
 """How long Kafka and Redis stay down when they are killed."""
-PROGRESS_TIMEOUT_S = 300
 SESSION_IDLE_S = 3.0
 """The proxy's idle timeout here: sessions of the killed runner are rejected this long after their last call."""
 INCOMPLETE_S = 60.0
@@ -97,12 +96,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         tmp_path_factory.mktemp("faults"),
         # Unpaced, so the runner always has sessions open when it is killed (paced, the tiny engine
         # finishes a batch's prompts long before the trainer's next step and then waits for it).
-        pacing="off",
-        max_tokens=6,
-        extra_env={
-            "broadcaster": {"REIN_RECONCILE_INTERVAL_S": "2"},
-            "proxy": {"REIN_SESSION_IDLE_TIMEOUT_S": str(SESSION_IDLE_S)},
-            **{f"collector-{i}": {"REIN_INCOMPLETE_TIMEOUT_S": str(INCOMPLETE_S)} for i in range(2)},
+        services={
+            "rollout": {"pacing": "off", "max_tokens": 6},
+            "broadcaster": {"reconcile_interval_s": 2},
+            "proxy": {"session_idle_timeout_s": SESSION_IDLE_S},
+            "collector": {"incomplete_timeout_s": INCOMPLETE_S},
         },
     )
     local = start(config)
@@ -143,8 +141,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             else:
                 _kill_and_restart(local, fault)
             injected_s = time.monotonic() - started
-            wait_on_stack(f"a batch made after the {fault} fault trained",
-                  lambda m=made: trained_index(local) >= m, PROGRESS_TIMEOUT_S, local)
+            wait_trained(local, made, f"a batch made after the {fault} fault")
             faults.append({"fault": fault, "steps_before": before, "fault_s": round(injected_s, 1),
                            "new_batch_trained_after_s": round(time.monotonic() - started, 1)})
         last = trained_steps(local) + EXTRA_STEPS
@@ -208,9 +205,7 @@ def test_groups_open_when_the_runner_died_were_all_decided_and_retried(run: dict
 
 
 def test_registry_was_rebuilt_in_order_after_redis_lost_it(run: dict[str, Any]) -> None:
-    published = {r.version: r.seq for r in run["weights"] if isinstance(r, WeightPublished)}
-    registry = {label: int(seq) for label, seq in run["registry"]}
-    assert registry == published, "the registry in Redis differs from the weights topic"
+    assert_registry_matches_weights(run)
     rebuilds = sum(_metric(run["metrics"][c], "rein_collector_registry_rebuilds_total")
                    for c in ("collector-0", "collector-1"))
     assert rebuilds >= 1

@@ -44,20 +44,15 @@ Measured: ~3.5e-6 per step; a shifted token, a wrong temperature or a stale weig
 def run(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     config = StackConfig(
         run_dir=tmp_path_factory.mktemp("smollm2"),
-        steps=STEPS,
-        keep_versions=2,
-        max_preempts=2,
         collectors=1,
-        group_size=2,
         batch_groups=1,
-        max_concurrent_groups=1,
         mode="sync",
         model=str(smollm2_dir),
-        task="arithmetic",
-        max_tokens=16,
-        lr=1e-5,
-        weight_decay=0.0,
-        keep_checkpoints=2,
+        services={
+            "trainer": {"max_steps": STEPS, "lr": 1e-5, "weight_decay": 0.0, "keep_checkpoints": 2},
+            "proxy": {"max_preempts": 2},
+            "rollout": {"group_size": 2, "max_concurrent_groups": 1, "task": "arithmetic", "max_tokens": 16},
+        },
         startup_timeout_s=300.0,
         stop_timeout_s=60.0,
     )

@@ -34,14 +34,17 @@ _ALLOWED = [
 """The decision sets one group may have (a kept group may be dropped later when the window moves on)."""
 
 
-def small_stack(run_dir: Path, **overrides: Any) -> StackConfig:
+def small_stack(run_dir: Path, services: dict[str, dict[str, Any]] | None = None, **fields: Any) -> StackConfig:
     """The local stack the fault scenarios run: the tiny policy, unbounded steps, two collectors, small
-    groups and batches so that a step comes every few seconds; groups without signal are kept."""
-    values: dict[str, Any] = {
-        "steps": 0, "collectors": 2, "group_size": 4, "batch_groups": 4, "max_concurrent_groups": 8,
-        "engine_step_delay_s": 0.01, "no_signal_groups": "keep",
+    groups and batches so that a step comes every few seconds, a span cap of 2; groups without signal are
+    kept. ``services`` adds to (or overrides) these settings, service by service; ``fields`` are StackConfig's."""
+    values: dict[str, dict[str, Any]] = {
+        "rollout": {"group_size": 4, "max_concurrent_groups": 8}, "engine": {"step_delay_s": 0.01},
+        "collector": {"no_signal_groups": "keep"}, "proxy": {"max_preempts": 2},
     }
-    return StackConfig(run_dir=run_dir, **(values | overrides))
+    for name, given in (services or {}).items():
+        values[name] = {**values.get(name, {}), **given}
+    return StackConfig(run_dir=run_dir, **({"collectors": 2, "batch_groups": 4} | fields), services=values)
 
 
 def engine_info(local: LocalStack, name: str = "engine") -> dict[str, Any]:

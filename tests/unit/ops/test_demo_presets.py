@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,37 +16,37 @@ from ops.report import optimizer_steps
 from ops.stack_flags import apply_preset, resolve_model, stack_config
 
 
-def test_tiny_demo_keeps_its_defaults() -> None:
+def test_tiny_demo_keeps_its_defaults(tmp_path: Path) -> None:
     args = parse_args([])
     assert (args.model, args.steps, args.minutes, args.group_size, args.batch_groups) == ("tiny", 2000, 8, 8, 4)
     assert args.concurrent_groups == 8
     assert args.mode == "async"
-    assert (args.task, args.max_tokens, args.lr, args.keep_checkpoints, args.timeout_min) == (
-        "guess_number",
-        None,
-        None,
-        16,
-        30.0,
-    )
+    assert (args.task, args.max_tokens, args.lr) == (None, None, None)
+    assert (args.keep_checkpoints, args.timeout_min) == (16, 30.0)
+    config = stack_config(args, "tiny", tmp_path)  # a flag the preset leaves unset keeps the service's default
+    assert (config.setting("rollout", "task"), config.setting("rollout", "max_tokens")) == ("guess_number", 1)
+    assert config.setting("trainer", "lr") == 1e-3
 
 
 def test_a_real_model_gets_the_hf_preset_and_flags_override_it() -> None:
     args = parse_args(["--model", "smollm2", "--group-size", "2"])
     hf = PRESETS["hf"]
-    assert args.task == "arithmetic" and args.max_tokens == hf.max_tokens and args.lr == hf.lr
+    assert args.task == "arithmetic" and args.max_tokens == hf.flags["max_tokens"] and args.lr == hf.flags["lr"]
     assert args.minutes == 20 and args.keep_checkpoints == 2 and args.group_size == 2
     assert args.mode == "sync" and parse_args(["--model", "smollm2", "--mode", "async"]).mode == "async"
     assert args.timeout_min >= args.minutes + 10  # the error timeout never cuts the time budget short
 
 
 def test_staleness_controls_reach_the_stack_and_can_all_be_turned_off(tmp_path: Path) -> None:
+    controls = [("collector", "keep_versions"), ("proxy", "max_preempts"), ("rollout", "pacing"),
+                ("trainer", "offpolicy_correction"), ("trainer", "nonlast_version_tokens")]
     on = stack_config(parse_args([]), "tiny", tmp_path)
-    assert (on.keep_versions, on.max_preempts, on.pacing, on.offpolicy_correction, on.mask_nonlast_version) == (
-        2, 2, "window", "none", True)
+    assert [on.setting(*c) for c in controls] == [2, 2, "window", "none", "mask"]
+    assert on.env_of("proxy")["REIN_MAX_PREEMPTS"] == "2" and on.env_of("collector")["REIN_KEEP_VERSIONS"] == "2"
     off = stack_config(parse_args(["--keep-versions", "0", "--max-preempts", "none", "--pacing", "off",
                                    "--correction", "tis", "--nonlast-version-tokens", "weight"]), "tiny", tmp_path)
-    assert (off.keep_versions, off.max_preempts, off.pacing, off.offpolicy_correction, off.mask_nonlast_version) == (
-        0, None, "off", "tis", False)
+    assert [off.setting(*c) for c in controls] == [0, None, "off", "tis", "weight"]
+    assert "REIN_MAX_PREEMPTS" not in off.env_of("proxy"), "no cap: the proxy's default"
     with pytest.raises(SystemExit):
         parse_args(["--max-preempts", "-1"])
 
@@ -86,7 +85,8 @@ def test_timing_splits_train_from_generation() -> None:
 
 
 def test_summary_names_the_model_task_and_why_it_stopped(tmp_path: Path) -> None:
-    config = StackConfig(run_dir=tmp_path, model="/m/smollm2", task="arithmetic", max_tokens=48, lr=1e-5)
+    config = StackConfig(run_dir=tmp_path, model="/m/smollm2", services={
+        "rollout": {"task": "arithmetic", "max_tokens": 48}, "trainer": {"lr": 1e-5}})
     rows = [{"step": i, "reward_mean": 0.1 * i, "ts": float(i), "step_time_s": 1.0} for i in range(1, 9)]
     summary = summarize(rows, 0, 60.0, config, stopped_by="time", train_wall_s=50.0)
     assert summary["model"] == "/m/smollm2" and summary["task"] == "arithmetic"
@@ -96,7 +96,7 @@ def test_summary_names_the_model_task_and_why_it_stopped(tmp_path: Path) -> None
 
 def test_summary_says_learned_by_the_task_s_documented_bar(tmp_path: Path) -> None:
     """docs/task.md: the last steps' mean must rise by 0.15 to above the task's floor, not merely end higher."""
-    config = StackConfig(run_dir=tmp_path, task="guess_number")
+    config = StackConfig(run_dir=tmp_path, services={"rollout": {"task": "guess_number"}})
     recorded = [{"step": i + 1, "reward_mean": r} for i, r in enumerate([0.054] * 5 + [0.12] * 20 + [0.195] * 5)]
     summary = summarize(recorded, 0, 60.0, config)
     assert (summary["reward_start"], summary["reward_end"]) == pytest.approx((0.054, 0.195))
@@ -104,7 +104,7 @@ def test_summary_says_learned_by_the_task_s_documented_bar(tmp_path: Path) -> No
     rising = [{"step": i + 1, "reward_mean": 0.06 + 0.01 * i} for i in range(40)]  # 0.08 -> 0.43
     assert summarize(rising, 0, 60.0, config)["learned"] is True
     steps = [{"step": i + 1, "reward_mean": 0.1 * i} for i in range(1, 9)]  # 0.15 -> 0.75 (windows of 2)
-    arithmetic = summarize(steps, 0, 60.0, StackConfig(run_dir=tmp_path, task="arithmetic"))
+    arithmetic = summarize(steps, 0, 60.0, StackConfig(run_dir=tmp_path, services={"rollout": {"task": "arithmetic"}}))
     assert arithmetic["learned"] is True and arithmetic["reward_window_steps"] == 2
 
 
@@ -131,21 +131,24 @@ def test_the_rollout_flags_reach_the_runner_and_the_summary(tmp_path: Path) -> N
     args = parse_args(["--model", "smollm2", "--temperature", "0.7", "--agent-command", "llm openai endpoint "
                        "'{base_url}' '{prompt}' --key '{api_key}'"])
     config = stack_config(args, "/m", tmp_path)
-    assert config.extra_env["rollout"] == {
-        "REIN_TEMPERATURE": "0.7",
-        "REIN_AGENT_COMMAND": '["llm", "openai", "endpoint", "{base_url}", "{prompt}", "--key", "{api_key}"]',
-    }
-    assert stack_config(parse_args([]), "tiny", tmp_path).extra_env == {"rollout": {}}
+    env = config.env_of("rollout")
+    assert env["REIN_TEMPERATURE"] == "0.7"
+    assert env["REIN_AGENT_COMMAND"] == '["llm", "openai", "endpoint", "{base_url}", "{prompt}", "--key", "{api_key}"]'
+    rows = [{"step": i, "reward_mean": 0.1, "ts": float(i), "step_time_s": 1.0} for i in range(1, 4)]
+    settings = summarize(rows, 0, 3.0, config)["settings"]
+    assert settings["temperature"] == 0.7 and settings["agent_command"][0] == "llm"
+    plain = stack_config(parse_args([]), "tiny", tmp_path).env_of("rollout")
+    assert not {"REIN_TEMPERATURE", "REIN_AGENT_COMMAND", "REIN_ENV_TIME_MEDIAN_S"} & set(plain)
 
 
 def test_a_warm_start_reaches_the_stack_and_the_summary_and_a_missing_checkpoint_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert stack_config(parse_args([]), "tiny", tmp_path).init_weights is None
+    assert stack_config(parse_args([]), "tiny", tmp_path).setting("trainer", "init_weights") is None
     ckpt = tmp_path / "v200.pt"
     ckpt.write_bytes(b"")
     config = stack_config(parse_args(["--init-weights", str(ckpt)]), "tiny", tmp_path)
-    assert config.init_weights == ckpt.resolve()
+    assert config.setting("trainer", "init_weights") == ckpt.resolve()
     rows = [{"step": i, "reward_mean": 0.1, "ts": float(i), "step_time_s": 1.0} for i in range(1, 4)]
     assert summarize(rows, 0, 3.0, config)["settings"]["init_weights"] == str(ckpt.resolve())
     with pytest.raises(SystemExit):
@@ -155,12 +158,12 @@ def test_a_warm_start_reaches_the_stack_and_the_summary_and_a_missing_checkpoint
 
 def test_the_tiny_demo_trains_the_presets_wider_policy_and_a_flag_or_a_real_model_changes_it(tmp_path: Path) -> None:
     tiny = stack_config(parse_args([]), "tiny", tmp_path)
-    assert tiny.model_width == PRESETS["tiny"].model_width == 128
+    assert tiny.setting("trainer", "model_width") == PRESETS["tiny"].flags["model_width"] == 128
     rows = [{"step": i, "reward_mean": 0.1, "ts": float(i), "step_time_s": 1.0} for i in range(1, 4)]
     assert summarize(rows, 0, 3.0, tiny)["settings"]["model_width"] == 128
-    assert stack_config(parse_args(["--model-width", "64"]), "tiny", tmp_path).model_width == 64
+    assert stack_config(parse_args(["--model-width", "64"]), "tiny", tmp_path).setting("trainer", "model_width") == 64
     # an HF model's shape is its own config: the flag and the preset do not reach its trainer
-    assert stack_config(parse_args(["--model", "smollm2"]), "/m", tmp_path).model_width is None
+    assert "REIN_MODEL_WIDTH" not in stack_config(parse_args(["--model", "smollm2"]), "/m", tmp_path).env_of("trainer")
 
 
 def test_tool_call_counts_become_per_interval_shares_on_the_lines_they_were_read_with() -> None:
@@ -191,11 +194,28 @@ def test_rein_up_and_the_demo_start_the_same_stack_from_the_same_flags(tmp_path:
         apply_preset(up)
         demo = parse_args(flags)
         from_up, from_demo = stack_config(up, "m", tmp_path), stack_config(demo, "m", tmp_path)
-        assert from_up.steps == 0 and from_demo.steps == demo.steps > 0
-        assert replace(from_up, steps=from_demo.steps) == from_demo, flags
+        up_steps, demo_steps = from_up.setting("trainer", "max_steps"), from_demo.setting("trainer", "max_steps")
+        assert up_steps == 0 and demo_steps == demo.steps > 0
+        from_up.services["trainer"]["max_steps"] = demo_steps
+        assert from_up == from_demo, flags
 
 
 def test_each_presets_mode_says_which_measurement_chose_it() -> None:
     for name, preset in PRESETS.items():
         assert "docs/benchmarks.md" in preset.mode_why, name
     assert not hasattr(parse_args([]), "mode_why")  # a reason, not a flag
+
+
+def test_every_preset_sets_flags_the_stack_has_and_values_its_services_take() -> None:
+    import argparse
+
+    from ops.stack_flags import add_stack_flags, preset_stack
+
+    parser = argparse.ArgumentParser()
+    add_stack_flags(parser)
+    dests = set(vars(parser.parse_args([]))) | {"steps"}  # --steps is each command's own (demo: capped, up: none)
+    for name, preset in PRESETS.items():
+        assert set(preset.flags) <= dests, (name, set(preset.flags) - dests)
+    hf = preset_stack("/m/smollm2")  # StackConfig checks each value against its service's settings
+    assert (hf.setting("rollout", "task"), hf.setting("trainer", "lr"), hf.mode) == ("arithmetic", 2e-5, "sync")
+    assert preset_stack("tiny").setting("trainer", "max_steps") == PRESETS["tiny"].flags["steps"]

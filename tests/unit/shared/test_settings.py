@@ -4,9 +4,11 @@ import pytest
 from pydantic import ValidationError
 
 from services.collector.settings import CollectorSettings
+from services.proxy.settings import ProxySettings
 from services.rollout.settings import RolloutSettings
 from shared.names import RedisKeys
-from shared.settings import RedisSettings, ServiceSettings, SettingsError, load
+from shared.settings import RedisSettings, ServiceSettings, SettingsError, load, settings_env
+from shared.staleness import NoSignalGroups
 
 
 def test_nested_variables_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,3 +82,38 @@ def test_redis_failover_settings_from_the_environment(monkeypatch: pytest.Monkey
     redis = load(ServiceSettings).redis
     assert redis.sentinels == ["127.0.0.1:26379", "10.0.0.2:26379"] and redis.replicas_acked == 1
     assert redis.sentinel_master == "rein" and redis.replica_ack_timeout_s < redis.socket_timeout_s
+
+
+def test_settings_env_gives_back_the_values_it_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the local stack composes a service's environment with: each value, read back by the service's own
+    settings class from the variables, is the value given (lists as JSON, booleans, nested models, enums)."""
+    values = {"task": "arithmetic", "agent_command": ["llm", "{prompt}"], "mode": "sync", "temperature": 0.7,
+              "kafka": {"linger_ms": 20, "bootstrap_servers": "127.0.0.1:1"}, "log_json": False}
+    env = settings_env(RolloutSettings, values)
+    assert env["REIN_KAFKA__LINGER_MS"] == "20" and env["REIN_LOG_JSON"] == "false"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    back = load(RolloutSettings)
+    assert (back.task, back.agent_command, back.mode, back.temperature, back.log_json) == (
+        "arithmetic", ["llm", "{prompt}"], "sync", 0.7, False)
+    assert (back.kafka.linger_ms, back.kafka.bootstrap_servers) == (20, "127.0.0.1:1")
+    collector = settings_env(CollectorSettings, {"no_signal_groups": NoSignalGroups.KEEP})
+    assert collector == {"REIN_NO_SIGNAL_GROUPS": "keep"}
+
+
+def test_settings_env_refuses_an_unknown_name_or_a_bad_value_before_any_service_starts() -> None:
+    with pytest.raises(SettingsError, match=r"RolloutSettings has no setting 'tsak' \(REIN_TSAK\); known: .*task"):
+        settings_env(RolloutSettings, {"tsak": "arithmetic"})
+    with pytest.raises(SettingsError, match="REIN_KAFKA__LINGER_MSS"):
+        settings_env(RolloutSettings, {"kafka": {"linger_mss": 1}})
+    with pytest.raises(SettingsError, match=r"REIN_GROUP_SIZE: .*greater than or equal to 1 \(got 0\)"):
+        settings_env(RolloutSettings, {"group_size": 0})
+    with pytest.raises(SettingsError, match=r"REIN_TASK: .*unknown task 'nope'"):
+        settings_env(RolloutSettings, {"task": "nope"})
+    with pytest.raises(SettingsError, match="REIN_GROUP_SIZE"):  # None stands only for a default of None
+        settings_env(RolloutSettings, {"group_size": None})
+
+
+def test_settings_env_leaves_a_none_whose_default_is_none_unset() -> None:
+    assert settings_env(ProxySettings, {"max_preempts": None}) == {}
+    assert settings_env(ProxySettings, {"max_preempts": 2}) == {"REIN_MAX_PREEMPTS": "2"}
