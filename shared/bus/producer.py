@@ -5,9 +5,9 @@ can stop sending to a partition for good after a broker outage: when a batch it 
 expires, it resets its producer id and returns without sending the batches it had just drained, and
 their partitions stay muted (one request in flight per partition), so every later record to them
 expires too, while the broker answers and other partitions work. A new client has no such state;
-records the old one still holds are delivered or fail with their own delivery timeout, and their
-callers hear either way. (Reproduced, and tested, by killing the broker under load:
-``tests/integration/shared/test_producer_recovery.py``.)
+records the old one still holds are delivered or fail within their delivery timeout (those it will never
+send are failed then), and their callers hear either way; then it is closed. (Reproduced, and tested,
+by killing the broker under load: ``tests/integration/shared/test_producer_recovery.py``.)
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class Producer:
         _log.warning("kafka_producer_replaced", client_id=self._client_id, replacements=self.replacements,
                      reason="a delivery expired")
         # the old client answers what it holds within its delivery timeout, then closes
-        threading.Thread(target=_close_quietly, args=(old, self._delivery_timeout_ms / 1000 + 1.0),
+        threading.Thread(target=_retire, args=(old, self._delivery_timeout_ms / 1000 + 1.0),
                          name="producer-retire", daemon=True).start()
 
     def _note(self, exc: BaseException) -> None:
@@ -153,8 +153,29 @@ class Producer:
         return True
 
 
-def _close_quietly(producer: KafkaProducer, timeout_s: float) -> None:
+def _retire(producer: KafkaProducer, timeout_s: float) -> None:
+    """Close a replaced client, letting it answer what it holds within ``timeout_s`` first.
+
+    kafka-python's ``close()`` flushes first and, when a batch never completes (the drained, never-sent
+    batches the replacement works around), raises before it stops its I/O thread, which then outlives the
+    client and raises again when the client is collected. Those batches are failed instead (each record's
+    callback hears it) and the client is closed without waiting."""
     try:
         producer.close(timeout=timeout_s)
+        return
     except KafkaError as exc:
-        _log.warning("retired_kafka_producer_not_closed", error=str(exc))
+        failed = _fail_unfinished(producer)
+        _log.warning("retired_kafka_producer_forced", error=str(exc), failed_batches=failed)
+    producer.close(timeout=0)
+
+
+def _fail_unfinished(producer: KafkaProducer) -> int:
+    """Fail every batch the client still counts as unfinished; how many. kafka-python has no public call for
+    it, so this reads its accumulator (2.3's ``_incomplete`` and ``deallocate``)."""
+    accumulator = producer._accumulator
+    batches = accumulator._incomplete.all()
+    for batch in batches:
+        if not batch.is_done:  # not a KafkaTimeoutError: the current client is not to be replaced for it
+            batch.abort(KafkaError("the replaced Kafka producer never sent this record"))
+        accumulator.deallocate(batch)
+    return len(batches)

@@ -91,5 +91,12 @@ def test_every_partition_takes_records_after_the_broker_is_killed_and_restarted(
         wait_until(lambda: answered == sent, 30, "an answer for every record",
                    details=lambda: f"{sent} sent, {answered} answered")
         producer.close()
+        # every client closed, the replaced ones too: none of their I/O threads outlives them
+        wait_until(lambda: not _network_threads(), 30, "no Kafka producer I/O thread left",
+                   details=lambda: f"alive: {_network_threads()}; clients replaced: {producer.replacements}")
     finally:
         infra.stop()
+
+
+def _network_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("rein-recovery") and t.is_alive()]
