@@ -14,6 +14,7 @@ from ops.demo_metrics import EngineUsage
 from ops.learned import judge
 from ops.local.stack import StackConfig
 from ops.report import optimizer_steps, plot_run, waste
+from ops.stack_flags import FLAG_SETTINGS, STACK_FIELDS
 
 
 def _mean(values: list[float]) -> float | None:
@@ -47,31 +48,16 @@ def timing(rows: list[dict[str, Any]], usage: EngineUsage | None, train_wall_s: 
     return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
 
 
-SUMMARY_SETTINGS = {
-    "keep_versions": ("collector", "keep_versions"), "max_preempts": ("proxy", "max_preempts"),
-    "pacing": ("rollout", "pacing"), "offpolicy_correction": ("trainer", "offpolicy_correction"),
-    "stale_groups": ("collector", "stale_groups"), "nonlast_version_tokens": ("trainer", "nonlast_version_tokens"),
-    "partial_rollout": ("proxy", "partial_rollout"), "batch_groups": ("collector", "batch_groups"),
-    "group_size": ("rollout", "group_size"), "mode": ("rollout", "mode"), "seed": ("trainer", "seed"),
-    "torch_threads": ("trainer", "torch_threads"), "no_signal_groups": ("collector", "no_signal_groups"),
-    "max_tokens": ("rollout", "max_tokens"), "temperature": ("rollout", "temperature"),
-    "env_time_median_s": ("rollout", "env_time_median_s"), "env_time_sigma": ("rollout", "env_time_sigma"),
-    "agent_command": ("rollout", "agent_command"), "lr": ("trainer", "lr"),
-    "weight_decay": ("trainer", "weight_decay"), "epochs": ("trainer", "epochs"),
-    "keep_checkpoints": ("trainer", "keep_checkpoints"), "model_width": ("trainer", "model_width"),
-    "init_weights": ("trainer", "init_weights"),
-}
-"""The settings a run's summary records (its key -> service and setting): what it ran with, defaults included."""
-
-
 def settings_of(config: StackConfig) -> dict[str, Any]:
-    """The values of ``SUMMARY_SETTINGS`` this run's services ran with (a path as text), and its collectors."""
-    values = {key: config.setting(*where) for key, where in SUMMARY_SETTINGS.items()}
+    """What the run's services ran with, by the flag of each (``ops.stack_flags``), defaults included; a path as
+    text."""
+    values = {dest: config.setting(*where) for dest, where in FLAG_SETTINGS.items()}
+    values |= {name: getattr(config, name) for name in STACK_FIELDS}
     if values["init_weights"] is not None:
         values["init_weights"] = str(values["init_weights"])
     if config.model != "tiny":
         values["model_width"] = None  # an HF model's width is its config's
-    return {**values, "collectors": config.collectors}
+    return values
 
 
 def summarize(

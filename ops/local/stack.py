@@ -45,6 +45,7 @@ def settings_class(service: str) -> type[ServiceSettings]:
     cls: type[ServiceSettings] = getattr(importlib.import_module(module), name)
     return cls
 
+
 TUNING: dict[str, dict[str, Any]] = {
     # the proxy's chunks in batches of 20 ms: no agent waits for their acks (only a session's finish does), and
     # fewer, larger produce requests cost the broker and the proxy less CPU per chat call (docs/benchmarks.md)
@@ -90,7 +91,8 @@ class StackConfig:
     services: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Each service's settings by field name (``{"collector": {"keep_versions": 1}, "trainer": {"lr": 2e-5}}``; a
     mapping for a nested model: ``{"proxy": {"kafka": {"linger_ms": 0}}}``), checked against its settings class
-    when the config is made; "collector" is every collector. The fields above are set above, not here."""
+    when the config is made; "collector" is every collector. What the fields above share (``STACK_WIDE``) is set
+    there, not here."""
     collectors: int = 2
     engines: int = 1
     """Engine replicas. More than one: each registers itself (``REIN_ADVERTISE_URL``), the proxies route to the
