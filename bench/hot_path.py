@@ -44,6 +44,7 @@ from bench.pipeline import demo_config
 from bench.procstat import service_pids, snapshot
 from ops.local.stack import start
 from ops.report import rows_so_far
+from shared.settings import setting_loc
 
 _CHAT = re.compile(r'^rein_proxy_requests_total\{route="/v1/chat/completions",status="200"\}\s+(\S+)$', re.M)
 _EPISODES = re.compile(r"^rein_rollout_episodes_total\{[^}]*\}\s+(\S+)$", re.M)
@@ -101,7 +102,7 @@ def main() -> int:
     for item in args.env:  # REIN_KAFKA__LINGER_MS=20 is the setting kafka.linger_ms, checked when the stack starts
         service, _, setting = item.partition(":")
         name, _, value = setting.partition("=")
-        *outer, last = name.upper().removeprefix("REIN_").lower().split("__")
+        *outer, last = setting_loc(name)
         target = config.services.setdefault(service, {})
         for part in outer:
             target = target.setdefault(part, {})

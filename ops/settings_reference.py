@@ -23,7 +23,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from shared.registry import Registry
-from shared.settings import ENV_PREFIX, NESTED_DELIMITER, ServiceSettings
+from shared.settings import ServiceSettings, env_name
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
 
@@ -89,7 +89,7 @@ def rows(cls: type[BaseModel], prefix: tuple[str, ...] = ()) -> Iterator[tuple[s
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             yield from rows(ann, (*prefix, name))
             continue
-        env = ENV_PREFIX + NESTED_DELIMITER.join(p.upper() for p in (*prefix, name))
+        env = env_name((*prefix, name))
         registry = next((m for m in field.metadata if isinstance(m, Registry)), None)
         kind = " \\| ".join(f"`{n}`" for n in registry) if registry is not None else _type(ann)
         yield env, kind, _default(field), _text(field)

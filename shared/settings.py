@@ -197,6 +197,14 @@ def env_name(loc: tuple[int | str, ...]) -> str:
     return ENV_PREFIX + NESTED_DELIMITER.join(str(part).upper() for part in loc)
 
 
+def setting_loc(variable: str) -> tuple[str, ...]:
+    """The field path a ``REIN_*`` variable sets (``REIN_KAFKA__LINGER_MS`` -> ``("kafka", "linger_ms")``), the
+    inverse of :func:`env_name`; ValueError without the prefix."""
+    if not variable.upper().startswith(ENV_PREFIX):
+        raise ValueError(f"{variable} lacks the {ENV_PREFIX} prefix")
+    return tuple(variable[len(ENV_PREFIX) :].lower().split(NESTED_DELIMITER))
+
+
 def settings_env(cls: type[BaseModel], values: Mapping[str, Any], loc: tuple[str, ...] = ()) -> dict[str, str]:
     """The ``REIN_*`` variables that give ``cls``'s fields ``values``, by field name (a mapping for a nested
     model: ``{"kafka": {"linger_ms": 20}}``). Each name is checked against the class and each value against its

@@ -125,27 +125,29 @@ class StackConfig:
             self.env_of(name)  # every name and value checked now, before anything starts
 
     def env_of(self, service: str) -> dict[str, str]:
-        """The ``REIN_*`` variables of ``service``'s settings: the stack's tuning, the shared fields, its own."""
+        """The ``REIN_*`` variables of ``service``'s settings given by the stack (:meth:`_given`)."""
         cls = settings_class(service)
+        env: dict[str, str] = {}
+        for layer in self._given(service):
+            env |= settings_env(cls, layer)
+        return env
+
+    def setting(self, service: str, name: str) -> Any:
+        """The value ``service`` runs with for its setting ``name``: given by the stack, or its class's default."""
+        for layer in reversed(self._given(service)):
+            if name in layer:
+                return layer[name]
+        value = settings_class(service).model_fields[name].get_default(call_default_factory=True)
+        return value.value if isinstance(value, Enum) else value
+
+    def _given(self, service: str) -> tuple[dict[str, Any], ...]:
+        """``service``'s settings the stack gives, each layer overriding the one before: the stack's tuning, the
+        shared fields (and, in sync mode, the collectors keeping groups without signal), ``services``."""
         shared = {setting: getattr(self, wide) for wide, targets in STACK_WIDE.items()
                   if (setting := targets.get(service)) is not None}
         if service == "collector" and self.mode == "sync":
             shared["no_signal_groups"] = "keep"
-        return (settings_env(cls, TUNING.get(service, {})) | settings_env(cls, shared)
-                | settings_env(cls, self.services.get(service, {})))
-
-    def setting(self, service: str, name: str) -> Any:
-        """The value ``service`` runs with for its setting ``name``: given here, or its settings class's default."""
-        for wide, targets in STACK_WIDE.items():
-            if targets.get(service) == name:
-                return getattr(self, wide)
-        given = self.services.get(service, {})
-        if name in given:
-            return given[name]
-        if service == "collector" and name == "no_signal_groups" and self.mode == "sync":
-            return "keep"
-        value = settings_class(service).model_fields[name].get_default(call_default_factory=True)
-        return value.value if isinstance(value, Enum) else value
+        return TUNING.get(service, {}), shared, self.services.get(service, {})
 
 
 @dataclass

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic_settings import BaseSettings
 
-from shared.settings import ENV_PREFIX, NESTED_DELIMITER, ServiceSettings, load
+from shared.settings import ENV_PREFIX, ServiceSettings, load, setting_loc
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
@@ -108,9 +108,10 @@ def settings_class(name: str) -> type[ServiceSettings]:
 
 def field_path_error(cls: type[BaseModel], key: str) -> str | None:
     """None when ``REIN_A__B`` names a field (``a`` then nested ``b``) of ``cls``; else why not."""
-    if not key.startswith(ENV_PREFIX):
-        return f"{key} lacks the {ENV_PREFIX} prefix"
-    parts = key[len(ENV_PREFIX) :].lower().split(NESTED_DELIMITER)
+    try:
+        parts = setting_loc(key)
+    except ValueError as exc:
+        return str(exc)
     model: type[BaseModel] | None = cls
     for i, part in enumerate(parts):
         if model is None or part not in model.model_fields:

@@ -7,7 +7,7 @@ from services.collector.settings import CollectorSettings
 from services.proxy.settings import ProxySettings
 from services.rollout.settings import RolloutSettings
 from shared.names import RedisKeys
-from shared.settings import RedisSettings, ServiceSettings, SettingsError, load, settings_env
+from shared.settings import RedisSettings, ServiceSettings, SettingsError, env_name, load, setting_loc, settings_env
 from shared.staleness import NoSignalGroups
 
 
@@ -117,3 +117,10 @@ def test_settings_env_refuses_an_unknown_name_or_a_bad_value_before_any_service_
 def test_settings_env_leaves_a_none_whose_default_is_none_unset() -> None:
     assert settings_env(ProxySettings, {"max_preempts": None}) == {}
     assert settings_env(ProxySettings, {"max_preempts": 2}) == {"REIN_MAX_PREEMPTS": "2"}
+
+
+def test_a_variables_field_path_is_the_inverse_of_its_name() -> None:
+    for loc in [("kafka", "linger_ms"), ("max_preempts",), ("redis", "replica_ack_timeout_s")]:
+        assert setting_loc(env_name(loc)) == loc
+    with pytest.raises(ValueError, match="lacks the REIN_ prefix"):
+        setting_loc("KAFKA__LINGER_MS")
