@@ -130,6 +130,20 @@ class SessionIdle(SessionConflict):
     code = "session_idle"
 
 
+class SessionInterrupted(SessionConflict):
+    """The proxy that held the session died (or lost it) during a call: that call's chunks may be partly on
+    Kafka, so no other replica continues the session (its chunks would number from the wrong place)."""
+
+    code = "session_interrupted"
+
+
+class SessionMoved(SessionConflict):
+    """Another proxy replica took the session over (the balancer sent it a call while this one was out of
+    its rotation): this replica's copy is stale and takes no more calls."""
+
+    code = "session_moved"
+
+
 class StalePause(ReinError):
     """A renew or resume named a pause that is not the proxy's current one (its lease ran out, or a
     newer pause took over): refused, so a late control call cannot end someone else's pause."""
@@ -216,6 +230,12 @@ class KafkaUnavailable(DependencyUnavailable):
     code = "kafka_unavailable"
 
 
+class StateStoreUnavailable(DependencyUnavailable):
+    """Redis did not answer where the call needs it (reading a session another replica held)."""
+
+    code = "redis_unavailable"
+
+
 def http_body(error: ReinError) -> dict[str, Any]:
     """The JSON body of ``error``'s HTTP response: ``{"detail": {...}}``."""
     return {"detail": error.detail()}
@@ -252,6 +272,9 @@ SESSION_FAILURES: Mapping[str, SessionFailure] = {
     # one engine failed; new sessions go to the healthy ones (with none left, they fail engine_unavailable)
     EngineLost.code: SessionFailure(charged=False, backend_down=False),
     SessionIdle.code: SessionFailure(charged=False, backend_down=False),  # the agent's process is gone
+    StateStoreUnavailable.code: SessionFailure(charged=False, backend_down=False),  # one takeover, not the backend
+    SessionInterrupted.code: SessionFailure(charged=False, backend_down=False),  # its proxy died mid-call
+    SessionMoved.code: SessionFailure(charged=False, backend_down=False),
     INCOMPLETE: SessionFailure(charged=False, backend_down=False),
     SESSION_LOST: SessionFailure(charged=False, backend_down=False),
 }

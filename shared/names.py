@@ -110,6 +110,11 @@ class RedisKeys:
         expires (unix seconds); each replica renews its own (``shared.membership``)."""
         return f"{self.tag}:members:{kind}"
 
+    def session(self, session_id: str) -> str:
+        """Hash of one proxy session for another replica to continue (owner, calls begun, the snapshot after
+        the last call that ended, or how it ended; ``services.proxy.handoff``), expiring once it is idle."""
+        return f"{self.tag}:session:{session_id}"
+
     @property
     def pause(self) -> str:
         """The broadcaster's pause in progress (JSON: pause id, reason), expiring with its lease: a proxy

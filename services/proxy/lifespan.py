@@ -74,7 +74,8 @@ def lifespan(settings: ProxySettings, tokenizer: ChatTokenizer,
                 await engines.check()  # the registered engines take sessions from the first call on
             publisher = Publisher(settings.kafka, settings.publish_max_inflight_bytes, proxy_metrics)
             await publisher.start()
-            service = ProxyService(settings, engines, publisher, PauseController(), proxy_metrics, tokenizer)
+            service = ProxyService(settings, engines, publisher, PauseController(), proxy_metrics, tokenizer,
+                                   state=redis_client)
             _log.info("proxy ready", engines=[(e.url, e.version) for e in engines.all()],
                       discover_engines=settings.discover_engines,
                       partial_rollout=settings.partial_rollout, max_preempts=settings.max_preempts)
@@ -93,6 +94,8 @@ def lifespan(settings: ProxySettings, tokenizer: ChatTokenizer,
                     task.cancel()
                 service.controller.resume()  # release held calls so shutdown does not hang on them
                 await publisher.close()
+                if service.handoff is not None:  # the last snapshots, now that their chunks are answered
+                    await service.handoff.close(timeout_s=1.0)
         finally:
             if redis_client is not None:
                 redis_client.close()

@@ -34,6 +34,21 @@ class ProxyMetrics:
             "empty (an empty list of calls: the model's own \"no call\", answered as the text around it)",
             ("outcome",),
         )
+        self.takeovers = metrics.counter(
+            registry, "proxy/session_takeovers",
+            "Calls for a session another proxy replica held: continued (its snapshot restored here, token-exact), "
+            "interrupted (that replica stopped during one of its calls: refused), ended (it ended there: refused), "
+            "unreadable (refused)", ("outcome",),
+        )
+        self.moved = metrics.counter(
+            registry, "proxy/sessions_moved",
+            "Sessions held here that another replica took over meanwhile: their next call here was refused",
+        )
+        self.handoff_errors = metrics.counter(
+            registry, "proxy/session_store_errors",
+            "Redis operations on the sessions' handoff state that failed, by operation (begin, save, take, end)",
+            ("op",),
+        )
         self.tokens = metrics.counter(registry, "proxy/generated_tokens", "Output tokens received from engines")
         self.preempts = metrics.counter(registry, "proxy/preempts", "Engine requests that ended aborted (preempted)")
         self.rejections = metrics.counter(

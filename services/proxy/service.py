@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import redis
+
 from services.proxy.auth import CallIds
 from services.proxy.engine_client import EngineHandle, Sampling
 from services.proxy.engine_pool import EnginePool
@@ -42,11 +44,13 @@ from services.proxy.generation import (
     PauseController,
     generate_preemptible,
 )
+from services.proxy.handoff import Handoff
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.pause_control import PauseControl
 from services.proxy.publisher import Ack, Publisher
 from services.proxy.replies import ChatOutcome, ForceCall, ToolCalls
 from services.proxy.session_machine import Step, TurnPlan, VersionRules
+from services.proxy.session_snapshot import UnreadableSnapshot
 from services.proxy.sessions import Session, SessionStore
 from services.proxy.settings import ProxySettings
 from shared import log
@@ -56,9 +60,11 @@ from shared.errors import (
     EngineUnavailable,
     KafkaUnavailable,
     SessionBusy,
+    SessionMoved,
 )
 from shared.model.chat import ChatTokenizer
 from shared.model.tool_calls import ToolCallFormat
+from shared.names import RedisKeys
 from shared.schemas import Chunk, Record, new_id
 
 __all__ = ["CallIds", "ChatOutcome", "ProxyService"]
@@ -79,7 +85,10 @@ class ProxyService(PauseControl):
         tokenizer: ChatTokenizer,
         new_rid: Callable[[], str] = lambda: new_id("rein"),
         clock: Callable[[], float] = time.monotonic,
+        state: redis.Redis | None = None,
     ) -> None:
+        """``state``: the proxy's Redis client, where sessions are kept for other replicas (``session_handoff``
+        with ``advertise_url``)."""
         self.settings = settings
         self.engines = engines
         self.publisher = publisher
@@ -98,6 +107,12 @@ class ProxyService(PauseControl):
         kafka = settings.kafka
         self._ack_bound_s = (kafka.linger_ms + kafka.request_timeout_ms + kafka.max_block_ms) / 1000 + 5
         """Past this an unanswered chunk counts as lost (the producer answers each one sooner)."""
+        self.handoff: Handoff | None = None
+        """Sessions kept in Redis for another replica to continue (None: they live only here)."""
+        if state is not None and settings.session_handoff and settings.advertise_url:
+            idle, owner = settings.session_idle_timeout_s, f"{settings.advertise_url}#{new_id('p')}"
+            self.handoff = Handoff(state, RedisKeys(settings.redis.key_prefix), owner,
+                                   idle + 60 if idle else settings.session_key_ttl_s, self._ack_bound_s, metrics)
 
     # ------------------------------------------------------------------ chat
 
@@ -118,10 +133,13 @@ class ProxyService(PauseControl):
         Whatever stops the call is fed to the session once (``fail``/``cancel``) and its
         step is carried out: end the session, publish the rejection, answer. The session's
         acks are awaited first, so a rejection counts exactly the chunks on Kafka."""
+        await self._take_over(ids.session_id)
         session = self.sessions.acquire(ids.session_id, ids.group_id, ids.prompt_id, ids.attempt)
         self.metrics.sessions.set(len(self.sessions))
         try:
             self._look(session)
+            if self.handoff is not None:
+                await self._mark_call(session)
             plan = session.begin(messages, ids.turn_id, tools, force)
             engine = self.engines.route(session)
             request = self._request(plan, await engine.window(), ids, budget, sampling)
@@ -153,6 +171,34 @@ class ProxyService(PauseControl):
         finally:
             self.sessions.release(session)
             self.metrics.sessions.set(len(self.sessions))
+            if self.handoff is not None and session.phase == "open":
+                self.handoff.save(session, list(self._acks.get(session.session_id, {}).values()))
+
+    async def _take_over(self, session_id: str) -> None:
+        """Continue here a session another replica held, from its snapshot (:mod:`services.proxy.handoff`)."""
+        if self.handoff is None or self.sessions.holds(session_id):
+            return
+        state = await self.handoff.take(session_id)
+        if state is None:
+            return
+        try:
+            self.sessions.adopt(state)
+        except UnreadableSnapshot as exc:
+            self.handoff.taken(session_id, unreadable=str(exc))  # raises session_interrupted
+        else:
+            self.handoff.taken(session_id)
+
+    async def _mark_call(self, session: Session) -> None:
+        """Mark the call begun in Redis; a session another replica took over meanwhile is dropped here (409)."""
+        assert self.handoff is not None
+        try:
+            await self.handoff.begin(session.session_id)
+        except SessionMoved:
+            self._acks.pop(session.session_id, None)
+            self.engines.release(session)
+            self.sessions.finalize(session, "moved to another proxy replica")
+            _log.warning("session_moved", session_id=session.session_id, group_id=session.group_id)
+            raise
 
     def _request(
         self, plan: TurnPlan, window: int, ids: CallIds, budget: int, sampling: Sampling
@@ -235,6 +281,8 @@ class ProxyService(PauseControl):
         self._acks.pop(session.session_id, None)
         self.engines.release(session)
         self.sessions.finalize(session, step.ended)
+        if self.handoff is not None:
+            self.handoff.ended(session.session_id, step.ended)
         if step.rejection is not None:
             error = step.rejection
             self.metrics.rejections.labels(error=error.code, soft=str(step.soft).lower()).inc()
@@ -257,7 +305,9 @@ class ProxyService(PauseControl):
         A session this proxy does not hold is 404, even named by its key: it never called here, or it
         called a proxy that restarted or a replica the balancer no longer routes to. Its chunks may be on
         Kafka, so no end is recorded that would claim a count this proxy does not know; the runner ends
-        such a session as lost (its group is retried)."""
+        such a session as lost (its group is retried). With the handoff, a session another replica held is
+        taken over here first."""
+        await self._take_over(session_id)
         session = self.sessions.get(session_id)
         if session.busy:
             raise SessionBusy(f"session {session_id} has a call in flight; finish it after", session_id=session_id)

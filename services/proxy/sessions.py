@@ -14,8 +14,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 from services.proxy.session_machine import Session, VersionRules
+from services.proxy.session_snapshot import restore
 from services.proxy.transcript import RewrittenHistory, SegmentState, TurnPlan
 from shared.errors import BadRequest, SessionBusy, SessionFinalized, SessionNotFound
 from shared.model.chat import ChatTokenizer
@@ -68,6 +70,23 @@ class SessionStore:
         session.busy = True
         session.last_active = self._clock()
         return session
+
+    def holds(self, session_id: str) -> bool:
+        """Whether this proxy knows the session: live here, or ended here."""
+        return session_id in self._live or session_id in self._final
+
+    def adopt(self, snapshot: dict[str, Any]) -> Session:
+        """Continue here a session another replica held (its :mod:`~services.proxy.session_snapshot`); a session
+        already live here is kept as it is. Raises ``UnreadableSnapshot``."""
+        session = restore(snapshot, self._template())
+        live = self._live.setdefault(session.session_id, session)
+        if live is session:
+            session.last_active = self._clock()
+        return live
+
+    def _template(self) -> Session:
+        return Session(session_id="", group_id="", tokenizer=self._tokenizer, rules=self._rules,
+                       tool_calls=self._tool_calls, rewritten_history=self._rewritten_history)
 
     def release(self, session: Session) -> None:
         session.busy = False

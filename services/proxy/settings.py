@@ -120,6 +120,12 @@ class ProxySettings(ModelServiceSettings, ReplicaSettings, StopSettings):
     Chunks are written without making the agent wait for the ack; past this bound a new chunk
     waits for room (back-pressure on the calls) instead of growing memory. One record larger
     than the bound is still written, alone."""
+    session_handoff: bool = True
+    """With ``advertise_url`` (replicas behind a balancer): keep each session's state in Redis after each call, so a
+    replica that gets a call for a session it does not hold (its proxy died, or left the balancer's rotation)
+    continues it token-exact; a session whose proxy stopped during a call is refused (``session_interrupted``).
+    Off, or without ``advertise_url``: such a call starts the session anew and its finish gets 404
+    (docs/reliability.md, "A proxy dies mid-session")."""
     finalized_memory: int = Field(default=100_000, ge=1)
     """How many finished/rejected session ids are remembered (for 409) after their data is dropped."""
 

@@ -46,6 +46,7 @@ PURE: dict[str, frozenset[str]] = {
     "services/proxy/wires.py": IO_CLIENTS,
     "services/proxy/auth.py": IO_CLIENTS,
     "services/proxy/session_machine.py": IO_CLIENTS,
+    "services/proxy/session_snapshot.py": IO_CLIENTS,
     "services/proxy/replies.py": IO_CLIENTS,
     "services/proxy/sessions.py": IO_CLIENTS,
     "services/proxy/transcript.py": IO_CLIENTS,

@@ -15,7 +15,8 @@ def _codes(cls: type[ReinError]) -> set[str]:
 
 def test_the_two_sets_are_read_from_one_table() -> None:
     assert {"unreachable", "engine_unavailable", "kafka_unavailable", "timeout"} == BACKEND_DOWN_ERRORS
-    assert BACKEND_DOWN_ERRORS | {"engine_lost", "session_idle", "incomplete", "session_lost"} == UNCHARGED_ERRORS
+    assert BACKEND_DOWN_ERRORS | {"engine_lost", "session_idle", "incomplete", "session_lost", "redis_unavailable",
+                                  "session_interrupted", "session_moved"} == UNCHARGED_ERRORS
 
 
 def test_a_down_backend_is_never_the_prompts_fault() -> None:

@@ -1,0 +1,174 @@
+"""A session continues on another proxy replica when its proxy dies between calls; it is refused when the
+proxy died during a call; a replica whose session was taken over drops its copy.
+
+Two real proxy processes (the same credentials and Redis, each advertised as a replica) in front of one
+real engine, real Kafka: the agent's calls go to one proxy or the other as a balancer would send them after
+a failure. The chunk log on Kafka is read back: one session's records, numbered on without a gap, the
+continued call extending the segment token-exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+
+from shared.names import RedisKeys, Topics
+from shared.schemas import Chunk, SessionFinished
+from tests.support.proxy import read_records
+from tests.support.stack import Engine, ProxyProcess, engine_process, proxy_process
+from tests.support.wait import wait_until
+
+pytestmark = [pytest.mark.integration]
+
+ADMIN = "handoff-admin-token"
+
+
+@dataclass
+class Pair:
+    a: ProxyProcess
+    b: ProxyProcess
+    topics: Topics
+    bootstrap: str
+    redis: redis.Redis
+    keys: RedisKeys
+
+    def client(self, proxy: ProxyProcess, sid: str, gid: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=proxy.runner_token, max_retries=0, timeout=60,
+                             default_headers={"X-Session-Id": sid, "X-Group-Id": gid})
+
+    def finish(self, proxy: ProxyProcess, sid: str) -> httpx.Response:
+        return httpx.post(f"{proxy.url}/v1/sessions/{sid}/finish", json={"reward": 1.0, "status": "completed"},
+                          headers={"Authorization": f"Bearer {proxy.runner_token}"}, timeout=30)
+
+    def hash(self, sid: str) -> dict[str, str]:
+        return self.redis.hgetall(self.keys.session(sid))  # type: ignore[return-value]
+
+    def metric(self, proxy: ProxyProcess, name: str) -> float:
+        text = httpx.get(f"{proxy.url}/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    with engine_process(tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"),
+                        step_delay_s=0.05) as engine:
+        yield engine
+
+
+@pytest.fixture
+def pair(engine: Engine, kafka_bootstrap: str, unique_topic: Callable[..., str], redis_db_url: str,
+         tmp_path: Path) -> Iterator[Pair]:
+    topics = Topics(chunks=unique_topic(), events=unique_topic())
+    prefix = f"h{uuid.uuid4().hex[:8]}"
+    env = {"REIN_REDIS__URL": redis_db_url, "REIN_REDIS__KEY_PREFIX": prefix}
+    client = redis.Redis.from_url(redis_db_url, decode_responses=True)
+    with ExitStack() as stack:
+        a = stack.enter_context(proxy_process([engine.url], kafka_bootstrap, topics, tmp_path / "a", admin_token=ADMIN,
+                                              extra_env={**env, "REIN_ADVERTISE_URL": "http://proxy-a:8000"}))
+        same = a.credentials.proxy_env()  # one deployment: every replica holds the same secrets
+        b = stack.enter_context(proxy_process([engine.url], kafka_bootstrap, topics, tmp_path / "b", admin_token=ADMIN,
+                                              extra_env={**env, **same, "REIN_ADVERTISE_URL": "http://proxy-b:8000"}))
+        b.credentials = a.credentials
+        yield Pair(a, b, topics, kafka_bootstrap, client, RedisKeys(prefix))
+    client.close()
+
+
+def _kill(proxy: ProxyProcess) -> None:
+    proxy.proc.popen.kill()
+    proxy.proc.popen.wait(timeout=10)
+
+
+def _call(pair: Pair, proxy: ProxyProcess, sid: str, gid: str, messages: list[dict[str, Any]],
+          max_tokens: int = 4) -> dict[str, Any]:
+    """One chat call; a long one (``max_tokens`` over 4) runs to its budget."""
+    with pair.client(proxy, sid, gid) as client:
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=max_tokens,  # type: ignore[arg-type]
+            extra_body={"ignore_eos": True} if max_tokens > 4 else None)
+    messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    rein: dict[str, Any] = reply.model_extra["rein"]  # type: ignore[index]
+    return rein
+
+
+def _saved(pair: Pair, sid: str, calls: int) -> Callable[[], bool]:
+    return lambda: pair.hash(sid).get("saved") == str(calls)
+
+
+def test_a_session_continues_token_exact_on_another_replica_after_its_proxy_died(pair: Pair) -> None:
+    sid, gid = f"s-{uuid.uuid4().hex}", f"g-{uuid.uuid4().hex}"
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "guess"}]
+    first = _call(pair, pair.a, sid, gid, messages)
+    messages.append({"role": "user", "content": "higher"})
+    second = _call(pair, pair.a, sid, gid, messages)
+    assert (first["segment_index"], second["segment_index"], second["new_segment"]) == (0, 0, False)
+    wait_until(_saved(pair, sid, 2), 10, "the snapshot after the second call")
+    _kill(pair.a)
+
+    messages.append({"role": "user", "content": "lower"})
+    third = _call(pair, pair.b, sid, gid, messages)  # the balancer now sends the session here
+    assert (third["segment_index"], third["new_segment"]) == (0, False)
+    finished = pair.finish(pair.b, sid)
+    assert finished.status_code == 200, finished.text
+    assert pair.metric(pair.b, 'rein_proxy_session_takeovers_total{outcome="continued"}') == 1
+
+    chunks = [r for r in read_records(pair.bootstrap, pair.topics.chunks, 3) if isinstance(r, Chunk)]
+    assert [c.seq for c in chunks] == [0, 1, 2] and {c.segment_index for c in chunks} == {0}
+    # token-exact: the third call extended segment 0 (its prompt: the ids of the first two, then the delta)
+    assert chunks[2].context_ids and third["output_ids"] == chunks[2].output_ids
+    end = [r for r in read_records(pair.bootstrap, pair.topics.events, 1) if isinstance(r, SessionFinished)]
+    assert [(e.session_id, e.num_chunks) for e in end] == [(sid, 3)]
+    assert pair.hash(sid)["end"] == "finished"
+
+
+def test_a_session_whose_proxy_died_during_a_call_is_refused_elsewhere(pair: Pair) -> None:
+    sid, gid = f"s-{uuid.uuid4().hex}", f"g-{uuid.uuid4().hex}"
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "guess"}]
+    _call(pair, pair.a, sid, gid, messages)
+    wait_until(_saved(pair, sid, 1), 10, "the snapshot after the first call")
+    messages.append({"role": "user", "content": "higher"})
+    slow = threading.Thread(target=lambda: _swallow(lambda: _call(pair, pair.a, sid, gid, list(messages), 200)),
+                            daemon=True)
+    slow.start()
+    wait_until(lambda: pair.hash(sid).get("calls") == "2", 10, "the second call begun on proxy a")
+    _kill(pair.a)  # 200 tokens at 0.05 s each: the call is still generating
+    slow.join(timeout=30)
+
+    with pytest.raises(openai.ConflictError) as refused:
+        _call(pair, pair.b, sid, gid, messages)
+    assert refused.value.response.json()["detail"]["error"] == "session_interrupted"
+    assert pair.finish(pair.b, sid).json()["detail"]["error"] == "session_interrupted"
+    assert pair.metric(pair.b, 'rein_proxy_session_takeovers_total{outcome="interrupted"}') == 2
+
+
+def test_a_replica_whose_session_was_taken_over_drops_its_copy(pair: Pair) -> None:
+    sid, gid = f"s-{uuid.uuid4().hex}", f"g-{uuid.uuid4().hex}"
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "guess"}]
+    _call(pair, pair.a, sid, gid, messages)
+    wait_until(_saved(pair, sid, 1), 10, "the snapshot after the first call")
+    messages.append({"role": "user", "content": "higher"})
+    _call(pair, pair.b, sid, gid, messages)  # a was out of the balancer's rotation, not dead
+    messages.append({"role": "user", "content": "lower"})
+    with pytest.raises(openai.ConflictError) as refused:
+        _call(pair, pair.a, sid, gid, messages)
+    assert refused.value.response.json()["detail"]["error"] == "session_moved"
+    assert pair.metric(pair.a, "rein_proxy_sessions_moved_total") == 1
+    _call(pair, pair.b, sid, gid, messages)  # b holds it on
+    assert pair.finish(pair.b, sid).status_code == 200
+    chunks = [r for r in read_records(pair.bootstrap, pair.topics.chunks, 3) if isinstance(r, Chunk)]
+    assert [c.seq for c in chunks] == [0, 1, 2]
+
+
+def _swallow(call: Callable[[], object]) -> None:
+    with contextlib.suppress(openai.APIError, httpx.HTTPError):  # the proxy dies under this call
+        call()
