@@ -2,7 +2,8 @@
 
 Each session has a hash (``RedisKeys.session``): its ``owner`` (one proxy process), ``calls`` (calls begun),
 ``saved`` and ``state`` (the number of the last call after which its snapshot was written, and the
-snapshot, :mod:`services.proxy.session_snapshot`) or ``end`` (how it ended). The owner writes ``calls``
+snapshot, :mod:`services.proxy.session_snapshot`) or ``end`` (how it ended), and ``taken_from`` (the
+owner before the last takeover). The owner writes ``calls``
 before each call reaches an engine and the snapshot once that call's chunks are all acked, so a replica
 that gets a call for a session it does not hold reads one of three things:
 
@@ -63,7 +64,7 @@ if h[5] then return {'end', h[5]} end
 if not h[1] then return {'absent'} end
 if h[1] == ARGV[1] then return {'mine'} end
 if h[2] ~= h[3] or not h[4] then return {'interrupted', h[1]} end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'taken_from', h[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {'state', h[4], h[2]}
 """

@@ -10,20 +10,27 @@ calls by session (a key in the path, else ``X-Session-Id``, else the API key). T
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import httpx
 import pytest
 
 from ops.local.stack import LocalStack, start
+from shared.errors import SESSION_LOST
 from shared.membership import Members
 from shared.names import RedisKeys
-from shared.schemas import SessionFinished
+from shared.schemas import SessionFinished, SessionRejected
 from shared.state import client_for
 from tests.support.fault_runs import PROGRESS_TIMEOUT_S, assert_nothing_lost_or_trained_twice, read_chunks
 from tests.support.readback import engine_info, kill_replica, small_stack, stop_and_read, trained_steps
 from tests.support.wait import wait_on_stack
+
+_FAILED_FOR_THE_KILL = frozenset({"session_lost", "session_interrupted", "session_moved", "session_idle",
+                                  "session_not_found", "incomplete"})
+"""What a session the dead proxy held between calls must not end with (it was continued instead)..."""
+_CALL_ON_THE_WIRE = frozenset({"unreachable", "timeout", "http_502", "http_503", "http_504"})
+"""...unless its agent's call was on the wire to the dead proxy: what the agent saw then."""
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -39,7 +46,10 @@ def _state(local: LocalStack, name: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     config = small_stack(tmp_path_factory.mktemp("replicas"), proxies=2,
-                         services={"proxy": {"heartbeat_s": 0.5, "registration_ttl_s": 3}})
+                         services={"proxy": {"heartbeat_s": 0.5, "registration_ttl_s": 3},
+                                   # each agent step waits as a tool would: sessions spend most of their time
+                                   # between calls, where a dead proxy's sessions are continued by the other
+                                   "rollout": {"env_time_median_s": 0.2}})
     local = start(config)
     redis = client_for(local.infra.redis_settings())
     proxies = Members(redis, RedisKeys(), "proxy")
@@ -58,14 +68,17 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         data["pauses"] = {n: _state(local, n)["pauses"] for n in ("proxy-0", "proxy-1")}
         data["requests"] = {n: _requests(local, n) for n in ("proxy-0", "proxy-1")}
 
-        # One proxy dies: its registration lapses, the other carries the run.
-        data |= kill_replica(local, "proxy-1", proxies, [local.urls["proxy-0"]], PROGRESS_TIMEOUT_S)
+        # One proxy dies: its registration lapses, the other carries the run and continues its sessions.
+        data |= kill_replica(local, "proxy-1", proxies, [local.urls["proxy-0"]], PROGRESS_TIMEOUT_S,
+                             at_kill=lambda: _sessions_of(redis, local.urls["proxy-1"]))
+        data["takeovers"] = _metric(local, "proxy-0", "rein_proxy_session_takeovers_total")
         data |= stop_and_read(local, allow_dead=("proxy-1",))
         data["chunks"] = read_chunks(local)
         data["urls"] = dict(local.urls)
         print(f"\nproxy replicas: pauses {data['pauses']}, calls per proxy {data['requests']}, registration lapsed "
               f"{data['lapsed_s']} s after the kill, two steps with one proxy in {data['two_steps_s']} s, "
-              f"{len(data['rows'])} steps")
+              f"{len(data['rows'])} steps; at the kill the dead proxy held {_held(data)}; proxy-0's takeovers "
+              f"{data['takeovers']}; sessions of the dead proxy that did not finish, by why: {_unfinished(data)}")
     finally:
         redis.close()
         local.stop()
@@ -77,9 +90,42 @@ def _served_version(local: LocalStack) -> str:
 
 
 def _requests(local: LocalStack, name: str) -> float:
+    return sum(_metric(local, name, "rein_proxy_requests_total").values())
+
+
+def _metric(local: LocalStack, name: str, series: str) -> dict[str, float]:
+    """Each sample of ``series`` on replica ``name``, by its labels."""
     text = httpx.get(f"{local.urls[name]}/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("rein_proxy_requests_total"))
+    return {line.rsplit(" ", 1)[0].removeprefix(series): float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(series)}
+
+
+def _sessions_of(redis: Any, url: str) -> dict[str, str]:
+    """The sessions the dead proxy at ``url`` held when it died (its handoff hashes, read right after the kill):
+    ``between`` calls (every chunk in its snapshot; or already taken over from it) or ``in_call``."""
+    held = {}
+    for key in redis.scan_iter(match=f"{RedisKeys().session('')}*", count=1000):
+        h = redis.hgetall(key)
+        if str(h.get("taken_from", "")).startswith(f"{url}#"):
+            held[key.rsplit(":", 1)[1]] = "between"
+        elif str(h.get("owner", "")).startswith(f"{url}#") and "end" not in h:
+            held[key.rsplit(":", 1)[1]] = "between" if h.get("calls") == h.get("saved") else "in_call"
+    return held
+
+
+def _held(data: dict[str, Any]) -> dict[str, int]:
+    return dict(Counter(data["at_kill"].values()))
+
+
+def _unfinished(data: dict[str, Any]) -> dict[str, int]:
+    """Why the dead proxy's sessions that did not finish ended: ``in_call``/``between`` at the kill, then the
+    error (a lost session's says what its agent saw)."""
+    held, out = data["at_kill"], Counter[str]()
+    for r in data["events"]:
+        if isinstance(r, SessionRejected) and r.session_id in held:
+            why = r.detail.get("error", "") if r.error == SESSION_LOST else r.error
+            out[f"{held[r.session_id]}: {r.error} ({why})"] += 1
+    return dict(out)
 
 
 def test_replicas_register_and_every_update_pauses_both(run: dict[str, Any]) -> None:
@@ -88,8 +134,10 @@ def test_replicas_register_and_every_update_pauses_both(run: dict[str, Any]) -> 
 
 
 def test_every_call_of_a_session_reaches_one_proxy(run: dict[str, Any]) -> None:
-    """A call that reached the other proxy would start the session again there (its chunks' seq would
-    restart at 0), and a finish there would end a session that proxy never saw (no chunks)."""
+    """While both proxies live, every call of a session reaches one of them; after the kill, the dead one's
+    sessions go on at the other from their snapshots. Either way a session's chunks are numbered 0, 1, 2, ...
+    (a call that reached a proxy that did not know the session would restart them at 0) and its finish
+    counts them all."""
     seqs: dict[str, list[int]] = defaultdict(list)
     for chunk in run["chunks"]:
         seqs[chunk.session_id].append(chunk.seq)
@@ -99,6 +147,23 @@ def test_every_call_of_a_session_reaches_one_proxy(run: dict[str, Any]) -> None:
     wrong = {s: (n, sorted(seqs[s])) for s, n in finished.items() if sorted(seqs[s]) != list(range(n))}
     assert not wrong, f"sessions whose calls and finish did not all reach one proxy: {list(wrong.items())[:5]}"
     assert all(n > 0 for n in run["requests"].values()), f"one proxy got every session: {run['requests']}"
+
+
+def test_the_dead_proxys_sessions_go_on_but_those_in_a_call(run: dict[str, Any]) -> None:
+    """Sessions the dead proxy held between calls are continued by the other: none is refused there (each
+    finishes, or a staleness rule rejects it). Only a session with a call in flight may be lost: one begun on
+    the dead proxy, or one whose request reached it and was not begun yet (its agent saw the connection
+    drop, as the balancer answers it: 502)."""
+    held = run["at_kill"]
+    assert held, "the dead proxy held no session: the handoff is untested"
+    between = {sid for sid, state in held.items() if state == "between"}
+    refused = {r.session_id: (r.error, r.detail) for r in run["events"] if isinstance(r, SessionRejected)
+               and r.session_id in between and r.error in _FAILED_FOR_THE_KILL
+               and not (r.error == SESSION_LOST and r.detail.get("error") in _CALL_ON_THE_WIRE)}
+    assert not refused, f"sessions held between calls that were not continued: {refused}"
+    continued = run["takeovers"].get('{outcome="continued"}', 0)
+    finished = {r.session_id for r in run["events"] if isinstance(r, SessionFinished)}
+    assert continued >= len(between & finished) >= 1, (continued, between, _unfinished(run))
 
 
 def test_the_run_goes_on_without_a_dead_proxy(run: dict[str, Any]) -> None:

@@ -75,20 +75,23 @@ def trained_steps(local: LocalStack) -> int:
 
 
 def kill_replica(local: LocalStack, name: str, members: Members, survivors: list[str],
-                 timeout_s: float) -> dict[str, float]:
+                 timeout_s: float, at_kill: Callable[[], Any] | None = None) -> dict[str, Any]:
     """SIGKILL replica ``name``, wait until ``members`` lists only ``survivors`` (its registration lapsed),
-    then until two more manifests are trained. Returns seconds from the kill: ``lapsed_s``, ``two_steps_s``."""
+    then until two more manifests are trained. Returns seconds from the kill: ``lapsed_s``, ``two_steps_s``;
+    with ``at_kill``, also what it returned (``at_kill``) when called as soon as the replica is dead."""
     victim = next(s for s in local.stack.services if s.name == name)
     assert victim.proc is not None
     before, t0 = trained_steps(local), time.monotonic()
     victim.proc.kill()
     victim.proc.wait(timeout=30)
+    seen = None if at_kill is None else at_kill()
     wait_on_stack(f"{name}'s registration to lapse", lambda: members.live(forget=False) == sorted(survivors), 30,
                   local, allow_dead=(name,))
     lapsed_s = round(time.monotonic() - t0, 1)
     wait_on_stack(f"two steps without {name}", lambda: trained_steps(local) >= before + 2, timeout_s, local,
                   allow_dead=(name,))
-    return {"lapsed_s": lapsed_s, "two_steps_s": round(time.monotonic() - t0, 1)}
+    return {"lapsed_s": lapsed_s, "two_steps_s": round(time.monotonic() - t0, 1),
+            **({} if at_kill is None else {"at_kill": seen})}
 
 
 def trained_index(local: LocalStack) -> int:
