@@ -52,6 +52,11 @@ class EnginePool:
             session.engine = url
         return self.handles[url]
 
+    def adopt(self, session: Session) -> None:
+        """A session taken over from another replica sticks to its engine here too (its tokens are there)."""
+        if session.engine:
+            self.table.stick(session.engine)
+
     def release(self, session: Session) -> None:
         """The session ended: its engine has one session less."""
         if session.engine:

@@ -179,13 +179,14 @@ class ProxyService(PauseControl):
         if self.handoff is None or self.sessions.holds(session_id):
             return
         state = await self.handoff.take(session_id)
-        if state is None:
+        if state is None or self.sessions.holds(session_id):  # a new session, or adopted by a call meanwhile
             return
         try:
-            self.sessions.adopt(state)
+            session = self.sessions.adopt(state)
         except UnreadableSnapshot as exc:
             self.handoff.taken(session_id, unreadable=str(exc))  # raises session_interrupted
         else:
+            self.engines.adopt(session)
             self.handoff.taken(session_id)
 
     async def _mark_call(self, session: Session) -> None:

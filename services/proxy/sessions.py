@@ -76,13 +76,14 @@ class SessionStore:
         return session_id in self._live or session_id in self._final
 
     def adopt(self, snapshot: dict[str, Any]) -> Session:
-        """Continue here a session another replica held (its :mod:`~services.proxy.session_snapshot`); a session
-        already live here is kept as it is. Raises ``UnreadableSnapshot``."""
+        """Continue here a session another replica held (its :mod:`~services.proxy.session_snapshot`).
+        Raises ``UnreadableSnapshot``, and ValueError for a session this proxy knows already."""
         session = restore(snapshot, self._template())
-        live = self._live.setdefault(session.session_id, session)
-        if live is session:
-            session.last_active = self._clock()
-        return live
+        if self.holds(session.session_id):
+            raise ValueError(f"session {session.session_id} is known here already")
+        session.last_active = self._clock()
+        self._live[session.session_id] = session
+        return session
 
     def _template(self) -> Session:
         return Session(session_id="", group_id="", tokenizer=self._tokenizer, rules=self._rules,

@@ -68,7 +68,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         data["pauses"] = {n: _state(local, n)["pauses"] for n in ("proxy-0", "proxy-1")}
         data["requests"] = {n: _requests(local, n) for n in ("proxy-0", "proxy-1")}
 
-        # One proxy dies: its registration lapses, the other carries the run and continues its sessions.
+        # One proxy dies: its registration lapses, the other carries the run and continues its sessions. It
+        # dies while it holds sessions between calls (not in the middle of an update's pause, which holds
+        # every call in flight).
+        wait_on_stack("proxy-1 holding sessions between calls", lambda: list(
+            _sessions_of(redis, local.urls["proxy-1"]).values()).count("between") >= 3, PROGRESS_TIMEOUT_S, local)
         data |= kill_replica(local, "proxy-1", proxies, [local.urls["proxy-0"]], PROGRESS_TIMEOUT_S,
                              at_kill=lambda: _sessions_of(redis, local.urls["proxy-1"]))
         data["takeovers"] = _metric(local, "proxy-0", "rein_proxy_session_takeovers_total")

@@ -109,12 +109,13 @@ def test_a_snapshot_that_cannot_be_read_is_refused(change: dict[str, Any]) -> No
         restore(data, Session(session_id="", group_id=""))
 
 
-def test_the_store_adopts_a_session_once() -> None:
+def test_the_store_adopts_a_session_it_does_not_know() -> None:
     store = SessionStore()
     original = Session(session_id="s", group_id="g")
     _run(original, [Call(False, "guess", (("v1", 2),))], [], 0)
     assert not store.holds("s")
     adopted = store.adopt(snapshot(original))
     assert store.holds("s") and adopted.num_chunks == 1
-    assert store.adopt(snapshot(original)) is adopted  # a second takeover keeps the live one
+    with pytest.raises(ValueError, match="known here"):
+        store.adopt(snapshot(original))
     assert store.acquire("s", "g") is adopted
