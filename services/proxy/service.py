@@ -23,7 +23,9 @@ When records are published (the collector relies on this):
   Published once the session's chunks are answered; ``num_chunks`` counts the chunks on
   Kafka (the rejected call's included, none from the first lost one). The session is
   final afterwards. A proxy that dies with chunks or ends unacked confirms no end: the
-  rollout runner publishes ``session_lost`` for such sessions.
+  rollout runner publishes ``session_lost`` for such sessions. With replicas, each session is kept in
+  Redis between calls (:mod:`services.proxy.handoff`): another replica continues it, and a copy left
+  behind on a replica that was only out of the balancer's rotation publishes nothing more.
 """
 
 from __future__ import annotations
@@ -138,8 +140,7 @@ class ProxyService(PauseControl):
         self.metrics.sessions.set(len(self.sessions))
         try:
             self._look(session)
-            if self.handoff is not None:
-                await self._mark_call(session)
+            await self._mark_call(session)
             plan = session.begin(messages, ids.turn_id, tools, force)
             engine = self.engines.route(session)
             request = self._request(plan, await engine.window(), ids, budget, sampling)
@@ -171,8 +172,7 @@ class ProxyService(PauseControl):
         finally:
             self.sessions.release(session)
             self.metrics.sessions.set(len(self.sessions))
-            if self.handoff is not None and session.phase == "open":
-                self.handoff.save(session, list(self._acks.get(session.session_id, {}).values()))
+            self._save(session)
 
     async def _take_over(self, session_id: str) -> None:
         """Continue here a session another replica held, from its snapshot (:mod:`services.proxy.handoff`)."""
@@ -190,8 +190,10 @@ class ProxyService(PauseControl):
             self.handoff.taken(session_id)
 
     async def _mark_call(self, session: Session) -> None:
-        """Mark the call begun in Redis; a session another replica took over meanwhile is dropped here (409)."""
-        assert self.handoff is not None
+        """Mark a call (a finish, an expiry) begun in Redis; a session another replica took over meanwhile is
+        dropped here (409 ``session_moved``): this copy must publish nothing more."""
+        if self.handoff is None:
+            return
         try:
             await self.handoff.begin(session.session_id)
         except SessionMoved:
@@ -200,6 +202,11 @@ class ProxyService(PauseControl):
             self.sessions.finalize(session, "moved to another proxy replica")
             _log.warning("session_moved", session_id=session.session_id, group_id=session.group_id)
             raise
+
+    def _save(self, session: Session) -> None:
+        """After a call, finish or expiry that left the session open: its snapshot, once its chunks are acked."""
+        if self.handoff is not None and session.phase == "open":
+            self.handoff.save(session, list(self._acks.get(session.session_id, {}).values()))
 
     def _request(
         self, plan: TurnPlan, window: int, ids: CallIds, budget: int, sampling: Sampling
@@ -314,6 +321,7 @@ class ProxyService(PauseControl):
             raise SessionBusy(f"session {session_id} has a call in flight; finish it after", session_id=session_id)
         session.busy = True
         try:
+            await self._mark_call(session)
             await self._settle(session)
             step = session.finish(reward, status, error)
             if step.ended is not None:  # a chunk was lost: rejected
@@ -325,6 +333,7 @@ class ProxyService(PauseControl):
         finally:
             session.busy = False
             self.metrics.sessions.set(len(self.sessions))
+            self._save(session)
         return {"session_id": session_id, "status": status, "reward": reward,
                 "num_chunks": session.num_chunks, "published": bool(step.publish)}
 
@@ -347,10 +356,14 @@ class ProxyService(PauseControl):
                 continue
             session.busy = True  # a late call or finish gets 409 while the rejection is being published
             try:
+                await self._mark_call(session)  # a copy left behind by a takeover is dropped, not expired
                 await self._settle(session)
                 await self._publish(session.expire(timeout).publish)
+            except SessionMoved:
+                continue
             except KafkaUnavailable as exc:
                 _log.warning("idle_session_not_expired", session_id=session.session_id, error=str(exc))
+                self._save(session)
                 break  # Kafka is down: the rest wait for the next sweep instead of a send timeout each
             finally:
                 session.busy = False

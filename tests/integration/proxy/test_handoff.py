@@ -158,15 +158,19 @@ def test_a_replica_whose_session_was_taken_over_drops_its_copy(pair: Pair) -> No
     wait_until(_saved(pair, sid, 1), 10, "the snapshot after the first call")
     messages.append({"role": "user", "content": "higher"})
     _call(pair, pair.b, sid, gid, messages)  # a was out of the balancer's rotation, not dead
+    stale = pair.finish(pair.a, sid)  # a's copy must not end the session with its count
+    assert stale.status_code == 409 and stale.json()["detail"]["error"] == "session_moved", stale.text
+    assert pair.metric(pair.a, "rein_proxy_sessions_moved_total") == 1
     messages.append({"role": "user", "content": "lower"})
     with pytest.raises(openai.ConflictError) as refused:
         _call(pair, pair.a, sid, gid, messages)
-    assert refused.value.response.json()["detail"]["error"] == "session_moved"
-    assert pair.metric(pair.a, "rein_proxy_sessions_moved_total") == 1
+    assert refused.value.response.json()["detail"]["outcome"] == "moved to another proxy replica"
     _call(pair, pair.b, sid, gid, messages)  # b holds it on
     assert pair.finish(pair.b, sid).status_code == 200
     chunks = [r for r in read_records(pair.bootstrap, pair.topics.chunks, 3) if isinstance(r, Chunk)]
     assert [c.seq for c in chunks] == [0, 1, 2]
+    ends = [r for r in read_records(pair.bootstrap, pair.topics.events, 1) if isinstance(r, SessionFinished)]
+    assert [e.num_chunks for e in ends] == [3]
 
 
 def _swallow(call: Callable[[], object]) -> None:
