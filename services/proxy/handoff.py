@@ -3,9 +3,9 @@
 Each session has a hash (``RedisKeys.session``): its ``owner`` (one proxy process), ``calls`` (calls begun),
 ``saved`` and ``state`` (the number of the last call after which its snapshot was written, and the
 snapshot, :mod:`services.proxy.session_snapshot`) or ``end`` (how it ended), and ``taken_from`` (the
-owner before the last takeover). The owner writes ``calls``
-before each call reaches an engine and the snapshot once that call's chunks are all acked, so a replica
-that gets a call for a session it does not hold reads one of three things:
+owner before the last takeover). The owner writes ``calls`` before each call reaches an engine (a
+finish and an idle expiry count as calls) and the snapshot once that call's chunks are all acked, so a
+replica that gets a call for a session it does not hold reads one of three things:
 
 - ``saved == calls``: every chunk the session published is in its snapshot; it takes the session over
   (``owner`` is now itself) and continues it token-exact, chunks numbered on from the snapshot's;
@@ -15,12 +15,13 @@ that gets a call for a session it does not hold reads one of three things:
 - no hash: the session made no call yet, or ended long ago: it starts here.
 
 Every write is a script that checks ``owner`` first: a replica that was only out of the balancer's
-rotation (not dead) finds at its next call that the session moved, and drops its stale copy
-(``session_moved``), so two replicas never both publish chunks of one session.
+rotation (not dead) finds at its next call, finish or idle expiry that the session moved, and drops its
+stale copy (``session_moved``), so two replicas never both publish records of one session.
 
-Redis down: a call goes on (its ``calls`` mark is missing, so the snapshot written after it is refused
-until a later call marks again: the session is continued from an older snapshot only if its proxy dies
-while Redis is down too; the collector then refuses the chunks that conflict); a takeover answers 503.
+Redis down: a call goes on after at most :data:`MARK_TIMEOUT_S`, unmarked, so the snapshot written after
+it is refused until a later call marks again (the session is continued from an older snapshot only if its
+proxy dies while Redis is down too; the collector then refuses the chunks that conflict); a takeover
+answers 503.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ from shared.errors import SessionFinalized, SessionInterrupted, SessionMoved, St
 from shared.names import RedisKeys
 
 _log = log.get(__name__)
+
+MARK_TIMEOUT_S = 1.0
+"""How long a call waits for its mark: past it the call goes on unmarked, as with Redis down (the client's
+own retries would hold every call for seconds while Redis fails over)."""
 
 _BEGIN = """
 local owner = redis.call('HGET', KEYS[1], 'owner')
@@ -145,17 +150,18 @@ class Handoff:
         _log.info("session_taken_over", session_id=session_id, calls=self._calls.get(session_id))
 
     async def begin(self, session_id: str) -> None:
-        """Mark a call begun, before it reaches an engine; ``session_moved`` when another replica took the session
-        over (this copy is stale). A Redis failure is logged, and the call goes on."""
+        """Mark a call (a finish, an idle expiry) begun, before it reaches an engine or Kafka; ``session_moved`` when
+        another replica took the session over (this copy is stale). A Redis failure is logged, and the call goes on."""
         pending = self._saves.pop(session_id, None)
         if pending is not None:
             pending.cancel()  # superseded: its ``calls`` is no longer the hash's once this call is marked
         calls = self._calls.get(session_id, 0) + 1
         self._calls[session_id] = calls
         try:
-            other = await asyncio.to_thread(self._begin, keys=[self.keys.session(session_id)],
-                                            args=[self.owner, str(calls), self._ttl_ms])
-        except redis.RedisError as exc:
+            other = await asyncio.wait_for(asyncio.to_thread(
+                self._begin, keys=[self.keys.session(session_id)], args=[self.owner, str(calls), self._ttl_ms]),
+                MARK_TIMEOUT_S)
+        except (redis.RedisError, TimeoutError) as exc:
             self._failed("begin", session_id, exc)
             return
         if other:

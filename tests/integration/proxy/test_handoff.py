@@ -9,8 +9,10 @@ continued call extending the segment token-exact.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -22,7 +24,13 @@ import httpx
 import openai
 import pytest
 import redis
+from prometheus_client import CollectorRegistry
 
+from ops.local.ports import free_port
+from services.proxy.handoff import MARK_TIMEOUT_S, Handoff
+from services.proxy.metrics import ProxyMetrics
+from services.proxy.session_machine import Session
+from shared.errors import StateStoreUnavailable
 from shared.names import RedisKeys, Topics
 from shared.schemas import Chunk, SessionFinished
 from tests.support.proxy import read_records
@@ -176,3 +184,28 @@ def test_a_replica_whose_session_was_taken_over_drops_its_copy(pair: Pair) -> No
 def _swallow(call: Callable[[], object]) -> None:
     with contextlib.suppress(openai.APIError, httpx.HTTPError):  # the proxy dies under this call
         call()
+
+
+def test_with_redis_down_a_call_goes_on_and_a_takeover_is_refused_503() -> None:
+    """A dead Redis (nothing listens): marking a call and saving a snapshot are logged and counted, and the call
+    goes on; a takeover cannot tell whether the session exists elsewhere, so it is 503 (the agent retries)."""
+    dead = redis.Redis(host="127.0.0.1", port=free_port(), socket_timeout=1, socket_connect_timeout=1)
+    metrics = ProxyMetrics(CollectorRegistry())
+    handoff = Handoff(dead, RedisKeys("dead"), "http://proxy-a:8000#p-1", 60.0, 1.0, metrics)
+
+    async def scenario() -> None:
+        started = time.monotonic()
+        await handoff.begin("s-1")  # does not raise: the call goes on, at most MARK_TIMEOUT_S later
+        assert time.monotonic() - started < MARK_TIMEOUT_S + 0.5
+        handoff.save(Session(session_id="s-1", group_id="g"), [])
+        await handoff.close(timeout_s=10)  # the save is written (or not) in the background
+        with pytest.raises(StateStoreUnavailable):
+            await handoff.take("s-2")
+        handoff.ended("s-1", "finished")
+        await handoff.close(timeout_s=10)
+
+    asyncio.run(scenario())
+    errors = {op: metrics.registry.get_sample_value("rein_proxy_session_store_errors_total", {"op": op})
+              for op in ("begin", "save", "take", "end")}
+    assert errors == {"begin": 1, "save": 1, "take": 1, "end": 1}
+    dead.close()
