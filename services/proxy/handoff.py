@@ -38,7 +38,7 @@ from services.proxy.publisher import Ack
 from services.proxy.session_machine import Session
 from services.proxy.session_snapshot import snapshot
 from shared import log
-from shared.errors import SessionFinalized, SessionInterrupted, SessionMoved, StateStoreUnavailable
+from shared.errors import SessionBusy, SessionFinalized, SessionInterrupted, SessionMoved, StateStoreUnavailable
 from shared.names import RedisKeys
 
 _log = log.get(__name__)
@@ -107,7 +107,8 @@ class Handoff:
     async def take(self, session_id: str) -> dict[str, Any] | None:
         """The snapshot of a session this proxy does not hold, now its own; None when it has none (a new session).
         Refused: ``session_interrupted`` (its proxy stopped during a call), ``session_finalized`` (it ended on
-        another replica); 503 when Redis does not answer (a new session here could repeat the other's chunks)."""
+        another replica), ``session_busy`` (another request of it is taking it over here); 503 when Redis does
+        not answer (a new session here could repeat the other's chunks)."""
         try:
             answer = await asyncio.to_thread(self._take, keys=[self.keys.session(session_id)],
                                              args=[self.owner, self._ttl_ms])
@@ -117,8 +118,10 @@ class Handoff:
                                         f"hold: try again ({type(exc).__name__}: {exc})", session_id=session_id
                                         ) from None
         kind = answer[0]
-        if kind in ("absent", "mine"):
+        if kind == "absent":
             return None
+        if kind == "mine":  # taken over here by another request of the session, still being restored
+            raise SessionBusy(f"session {session_id} already has a call in flight", session_id=session_id)
         if kind == "end":
             self._metrics.takeovers.labels(outcome="ended").inc()
             raise SessionFinalized(f"session {session_id} is {answer[1]} (on another proxy replica); it takes no more "
