@@ -64,6 +64,7 @@ from shared.errors import (
     SessionBusy,
     SessionMoved,
 )
+from shared.membership import advertised
 from shared.model.chat import ChatTokenizer
 from shared.model.tool_calls import ToolCallFormat
 from shared.names import RedisKeys
@@ -112,7 +113,7 @@ class ProxyService(PauseControl):
         self.handoff: Handoff | None = None
         """Sessions kept in Redis for another replica to continue (None: they live only here)."""
         if state is not None and settings.session_handoff and settings.advertise_url:
-            idle, owner = settings.session_idle_timeout_s, f"{settings.advertise_url}#{new_id('p')}"
+            idle, owner = settings.session_idle_timeout_s, f"{advertised(settings.advertise_url)}#{new_id('p')}"
             self.handoff = Handoff(state, RedisKeys(settings.redis.key_prefix), owner,
                                    idle + 60 if idle else settings.session_key_ttl_s, self._ack_bound_s, metrics)
 
