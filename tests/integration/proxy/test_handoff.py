@@ -113,6 +113,16 @@ def _saved(pair: Pair, sid: str, calls: int) -> Callable[[], bool]:
     return lambda: pair.hash(sid).get("saved") == str(calls)
 
 
+def _first_call_on_a(pair: Pair) -> tuple[str, str, list[dict[str, Any]]]:
+    """A new session's first call on proxy a, its snapshot written; the messages of its second call."""
+    sid, gid = f"s-{uuid.uuid4().hex}", f"g-{uuid.uuid4().hex}"
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "guess"}]
+    _call(pair, pair.a, sid, gid, messages)
+    wait_until(_saved(pair, sid, 1), 10, "the snapshot after the first call")
+    messages.append({"role": "user", "content": "higher"})
+    return sid, gid, messages
+
+
 def test_a_session_continues_token_exact_on_another_replica_after_its_proxy_died(pair: Pair) -> None:
     sid, gid = f"s-{uuid.uuid4().hex}", f"g-{uuid.uuid4().hex}"
     messages: list[dict[str, Any]] = [{"role": "user", "content": "guess"}]
@@ -140,11 +150,7 @@ def test_a_session_continues_token_exact_on_another_replica_after_its_proxy_died
 
 
 def test_a_session_whose_proxy_died_during_a_call_is_refused_elsewhere(pair: Pair) -> None:
-    sid, gid = f"s-{uuid.uuid4().hex}", f"g-{uuid.uuid4().hex}"
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "guess"}]
-    _call(pair, pair.a, sid, gid, messages)
-    wait_until(_saved(pair, sid, 1), 10, "the snapshot after the first call")
-    messages.append({"role": "user", "content": "higher"})
+    sid, gid, messages = _first_call_on_a(pair)
     slow = threading.Thread(target=lambda: _swallow(lambda: _call(pair, pair.a, sid, gid, list(messages), 200)),
                             daemon=True)
     slow.start()
@@ -160,11 +166,7 @@ def test_a_session_whose_proxy_died_during_a_call_is_refused_elsewhere(pair: Pai
 
 
 def test_a_replica_whose_session_was_taken_over_drops_its_copy(pair: Pair) -> None:
-    sid, gid = f"s-{uuid.uuid4().hex}", f"g-{uuid.uuid4().hex}"
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "guess"}]
-    _call(pair, pair.a, sid, gid, messages)
-    wait_until(_saved(pair, sid, 1), 10, "the snapshot after the first call")
-    messages.append({"role": "user", "content": "higher"})
+    sid, gid, messages = _first_call_on_a(pair)
     _call(pair, pair.b, sid, gid, messages)  # a was out of the balancer's rotation, not dead
     stale = pair.finish(pair.a, sid)  # a's copy must not end the session with its count
     assert stale.status_code == 409 and stale.json()["detail"]["error"] == "session_moved", stale.text
