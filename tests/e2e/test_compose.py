@@ -62,6 +62,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.compose, pytest.mark.timeout(3600)]
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_ENV = REPO / "deploy" / "images" / "local.env"
+HA_ENV = REPO / "deploy" / "ha.env"
+HA_PARTS = ("kafka-2", "kafka-3", "redis-replica", "sentinel-1", "sentinel-2", "sentinel-3")
+"""What the ``ha`` profile adds (``deploy/ha.env``): the test runs the highly available topology."""
 REIN_TARGETS = {"engine", "proxy", "trainer", "weight_broadcaster", "collector", "rollout"}
 SCALE = ("--scale", "proxy=3", "--scale", "engine=2", "--scale", "collector=3")
 """Prometheus jobs that must be up (``sglang`` is only there with ``--profile gpu``)."""
@@ -111,7 +114,8 @@ class Compose:
                     if line.startswith("ADMIN_TOKEN="))
 
     def _compose(self) -> list[str]:
-        return ["docker", "compose", "--env-file", str(self.secrets), "--env-file", str(LOCAL_ENV), "-p", self.project]
+        return ["docker", "compose", "--env-file", str(self.secrets), "--env-file", str(LOCAL_ENV), "--env-file",
+                str(HA_ENV), "-p", self.project]
 
     def __call__(self, *args: str, timeout_s: float = 600) -> str:
         return _run([*self._compose(), *args], timeout_s, self.env, context=lambda: "--- logs\n" + self.logs(tail=15))
@@ -169,7 +173,7 @@ def images(docker_engine: None, figures: dict[str, Any]) -> None:
 
 @pytest.fixture
 def compose(images: None, tmp_path: Path) -> Iterator[Compose]:
-    names = ("kafka", "redis", "proxy", "prometheus", "grafana")
+    names = ("kafka", "kafka_2", "kafka_3", "redis", "proxy", "prometheus", "grafana")
     project = Compose(f"rein-test-{uuid.uuid4().hex[:8]}", dict(zip(names, free_ports(len(names)), strict=True)),
                       tmp_path / "secrets.env")
     try:
@@ -221,6 +225,21 @@ def _status_ok(compose: Compose, last: list[dict[str, Any]]) -> dict[str, Any] |
     return last[0] if last[0]["ok"] else None
 
 
+def _sentinel_view(compose: Compose, replicated: bool = True) -> str | None:
+    """The primary Sentinel 1 names (``host port``); with ``replicated``, only once it knows a replica of it and
+    the two other Sentinels (else None)."""
+    def ask(*args: str) -> str:
+        done = subprocess.run([*compose._compose(), "exec", "-T", "sentinel-1", "redis-cli", "-p", "26379", *args],
+                              capture_output=True, text=True, timeout=30, env=compose.env, cwd=REPO)
+        return done.stdout if done.returncode == 0 else ""
+
+    master = ask("sentinel", "master", "rein").split()
+    fields = dict(zip(master[::2], master[1::2], strict=False))
+    if replicated and (int(fields.get("num-slaves", 0)) < 1 or int(fields.get("num-other-sentinels", 0)) < 2):
+        return None
+    return " ".join(ask("sentinel", "get-master-addr-by-name", "rein").split()) or None
+
+
 def _collector_members(compose: Compose) -> int:
     """Members of the collectors' group; -1 while the broker does not answer (busy with the scale-up: one
     CI run's admin client timed out on its API-version probe), so the wait polls again instead of failing."""
@@ -244,7 +263,7 @@ def test_the_whole_system_runs_scales_and_resumes_in_containers(compose: Compose
     figures["up_s"] = round(time.monotonic() - t0, 1)
     states = {c["Service"]: c["State"] for c in compose.ps()}
     assert states.get("topics") == "exited" and all(
-        states.get(s) == "running" for s in ("kafka", "redis", "balancer", *REIN_TARGETS)), states
+        states.get(s) == "running" for s in ("kafka", "redis", "balancer", *HA_PARTS, *REIN_TARGETS)), states
     first = _steps_past(compose, 0, 600, "the trainer's first step")
     figures["first_step_s"] = round(time.monotonic() - t0, 1)
 
@@ -277,7 +296,19 @@ def test_the_whole_system_runs_scales_and_resumes_in_containers(compose: Compose
         r'"event": "trainer_resumed".*?"step": (\d+)|"step": (\d+).*?"event": "trainer_resumed"',
         compose.logs("trainer", tail=400)), 300, lambda: compose.logs("trainer"))
     assert int(resumed.group(1) or resumed.group(2)) >= before >= scaled, (resumed.group(0), before)
-    _steps_past(compose, before, 600, "a step after the trainer's restart")
+    restarted = _steps_past(compose, before, 600, "a step after the trainer's restart")
+
+    # 3b. A Kafka node and the Redis primary die (SIGKILL) and stay down: the Sentinels promote the replica,
+    # the partitions' leaders move to the other nodes, and training goes on.
+    primary = _wait("the Sentinels watching the primary and its replica", lambda: _sentinel_view(compose), 120,
+                    lambda: compose.logs("sentinel-1", "redis-replica"))
+    t0 = time.monotonic()
+    compose("kill", "kafka-2", "redis", timeout_s=120)
+    _wait("a replica promoted", lambda: (view := _sentinel_view(compose, replicated=False)) and view != primary, 120,
+          lambda: compose.logs("sentinel-1", "sentinel-2", "redis-replica"))
+    figures["redis_failover_s"] = round(time.monotonic() - t0, 1)
+    _steps_past(compose, max(restarted, _max_step(compose)), 600, "a step with a Kafka node and the Redis primary dead")
+    figures["step_after_failover_s"] = round(time.monotonic() - t0, 1)
 
     # 4. Prometheus scrapes every rein service.
     compose("--profile", "observability", "up", "-d", "--no-deps", "prometheus")

@@ -213,7 +213,8 @@ def test_topics_are_created_by_the_one_topology_with_the_collectors_partition_co
     assert int(env["PARTITIONS"]) == loaded["collector"].topic_partitions
     assert topics["image"] == "rein:local" and topics["restart"] == "no"
     command = " ".join(topics["command"])
-    assert "python -m shared.topology --bootstrap kafka:9092 --partitions $$PARTITIONS" in command
+    assert "python -m shared.topology --bootstrap $$BOOTSTRAP --partitions $$PARTITIONS" in command
+    assert env["BOOTSTRAP"] == environment(_service(compose, "trainer"))["REIN_KAFKA__BOOTSTRAP_SERVERS"]
     for name, settings in loaded.items():
         assert settings.topics == Topics(), f"{name} overrides topic names; the topics service creates the defaults"
 
