@@ -63,7 +63,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.compose, pytest.mark.timeout(3600)]
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_ENV = REPO / "deploy" / "images" / "local.env"
 HA_ENV = REPO / "deploy" / "ha.env"
-HA_PARTS = ("kafka-2", "kafka-3", "redis-replica", "sentinel-1", "sentinel-2", "sentinel-3")
+HA_PARTS = ("kafka-2", "kafka-3", "redis-replica", "redis-replica-2", "sentinel-1", "sentinel-2", "sentinel-3")
 """What the ``ha`` profile adds (``deploy/ha.env``): the test runs the highly available topology."""
 REIN_TARGETS = {"engine", "proxy", "trainer", "weight_broadcaster", "collector", "rollout"}
 SCALE = ("--scale", "proxy=3", "--scale", "engine=2", "--scale", "collector=3")
