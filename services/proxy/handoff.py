@@ -155,9 +155,7 @@ class Handoff:
     async def begin(self, session_id: str) -> None:
         """Mark a call (a finish, an idle expiry) begun, before it reaches an engine or Kafka; ``session_moved`` when
         another replica took the session over (this copy is stale). A Redis failure is logged, and the call goes on."""
-        pending = self._saves.pop(session_id, None)
-        if pending is not None:
-            pending.cancel()  # superseded: its ``calls`` is no longer the hash's once this call is marked
+        self._drop_save(session_id)  # superseded: its ``calls`` is no longer the hash's once this call is marked
         calls = self._calls.get(session_id, 0) + 1
         self._calls[session_id] = calls
         try:
@@ -174,22 +172,27 @@ class Handoff:
                                "takes no more of its calls", session_id=session_id, owner=other)
 
     def save(self, session: Session, acks: Sequence[Ack]) -> None:
-        """Write ``session``'s snapshot (taken now) once ``acks`` (its chunks not yet answered) all succeeded;
-        if one failed or none came in time, nothing is written: a takeover then refuses the session."""
+        """Write ``session``'s snapshot once ``acks`` (its chunks not yet answered) all succeeded; if one failed
+        or none came in time, nothing is written: a takeover then refuses the session. The snapshot is taken
+        then, not now: until another call (or a finish, an expiry) is marked the session does not change, and
+        an agent that calls again sooner supersedes it unwritten, so no call pays for copying its session."""
         sid = session.session_id
         calls = self._calls.get(sid)
         if calls is None or session.lost is not None:
             return
-        state = snapshot(session)
-        task = asyncio.create_task(self._write(sid, calls, state, list(acks)))
+        task = asyncio.create_task(self._write(session, calls, list(acks)))
         self._saves[sid] = task
         task.add_done_callback(lambda t: self._saves.pop(sid, None) if self._saves.get(sid) is t else None)
 
-    async def _write(self, session_id: str, calls: int, state: dict[str, Any], acks: list[Ack]) -> None:
+    async def _write(self, session: Session, calls: int, acks: list[Ack]) -> None:
         if acks:
             await asyncio.wait(acks, timeout=self._ack_bound_s)
             if any(not ack.done() or ack.exception() is not None for ack in acks):
                 return
+        session_id = session.session_id
+        if self._calls.get(session_id) != calls or session.phase != "open" or session.lost is not None:
+            return  # another call, a finish or an expiry began meanwhile: this snapshot is superseded
+        state = snapshot(session)
         try:
             await asyncio.to_thread(self._dump_and_save, session_id, calls, state)
         except (redis.RedisError, TypeError, ValueError) as exc:
@@ -201,10 +204,7 @@ class Handoff:
 
     def ended(self, session_id: str, outcome: str) -> None:
         """Record how the session ended (a later call on any replica gets 409), in the background."""
-        pending = self._saves.pop(session_id, None)
-        if pending is not None:
-            pending.cancel()
-        self._calls.pop(session_id, None)
+        self.forget(session_id)
         task = asyncio.create_task(self._record_end(session_id, outcome))
         self._ends.add(task)
         task.add_done_callback(self._ends.discard)
@@ -217,11 +217,14 @@ class Handoff:
             self._failed("end", session_id, exc)
 
     def forget(self, session_id: str) -> None:
-        """The session moved away: nothing more is written for it."""
+        """The session ended or moved away: no snapshot of it is written any more."""
+        self._drop_save(session_id)
+        self._calls.pop(session_id, None)
+
+    def _drop_save(self, session_id: str) -> None:
         pending = self._saves.pop(session_id, None)
         if pending is not None:
             pending.cancel()
-        self._calls.pop(session_id, None)
 
     async def close(self, timeout_s: float) -> None:
         """Let the writes in progress end (bounded: a snapshot still waiting for acks then, is not written)."""
