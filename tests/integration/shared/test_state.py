@@ -70,14 +70,17 @@ def test_every_replica_in_sync_must_hold_a_write_and_a_lost_one_is_not_waited_fo
     replicas = [int((tmp_path / "redis" / f"replica-{i}" / "redis.pid").read_text()) for i in (1, 2)]
     client = connect(RedisSettings(url=started["url"]))
     keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
-    replication = Replication(replicas=1, timeout_s=0.5)
+    # A wait that must succeed gets the services' bound: on a loaded machine (a CI run's four workers) a replica
+    # once took over 0.5 s to acknowledge, and the healthy wait failed. A wait that must fail gets a short one:
+    # the stalled replica never answers, so the bound only sets how long the test waits.
+    replication, stalled = Replication(replicas=1, timeout_s=2.0), Replication(replicas=1, timeout_s=0.5)
     try:
         assert in_sync_replicas(client) == 2
         replication.wait(client, keys)
         os.kill(replicas[0], signal.SIGSTOP)
         with pytest.raises(StateUnavailable, match="1 of 2 Redis replicas"):
-            replication.wait(client, keys)
-        outbox = Outbox(client, keys, replica="r", replication=replication)
+            stalled.wait(client, keys)
+        outbox = Outbox(client, keys, replica="r", replication=stalled)
         with client.pipeline(transaction=True) as pipe:
             outbox.push(pipe, [("decisions", RetryRequest(prompt_id="p", attempt=1, previous_group_id="g"))])
             pipe.execute()
@@ -93,6 +96,7 @@ def test_every_replica_in_sync_must_hold_a_write_and_a_lost_one_is_not_waited_fo
         os.kill(replicas[0], signal.SIGKILL)
         wait_until(lambda: in_sync_replicas(client) == 1, 10, "the primary to drop the killed replica")
         replication.wait(client, keys)
+        outbox = Outbox(client, keys, replica="r", replication=replication)
         assert outbox.drain(publish) == 1
         assert len(sent) == 1
     finally:
