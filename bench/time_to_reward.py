@@ -3,9 +3,10 @@
 The headline comparison. Each (seed, mode) is one ``python -m ops.demo`` run with the
 same wall-clock training budget (``--minutes``, counted once every service is up), one after
 another on the same machine, seed-major (every mode of seed 0, then seed 1, ...) so that a slow
-patch of a shared machine spreads over the modes. Resource placement is the demo's, the same in
-every mode: the trainer and the engine each run one torch thread (one core each on two cores);
-the small services (proxy, collector, broadcaster, runner, Kafka, Redis) are not pinned.
+patch of a shared machine spreads over the modes. Resource placement is the demo's: the trainer and
+the engine each run one torch thread (one core each on two cores), but in ``sync-2t``, where each
+takes both cores in its turn; the small services (proxy, collector, broadcaster, runner, Kafka,
+Redis) are not pinned.
 
 The reward of a moment is the policy's as the runner sees it: the mean reward of the last
 ``--episodes`` episodes the runner ended by then (its ``group_ended`` log lines), every group
@@ -41,6 +42,8 @@ from bench.run_curves import analyse, time_to  # noqa: E402
 
 MODES: dict[str, list[str]] = {
     "sync": ["--mode", "sync"],
+    # sync with every core to the phase that runs (the trainer's and the engine's torch threads = 2, in turn)
+    "sync-2t": ["--mode", "sync", "--torch-threads", "2"],
     # rein's defaults: window keep 2, span cap 2, pacing, groups without signal dropped, stale tokens masked
     "async": ["--mode", "async"],
     # no staleness control at all: no window, no span cap, no pacing, every token trained (PPO ratio)
@@ -169,9 +172,11 @@ def rolling_best(curve: list[list[float]], last: int) -> float | None:
 def times_to_sync_best(runs: dict[str, list[dict[str, Any]]], fractions: list[float],
                        last: int) -> dict[str, Any] | None:
     """Seconds each run took to a rolling reward of each fraction of sync's best (the highest rolling reward any
-    sync seed reached within the budget): per mode and fraction, every seed's time in seed order (None: not
-    reached, a censored run) and their median over the seeds that reached it. None without sync runs."""
-    best = max((b for r in runs.get("sync", []) if (b := rolling_best(r["curve"], last)) is not None), default=None)
+    seed of a sync mode, either placement, reached within the budget): per mode and fraction, every seed's time
+    in seed order (None: not reached, a censored run) and their median over the seeds that reached it. None
+    without sync runs."""
+    synced = [r for mode, results in runs.items() if mode.startswith("sync") for r in results]
+    best = max((b for r in synced if (b := rolling_best(r["curve"], last)) is not None), default=None)
     if best is None:
         return None
     out: dict[str, Any] = {"sync_best": best, "modes": {}}
