@@ -52,11 +52,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from services.proxy.replies import ChatOutcome, ForceCall, ToolCalls, read_reply
 from services.proxy.transcript import (
     Answer,
-    Messages,
     NewSegmentReason,
     RewrittenHistory,
     SegmentState,
-    Tools,
     Transcript,
     TurnPlan,
 )
@@ -73,7 +71,7 @@ from shared.errors import (
     TrajectoryVersionChanged,
     UnsupportedParameter,
 )
-from shared.model.chat import ChatTokenizer
+from shared.model.chat import ChatTokenizer, Messages, Tools
 from shared.model.tiny_chat import TinyChatTokenizer
 from shared.model.tool_calls import ToolCallFormat
 from shared.schemas import Chunk, Record, SessionFinished, SessionRejected

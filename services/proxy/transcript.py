@@ -36,14 +36,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from shared.model.chat import Messages, Tools
 from shared.versions import distinct_real
 
 if TYPE_CHECKING:
     from shared.model.chat import ChatTokenizer
-
-Messages = Sequence[Mapping[str, Any]]
-"""OpenAI chat messages as plain dicts (role, content, tool_calls, tool_call_id), passed to the template."""
-Tools = Sequence[Mapping[str, Any]] | None
 
 RewrittenHistory = Literal["keep", "follow"]
 """What a call does when the chat template renders the session's earlier turns otherwise than the engine

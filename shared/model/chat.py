@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from shared.model.reasoning import Reasoning
 from shared.model.tool_calls import ToolCallFormat
 
-__all__ = ["ChatTokenizer", "ModelError", "Turn", "UnrenderableMessages"]
+__all__ = ["ChatTokenizer", "Messages", "ModelError", "Tools", "Turn", "UnrenderableMessages"]
 
 
 class ModelError(ValueError):
@@ -26,6 +26,12 @@ class UnrenderableMessages(ValueError):
         super().__init__(message)
         self.field = field
 
+
+Messages = Sequence[Mapping[str, Any]]
+"""OpenAI chat messages as plain dicts (role, content, tool_calls, tool_call_id), passed to the template."""
+
+Tools = Sequence[Mapping[str, Any]] | None
+"""A request's ``tools`` (OpenAI function specs), rendered by the template; None: the request has none."""
 
 Turn = tuple[Sequence[int], Sequence[int]]
 """One call of a conversation as the engine saw it: the ids a tokenizer rendered (``context``), then
@@ -57,26 +63,14 @@ class ChatTokenizer(Protocol):
         None for a model that does not think aloud."""
         ...
 
-    def encode_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[int]:
+    def encode_chat(self, messages: Messages, *, add_generation_prompt: bool, tools: Tools = None) -> list[int]:
         """Ids of ``messages`` rendered by the model's own chat template (:class:`UnrenderableMessages`
         for messages it cannot render). Message text is text: a special token spelled in it (``<|im_end|>``
         in a tool's result) is encoded as its characters, never as the token, so only the template's
         own markers are special ids."""
         ...
 
-    def continue_chat(
-        self,
-        turns: Sequence[Turn],
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[int] | None:
+    def continue_chat(self, turns: Sequence[Turn], messages: Messages, *, tools: Tools = None) -> list[int] | None:
         """The ids to append to ``turns`` (their ids in order) so that the whole stands for ``messages``
         followed by the generation prompt; None when ``messages`` do not extend what ``turns`` stand for.
 
@@ -90,12 +84,7 @@ class ChatTokenizer(Protocol):
         ...
 
     def append_chat(
-        self,
-        turns: Sequence[Turn],
-        messages: Sequence[Mapping[str, Any]],
-        new_from: int,
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        self, turns: Sequence[Turn], messages: Messages, new_from: int, *, tools: Tools = None
     ) -> list[int] | None:
         """The ids of ``messages[new_from:]`` and the generation prompt as the template renders them after the
         earlier messages, to append to ``turns`` whatever the template now renders for those (a template that

@@ -72,13 +72,8 @@ def features(
 
 
 def token_logprobs(
-    model: nn.Module,
-    ids: torch.Tensor,
-    temperature: float = 1.0,
-    attention_mask: torch.Tensor | None = None,
-    *,
-    sampling: SamplingTensors | None = None,
-    where: torch.Tensor | None = None,
+    model: nn.Module, ids: torch.Tensor, temperature: float = 1.0, attention_mask: torch.Tensor | None = None, *,
+    sampling: SamplingTensors | None = None, where: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probability of ``ids[:, 1:]`` given each prefix: ``[B, T] -> [B, T-1]`` (fp32).
 
@@ -98,13 +93,8 @@ def token_logprobs(
 
 
 def token_logprobs_and_entropy(
-    model: nn.Module,
-    ids: torch.Tensor,
-    temperature: float = 1.0,
-    attention_mask: torch.Tensor | None = None,
-    *,
-    sampling: SamplingTensors | None = None,
-    where: torch.Tensor | None = None,
+    model: nn.Module, ids: torch.Tensor, temperature: float = 1.0, attention_mask: torch.Tensor | None = None, *,
+    sampling: SamplingTensors | None = None, where: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`token_logprobs` and, at the same positions, the entropy (nats) of the distribution each
     token was sampled from (after temperature and the sampling filter): both ``[B, T-1]`` fp32, 0

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
 from shared.model.base import ModelError, Turn, UnrenderableMessages
+from shared.model.chat import Messages, Tools
 from shared.model.literals import PRIVATE_USE, Literals, Spellings, strings_in
 from shared.model.plain_messages import text_of, tool_call_text, with_parsed_arguments, with_tools_prompt
 from shared.model.reasoning import Reasoning, detect_reasoning
@@ -95,7 +96,7 @@ class HFChatTokenizer:
     def reasoning(self) -> Reasoning | None:
         return self._reasoning
 
-    def _plain(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    def _plain(self, messages: Messages) -> list[dict[str, Any]]:
         out = []
         for i, message in enumerate(messages):
             if "role" not in message:
@@ -126,25 +127,13 @@ class HFChatTokenizer:
         elif not isinstance(plain["reasoning_content"], str):
             plain["reasoning_content"] = text_of(plain["reasoning_content"])
 
-    def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> str:
+    def render_chat(self, messages: Messages, *, add_generation_prompt: bool, tools: Tools = None) -> str:
         """The chat template's text for ``messages`` (:class:`UnrenderableMessages` when the template refuses them)."""
         plain = self._plain(messages)
         literals = self._literals(plain, tools)
         return literals.reveal(self._render(plain, tools, literals, add_generation_prompt=add_generation_prompt))
 
-    def encode_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[int]:
+    def encode_chat(self, messages: Messages, *, add_generation_prompt: bool, tools: Tools = None) -> list[int]:
         """The template's text, tokenized the way ``apply_chat_template(tokenize=True)`` does (no added
         BOS/EOS, the template's special tokens parsed as specials), except that a special token spelled
         in the messages' or tools' strings is text (see :mod:`shared.model.literals`). :meth:`continue_chat`
@@ -155,12 +144,7 @@ class HFChatTokenizer:
                                    literals)
 
     def append_chat(
-        self,
-        turns: Sequence[Turn],
-        messages: Sequence[Mapping[str, Any]],
-        new_from: int,
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        self, turns: Sequence[Turn], messages: Messages, new_from: int, *, tools: Tools = None
     ) -> list[int] | None:
         """Found with a sentinel: the first new message's content is marked with a private-use character no
         string holds, the whole conversation rendered, and the delta runs from the last end-of-turn marker
@@ -190,13 +174,7 @@ class HFChatTokenizer:
         text = call_opener(fmt, None if name is None else literals.hide(name), array=not self.template_knows_tools)
         return None if text is None else self._encode_marked(text, literals)
 
-    def continue_chat(
-        self,
-        turns: Sequence[Turn],
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[int] | None:
+    def continue_chat(self, turns: Sequence[Turn], messages: Messages, *, tools: Tools = None) -> list[int] | None:
         """In text space: the template's text for ``messages`` must start with what ``turns`` stand for;
         the rest is encoded. Contexts are compared by their exact text, marker for marker (a special id
         is its spelling, the same spelling in text is content: both sides hide it alike), sampled ids by
@@ -238,7 +216,7 @@ class HFChatTokenizer:
     def _literals(
         self,
         plain: list[dict[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None,
+        tools: Tools,
         seen: Sequence[str] = (),
         avoid: Sequence[str] = (),
     ) -> Literals:
@@ -249,7 +227,7 @@ class HFChatTokenizer:
     def _render(
         self,
         plain: list[dict[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None,
+        tools: Tools,
         literals: Literals,
         *,
         add_generation_prompt: bool,

@@ -3,10 +3,9 @@ the proxy needs only this of the tiny family (:func:`shared.model.load_tokenizer
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from shared.model.chat import Turn, UnrenderableMessages
+from shared.model.chat import Messages, Tools, Turn, UnrenderableMessages
 from shared.model.reasoning import Reasoning
 from shared.model.tool_calls import ToolCallFormat
 from shared.tokenizer import ROLE_TOKENS, TOKENIZER, Tokenizer
@@ -44,13 +43,7 @@ class TinyChatTokenizer:
         """The tiny policy does not think aloud."""
         return None
 
-    def encode_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[int]:
+    def encode_chat(self, messages: Messages, *, add_generation_prompt: bool, tools: Tools = None) -> list[int]:
         plain = []
         for i, message in enumerate(messages):
             if "role" not in message or "content" not in message:
@@ -63,13 +56,7 @@ class TinyChatTokenizer:
             plain.append({"role": str(message["role"]), "content": "" if content is None else str(content)})
         return self.inner.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
 
-    def continue_chat(
-        self,
-        turns: Sequence[Turn],
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[int] | None:
+    def continue_chat(self, turns: Sequence[Turn], messages: Messages, *, tools: Tools = None) -> list[int] | None:
         """In id space: the tiny template renders each message on its own, so ``turns`` must equal
         the rendering of ``messages`` up to some point and the rest is the delta. Sampled ids stand
         for their text (special ids dropped, as :meth:`decode` drops them) plus ``<|end|>`` when the
@@ -91,12 +78,7 @@ class TinyChatTokenizer:
         return [*words, end] if stopped else words
 
     def append_chat(
-        self,
-        turns: Sequence[Turn],
-        messages: Sequence[Mapping[str, Any]],
-        new_from: int,
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        self, turns: Sequence[Turn], messages: Messages, new_from: int, *, tools: Tools = None
     ) -> list[int] | None:
         """The tiny template never rewrites history: whatever :meth:`continue_chat` could not continue, this
         cannot either."""
