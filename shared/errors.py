@@ -16,12 +16,26 @@ from typing import Any, ClassVar, TypeVar
 
 E = TypeVar("E", bound="ReinError")
 
+_CODES: dict[str, type[ReinError]] = {}
+"""Every error's code, to its class: a code names one error."""
+
 
 class ReinError(Exception):
     """Root of every error rein maps to an HTTP status; unexpected bugs stay plain exceptions."""
 
     status: ClassVar[int] = 500
     code: ClassVar[str] = "internal_error"
+
+    def __init_subclass__(cls, *, code: str, status: int | None = None, **kwargs: Any) -> None:
+        """Each error declares its ``code`` where it is named, and its ``status`` where it differs from its
+        base's; a subclass without a code, or with one another error has, is a TypeError at import."""
+        super().__init_subclass__(**kwargs)
+        if code in _CODES:
+            raise TypeError(f"{cls.__name__}: code {code!r} is {_CODES[code].__name__}'s already")
+        _CODES[code] = cls
+        cls.code = code
+        if status is not None:
+            cls.status = status
 
     def __init__(self, message: str, **fields: Any) -> None:
         super().__init__(message)
@@ -46,194 +60,127 @@ class ReinError(Exception):
 # --------------------------------------------------------------------------- 4xx: the caller's fault
 
 
-class BadRequest(ReinError):
+class BadRequest(ReinError, status=400, code="bad_request"):
     """The request is missing something the endpoint needs (a header, a consistent id)."""
 
-    status = 400
-    code = "bad_request"
 
-
-class UnsupportedContent(BadRequest):
+class UnsupportedContent(BadRequest, code="unsupported_content"):
     """A message holds what the served model cannot take (an image or audio part for a text model)."""
 
-    code = "unsupported_content"
 
-
-class UnsupportedParameter(BadRequest):
+class UnsupportedParameter(BadRequest, code="unsupported_parameter"):
     """A request parameter this proxy cannot honour (``fields`` names each); refused, never ignored."""
 
-    code = "unsupported_parameter"
 
-
-class MissingHeader(BadRequest):
+class MissingHeader(BadRequest, code="missing_header"):
     """A required header (``X-Session-Id``) is absent or empty."""
 
-    code = "missing_header"
 
-
-class InvalidRequest(ReinError):
+class InvalidRequest(ReinError, status=422, code="invalid_request"):
     """The body does not match the schema; ``fields`` names each offending field."""
 
-    status = 422
-    code = "invalid_request"
 
-
-class Unauthorized(ReinError):
+class Unauthorized(ReinError, status=401, code="unauthorized"):
     """A call without the credential its route needs, or with a wrong one."""
 
-    status = 401
-    code = "unauthorized"
 
-
-class Forbidden(ReinError):
+class Forbidden(ReinError, status=403, code="forbidden"):
     """A valid credential of a role the route is not for (an agent's session key where the runner's is needed)."""
 
-    status = 403
-    code = "forbidden"
 
-
-class UnknownSessionKey(Unauthorized):
+class UnknownSessionKey(Unauthorized, code="unknown_session_key"):
     """A chat call's API key (or the key in its path) is not a valid session key of this run."""
 
-    code = "unknown_session_key"
 
-
-class SessionNotFound(ReinError):
+class SessionNotFound(ReinError, status=404, code="session_not_found"):
     """No session with this id is known to this proxy."""
 
-    status = 404
-    code = "session_not_found"
 
-
-class SessionConflict(ReinError):
+class SessionConflict(ReinError, status=409, code="session_conflict"):
     """The session exists but cannot take this call in its current state."""
 
-    status = 409
-    code = "session_conflict"
 
-
-class SessionFinalized(SessionConflict):
+class SessionFinalized(SessionConflict, code="session_finalized"):
     """The session was finished or rejected; it takes no more calls."""
 
-    code = "session_finalized"
 
-
-class SessionBusy(SessionConflict):
+class SessionBusy(SessionConflict, code="session_busy"):
     """Another call of the same session is still running (a session is one conversation)."""
 
-    code = "session_busy"
 
-
-class SessionIdle(SessionConflict):
+class SessionIdle(SessionConflict, code="session_idle"):
     """The proxy rejected the session after it had no call for its idle timeout (the agent is gone)."""
 
-    code = "session_idle"
 
-
-class SessionInterrupted(SessionConflict):
+class SessionInterrupted(SessionConflict, code="session_interrupted"):
     """The proxy that held the session died (or lost it) during a call: that call's chunks may be partly on
     Kafka, so no other replica continues the session (its chunks would number from the wrong place)."""
 
-    code = "session_interrupted"
 
-
-class SessionMoved(SessionConflict):
+class SessionMoved(SessionConflict, code="session_moved"):
     """Another proxy replica took the session over (the balancer sent it a call while this one was out of
     its rotation): this replica's copy is stale and takes no more calls."""
 
-    code = "session_moved"
 
-
-class StalePause(ReinError):
+class StalePause(ReinError, status=409, code="stale_pause"):
     """A renew or resume named a pause that is not the proxy's current one (its lease ran out, or a
     newer pause took over): refused, so a late control call cannot end someone else's pause."""
 
-    status = 409
-    code = "stale_pause"
 
-
-class PayloadTooLarge(ReinError):
+class PayloadTooLarge(ReinError, status=413, code="request_too_large"):
     """The request body exceeds the configured size limit."""
 
-    status = 413
-    code = "request_too_large"
 
-
-class ContextOverflow(BadRequest):
+class ContextOverflow(BadRequest, code="context_overflow"):
     """The prompt leaves no room for one generated token in the context window (400, as OpenAI's
     ``context_length_exceeded`` and Anthropic's prompt too long: what agents catch to compact their history)."""
-
-    code = "context_overflow"
 
 
 # --------------------------------------------------------------------------- 502: the staleness rejections
 
 
-class RolloutRejected(ReinError):
+class RolloutRejected(ReinError, status=502, code="rollout_rejected"):
     """A staleness rule rejected the session (soft reject may turn it into an empty 200)."""
 
-    status = 502
-    code = "rollout_rejected"
 
-
-class PartialRolloutStalenessExceeded(RolloutRejected):
+class PartialRolloutStalenessExceeded(RolloutRejected, code="partial_rollout_staleness_exceeded"):
     """The session would span more than ``max_preempts + 1`` distinct real weight versions."""
 
-    code = "partial_rollout_staleness_exceeded"
 
-
-class TrajectoryVersionChanged(RolloutRejected):
+class TrajectoryVersionChanged(RolloutRejected, code="trajectory_version_changed"):
     """Partial rollout is off and the weight version changed inside the session."""
 
-    code = "trajectory_version_changed"
 
-
-class GenerationPreempted(RolloutRejected):
+class GenerationPreempted(RolloutRejected, code="generation_preempted"):
     """Partial rollout is off and the generation was aborted mid-way (a weight update)."""
 
-    code = "generation_preempted"
 
-
-class EngineError(ReinError):
+class EngineError(ReinError, status=502, code="engine_error"):
     """The inference engine answered, but with an error or a malformed body."""
-
-    status = 502
-    code = "engine_error"
 
 
 # --------------------------------------------------------------------------- 503: a dependency is down
 
 
-class DependencyUnavailable(ReinError):
+class DependencyUnavailable(ReinError, status=503, code="unavailable"):
     """A dependency did not answer within its bound; the call may be retried later."""
 
-    status = 503
-    code = "unavailable"
 
-
-class EngineUnavailable(DependencyUnavailable):
+class EngineUnavailable(DependencyUnavailable, code="engine_unavailable"):
     """The inference engine could not be reached (connect / read timeout, refused)."""
 
-    code = "engine_unavailable"
 
-
-class EngineLost(EngineUnavailable):
+class EngineLost(EngineUnavailable, code="engine_lost"):
     """The engine a session sticks to failed its health checks or left: the session, which holds tokens of
     that engine, is rejected on record (its prefix and version live there; it is not moved)."""
 
-    code = "engine_lost"
 
-
-class KafkaUnavailable(DependencyUnavailable):
+class KafkaUnavailable(DependencyUnavailable, code="kafka_unavailable"):
     """A record could not be written to Kafka; the call fails rather than lose training data."""
 
-    code = "kafka_unavailable"
 
-
-class StateStoreUnavailable(DependencyUnavailable):
+class StateStoreUnavailable(DependencyUnavailable, code="redis_unavailable"):
     """Redis did not answer where the call needs it (reading a session another replica held)."""
-
-    code = "redis_unavailable"
 
 
 def http_body(error: ReinError) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from ops.local.credentials import Credentials
 from ops.local.ports import free_port
@@ -122,6 +123,14 @@ def engine_process(
         yield Engine(url=url, weights_dir=weights_dir, proc=proc)
     finally:
         proc.stop()
+
+
+@contextmanager
+def temp_engine(tmp_path_factory: pytest.TempPathFactory, **kw: Any) -> Iterator[Engine]:
+    """:func:`engine_process` with its weights and logs in fresh directories of the pytest run (a fixture's
+    or a test's own engine); ``kw`` as there."""
+    with engine_process(tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"), **kw) as engine:
+        yield engine
 
 
 @contextmanager

@@ -20,7 +20,7 @@ import pytest
 from services.rollout.calculator import INSTRUCTION, TOOLS, evaluate
 from shared.schemas import Chunk
 from tests.support.proxy import Proxy, ProxyFactory, proxy_factory
-from tests.support.stack import Engine, engine_process
+from tests.support.stack import Engine, temp_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 __all__ = ["proxy_factory"]
@@ -39,8 +39,7 @@ def calculator(expression: str) -> str:
 
 @pytest.fixture(scope="module")
 def smollm2_engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    with engine_process(tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"),
-                        extra_env={"REIN_MODEL": str(smollm2_dir)}) as engine:
+    with temp_engine(tmp_path_factory, extra_env={"REIN_MODEL": str(smollm2_dir)}) as engine:
         yield engine
 
 

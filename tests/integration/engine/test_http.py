@@ -19,7 +19,7 @@ import pytest
 from shared import checkpoint
 from shared.policy import init_policy
 from shared.tokenizer import TOKENIZER
-from tests.support.stack import CFG, Engine, engine_process
+from tests.support.stack import CFG, Engine, temp_engine
 
 pytestmark = pytest.mark.integration
 
@@ -29,9 +29,7 @@ T = TypeVar("T")
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    with engine_process(
-        tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"), step_delay_s=0.02, log_level="info"
-    ) as engine:
+    with temp_engine(tmp_path_factory, step_delay_s=0.02, log_level="info") as engine:
         yield engine
 
 
@@ -169,8 +167,7 @@ def test_an_engine_told_not_to_stage_answers_404_as_one_without_the_route(
 ) -> None:
     """``REIN_STAGE_WEIGHTS=false`` (a model whose second copy does not fit): the broadcaster's
     staging call gets SGLang's answer, and the update reads the file itself."""
-    with engine_process(tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"),
-                        extra_env={"REIN_STAGE_WEIGHTS": "false"}) as plain:
+    with temp_engine(tmp_path_factory, extra_env={"REIN_STAGE_WEIGHTS": "false"}) as plain:
         path, digest = plain.checkpoint("no-stage", seed=31)
         staged = httpx.post(f"{plain.url}/stage_weights", json={"model_path": str(path)}, timeout=30)
         assert staged.status_code == 404

@@ -34,7 +34,7 @@ from shared.errors import StateStoreUnavailable
 from shared.names import RedisKeys, Topics
 from shared.schemas import Chunk, SessionFinished
 from tests.support.proxy import read_records
-from tests.support.stack import Engine, ProxyProcess, engine_process, proxy_process
+from tests.support.stack import Engine, ProxyProcess, proxy_process, temp_engine
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration]
@@ -69,8 +69,7 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    with engine_process(tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"),
-                        step_delay_s=0.05) as engine:
+    with temp_engine(tmp_path_factory, step_delay_s=0.05) as engine:
         yield engine
 
 

@@ -22,7 +22,7 @@ from shared.model.compute import token_logprobs
 from shared.model.hf_chat import HFChatTokenizer
 from shared.schemas import Chunk, SessionFinished
 from tests.support.proxy import ProxyFactory, proxy_factory, rein
-from tests.support.stack import Engine, engine_process
+from tests.support.stack import Engine, temp_engine
 
 pytestmark = [pytest.mark.integration]
 __all__ = ["proxy_factory"]
@@ -33,8 +33,7 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def hf_engine(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    with engine_process(tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"),
-                        extra_env={"REIN_MODEL": str(tiny_llama_dir)}) as engine:
+    with temp_engine(tmp_path_factory, extra_env={"REIN_MODEL": str(tiny_llama_dir)}) as engine:
         yield engine
 
 

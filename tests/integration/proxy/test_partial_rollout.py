@@ -27,7 +27,7 @@ from tests.support.proxy import (
     proxy_factory,
     rein,
 )
-from tests.support.stack import Engine, engine_process
+from tests.support.stack import Engine, temp_engine
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration]
@@ -45,9 +45,7 @@ was once over before ``wait_until`` saw it in flight (two HTTP polls per check o
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    with engine_process(
-        tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"), step_delay_s=STEP_DELAY_S
-    ) as engine:
+    with temp_engine(tmp_path_factory, step_delay_s=STEP_DELAY_S) as engine:
         yield engine
 
 

@@ -29,7 +29,7 @@ from shared.schemas import Chunk, GroupDispatched, Record, SessionFinished, Sess
 from shared.settings import KafkaSettings
 from tests.support.procs import REPO_ROOT
 from tests.support.proxy import ADMIN, Proxy, ProxyFactory, count_records, proxy_factory
-from tests.support.stack import Engine, engine_process, proxy_process
+from tests.support.stack import Engine, proxy_process, temp_engine
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration]
@@ -42,9 +42,7 @@ ASK = [{"role": "user", "content": "guess"}]
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     """Slowed a little, so several generations are still running when a test pauses."""
-    with engine_process(
-        tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"), step_delay_s=0.02
-    ) as engine:
+    with temp_engine(tmp_path_factory, step_delay_s=0.02) as engine:
         yield engine
 
 

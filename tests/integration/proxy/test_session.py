@@ -30,7 +30,7 @@ from tests.support.proxy import (
     rein,
 )
 from tests.support.sglang_engine import ScriptedServers, sglang
-from tests.support.stack import Engine, engine_process, proxy_process
+from tests.support.stack import Engine, proxy_process, temp_engine
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.integration]
@@ -39,9 +39,7 @@ __all__ = ["proxy_factory", "sglang"]
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    with engine_process(
-        tmp_path_factory.mktemp("weights"), tmp_path_factory.mktemp("logs"), step_delay_s=0.0
-    ) as engine:
+    with temp_engine(tmp_path_factory, step_delay_s=0.0) as engine:
         yield engine
 
 
