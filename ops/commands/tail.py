@@ -84,15 +84,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--max must be at least 1, got {args.max_records}")
         if args.timeout is not None and args.timeout <= 0:
             raise ValueError(f"--timeout must be positive, got {args.timeout}")
-        options = TailOptions(
-            topic=args.topic,
-            start=_start(args),
-            group_id=args.group_id,
-            session=args.session,
-            follow=args.follow,
-            max_records=args.max_records,
-            timeout_s=args.timeout,
-        )
+        options = TailOptions(topic=args.topic, start=_start(args), group_id=args.group_id, session=args.session,
+                              follow=args.follow, max_records=args.max_records, timeout_s=args.timeout)
         bootstrap = args.bootstrap or (read_run_dir(args.run_dir).kafka_bootstrap if args.run_dir else None)
         kafka = settings.kafka
         if bootstrap:

@@ -47,7 +47,6 @@ from shared.schemas import GroupDispatched, GroupRef, RetryRequest, WeightApplie
 from shared.settings import KafkaSettings
 from tests.support.poison import (
     INJECTED,
-    MAX_RECORD,
     decode_errors,
     expected_reasons,
     inject,
@@ -196,24 +195,16 @@ def test_trainer_skips_and_counts_poison_manifests_and_group_records(
     bad_ref = GroupRef(group_id="g-bad", partition=0, offset=good.offset + 1)
     send(kafka_bootstrap, topics.batches,
          valid_manifest(0, [GroupRef(group_id="g-good", partition=0, offset=good.offset), bad_ref]))
-    with service(
-        "trainer",
-        "services.trainer",
-        {
-            "REIN_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap,
-            "REIN_KAFKA__MAX_RECORD_BYTES": str(MAX_RECORD),
-            "REIN_TOPICS__GROUPS": topics.groups,
-            "REIN_TOPICS__BATCHES": topics.batches,
-            "REIN_TOPICS__WEIGHTS": topics.weights,
-            "REIN_WEIGHTS_DIR": str(tmp_path / "weights"),
-            "REIN_RUN_DIR": str(tmp_path / "run"),
-            "REIN_CONSUMER_GROUP": unique_group,
-            "REIN_TORCH_THREADS": "1",
-            "REIN_FETCH_TIMEOUT_S": "20",
-            "REIN_LOG_LEVEL": "warning",
-        },
-        tmp_path / "logs",
-    ) as (proc, url):
+    with service("trainer", "services.trainer", kafka_bootstrap, {
+        "REIN_TOPICS__GROUPS": topics.groups,
+        "REIN_TOPICS__BATCHES": topics.batches,
+        "REIN_TOPICS__WEIGHTS": topics.weights,
+        "REIN_WEIGHTS_DIR": str(tmp_path / "weights"),
+        "REIN_RUN_DIR": str(tmp_path / "run"),
+        "REIN_CONSUMER_GROUP": unique_group,
+        "REIN_TORCH_THREADS": "1",
+        "REIN_FETCH_TIMEOUT_S": "20",
+    }, tmp_path / "logs") as (proc, url):
         metrics_url = f"{url}/metrics"
         lines_path = tmp_path / "run" / "metrics.jsonl"
         wait_until(lambda: lines_path.exists() and lines_path.read_text().strip(), 60, "step 1 (manifest 0)", proc)
@@ -240,23 +231,15 @@ def test_broadcaster_skips_and_counts_poison_weight_records(
     event = WeightPublished(version="v-after-poison", seq=1, path=str(path), digest=digest, step=1)
     send(stack.bootstrap, weights_topic, event)
     kafka = KafkaSettings(bootstrap_servers=stack.bootstrap)
-    with service(
-        "broadcaster",
-        "services.weight_broadcaster",
-        {
-            "REIN_KAFKA__BOOTSTRAP_SERVERS": stack.bootstrap,
-            "REIN_KAFKA__MAX_RECORD_BYTES": str(MAX_RECORD),
-            "REIN_REDIS__URL": redis_db_url,
-            "REIN_REDIS__KEY_PREFIX": f"fault-{uuid.uuid4().hex[:6]}",
-            "REIN_TOPICS__WEIGHTS": weights_topic,
-            "REIN_PROXY_URLS": json.dumps([stack.proxy]),
-            "REIN_ENGINE_URLS": json.dumps([stack.engine]),
-            "REIN_ADMIN_TOKEN": ADMIN,
-            "REIN_CONSUMER_GROUP": unique_group,
-            "REIN_LOG_LEVEL": "warning",
-        },
-        tmp_path / "logs",
-    ) as (proc, url):
+    with service("broadcaster", "services.weight_broadcaster", stack.bootstrap, {
+        "REIN_REDIS__URL": redis_db_url,
+        "REIN_REDIS__KEY_PREFIX": f"fault-{uuid.uuid4().hex[:6]}",
+        "REIN_TOPICS__WEIGHTS": weights_topic,
+        "REIN_PROXY_URLS": json.dumps([stack.proxy]),
+        "REIN_ENGINE_URLS": json.dumps([stack.engine]),
+        "REIN_ADMIN_TOKEN": ADMIN,
+        "REIN_CONSUMER_GROUP": unique_group,
+    }, tmp_path / "logs") as (proc, url):
         metrics_url = f"{url}/metrics"
         wait_until(lambda: httpx.get(f"{stack.engine}/get_model_info", timeout=10).json()["digest"] == digest, 60,
                    "the valid version after the poison to reach the engine", proc)
@@ -282,30 +265,20 @@ def test_rollout_runner_skips_and_counts_poison_retry_records(
                          prompt=payload)
     send(stack.bootstrap, retries, retry)
     kafka = KafkaSettings(bootstrap_servers=stack.bootstrap)
-    with service(
-        "rollout runner",
-        "services.rollout",
-        {
-            "REIN_PROXY_URL": stack.proxy,
-            "REIN_RUNNER_TOKEN": stack.proxy_proc.runner_token,
-            "REIN_KAFKA__BOOTSTRAP_SERVERS": stack.bootstrap,
-            "REIN_KAFKA__MAX_RECORD_BYTES": str(MAX_RECORD),
-            "REIN_TOPICS__EVENTS": stack.topics.events,
-            "REIN_TOPICS__CHUNKS": stack.topics.chunks,
-            "REIN_TOPICS__RETRIES": retries,
-            "REIN_TOPICS__WEIGHTS": unique_topic(),
-            "REIN_RETRY_CONSUMER_GROUP": unique_group,
-            "REIN_REDIS__URL": redis_db_url,
-            "REIN_GROUP_SIZE": "1",
-            "REIN_MAX_CONCURRENT_GROUPS": "1",
-            "REIN_REQUEST_TIMEOUT_S": "30",
-            "REIN_STARTUP_TIMEOUT_S": "60",
-            "REIN_LOG_LEVEL": "warning",
-        },
-        tmp_path / "logs",
-        start_timeout_s=90,
-        stop_timeout_s=60,
-    ) as (proc, url):
+    with service("rollout runner", "services.rollout", stack.bootstrap, {
+        "REIN_PROXY_URL": stack.proxy,
+        "REIN_RUNNER_TOKEN": stack.proxy_proc.runner_token,
+        "REIN_TOPICS__EVENTS": stack.topics.events,
+        "REIN_TOPICS__CHUNKS": stack.topics.chunks,
+        "REIN_TOPICS__RETRIES": retries,
+        "REIN_TOPICS__WEIGHTS": unique_topic(),
+        "REIN_RETRY_CONSUMER_GROUP": unique_group,
+        "REIN_REDIS__URL": redis_db_url,
+        "REIN_GROUP_SIZE": "1",
+        "REIN_MAX_CONCURRENT_GROUPS": "1",
+        "REIN_REQUEST_TIMEOUT_S": "30",
+        "REIN_STARTUP_TIMEOUT_S": "60",
+    }, tmp_path / "logs", start_timeout_s=90, stop_timeout_s=60) as (proc, url):
         metrics_url = f"{url}/metrics"
         want = expected_reasons(bad)
         wait_until(lambda: decode_errors(metrics_url, retries) == want, 60, f"decode errors {want}", proc)

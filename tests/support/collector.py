@@ -88,9 +88,12 @@ def env_of(settings: CollectorSettings) -> dict[str, str]:
 class Source:
     """Plays the proxy, the rollout runner and the broadcaster: writes records to the input topics."""
 
-    def __init__(self, settings: CollectorSettings) -> None:
+    def __init__(self, settings: CollectorSettings, weights: Sequence[str] = ()) -> None:
+        """``weights``: the versions the broadcaster has published before the test begins (:meth:`weights`)."""
         self.topics = settings.topics
         self.producer = Producer(settings.kafka, client_suffix="test-source")
+        if weights:
+            self.weights(weights)
 
     def weights(self, labels: Sequence[str], first_seq: int = 0) -> None:
         self.producer.send_many(

@@ -114,14 +114,16 @@ def send(bootstrap: str, topic: str, record: Record) -> Delivered:
 
 
 @contextmanager
-def service(name: str, module: str, env: dict[str, str], log_dir: Path, *, start_timeout_s: float = 60,
-            stop_timeout_s: float = 20) -> Iterator[tuple[Proc, str]]:
-    """``python -m module`` with ``env`` on a free metrics port: (the process, its base URL). Stopped on the
-    way out by SIGTERM, after which it must have exited 0."""
+def service(name: str, module: str, bootstrap: str, env: dict[str, str], log_dir: Path, *,
+            start_timeout_s: float = 60, stop_timeout_s: float = 20) -> Iterator[tuple[Proc, str]]:
+    """``python -m module`` with ``env`` on a free metrics port, reading Kafka at ``bootstrap`` with records
+    capped at :data:`MAX_RECORD` (so an oversized poison record is refused), logging warnings: (the process,
+    its base URL). Stopped on the way out by SIGTERM, after which it must have exited 0."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_service(module, {**env, "REIN_METRICS_PORT": str(port)}, f"{url}/health", timeout_s=start_timeout_s,
-                         log_dir=log_dir)
+    common = {"REIN_KAFKA__BOOTSTRAP_SERVERS": bootstrap, "REIN_KAFKA__MAX_RECORD_BYTES": str(MAX_RECORD),
+              "REIN_LOG_LEVEL": "warning", "REIN_METRICS_PORT": str(port)}
+    proc = start_service(module, {**env, **common}, f"{url}/health", timeout_s=start_timeout_s, log_dir=log_dir)
     try:
         yield proc, url
     finally:

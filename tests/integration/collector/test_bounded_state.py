@@ -24,8 +24,7 @@ def test_decided_marks_older_than_the_ttl_are_trimmed_and_recent_ones_kept(
     kafka_bootstrap: str, redis_db_url: str
 ) -> None:
     settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=2)
-    source = Source(settings)
-    source.weights(["v0", "v1"])
+    source = Source(settings, ["v0", "v1"])
     ids = [f"g{i}" for i in range(6)]
     with Running(settings):
         tail = Tail(settings, settings.topics.decisions)

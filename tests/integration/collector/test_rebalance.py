@@ -25,8 +25,7 @@ def test_collector_member_joins_and_leaves(kafka_bootstrap: str, redis_db_url: s
         kafka_bootstrap, redis_db_url, partitions=4, keep_versions=2, batch_groups=4, drain_interval_s=0.3
     )
     topics = settings.topics
-    source = Source(settings)
-    source.weights(["v0", "v1"])
+    source = Source(settings, ["v0", "v1"])
     batches = Tail(settings, topics.batches)
     kept = [f"r{i:02d}" for i in range(48)]
     try:

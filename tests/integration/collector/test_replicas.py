@@ -71,8 +71,7 @@ def test_two_replicas_decide_like_one_and_never_disagree_about_the_window(
         + [_event(gid, trajs, **kw) for wave in WAVES for gid, trajs, kw in wave],
         config,
     )
-    source = Source(settings)
-    source.weights(LABELS)
+    source = Source(settings, LABELS)
     r1 = settings.model_copy(update={"replica_id": "r1"})
     r2 = settings.model_copy(update={"replica_id": "r2"})
     with Running(r1) as one, Running(r2) as two:
@@ -124,8 +123,7 @@ def test_kill_9_of_a_replica_mid_stream_loses_and_duplicates_no_group(
     settings = make_settings(
         kafka_bootstrap, redis_db_url, partitions=4, keep_versions=2, batch_groups=4, drain_interval_s=0.3
     )
-    source = Source(settings)
-    source.weights(["v0", "v1"])
+    source = Source(settings, ["v0", "v1"])
     procs = []
     for name in ("ka", "kb"):
         port = free_port()

@@ -38,8 +38,7 @@ def test_sliding_window_whole_group_drops_and_retroactive_removal_only_on_advanc
     kafka_bootstrap: str, redis_db_url: str
 ) -> None:
     settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=2)
-    source = Source(settings)
-    source.weights(["v0", "v1", "v2", "v3"])
+    source = Source(settings, ["v0", "v1", "v2", "v3"])
     with Running(settings):
         tail = Tail(settings, settings.topics.decisions)
         source.group("A", [["v0"], ["v0"]])  # current v0: kept
@@ -84,8 +83,7 @@ def test_sliding_window_whole_group_drops_and_retroactive_removal_only_on_advanc
 
 def test_highest_segment_decides_and_unversioned_samples_are_ignored(kafka_bootstrap: str, redis_db_url: str) -> None:
     settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=1)
-    source = Source(settings)
-    source.weights(["v0", "v1", "v2"])
+    source = Source(settings, ["v0", "v1", "v2"])
     with Running(settings):
         tail = Tail(settings, settings.topics.decisions)
         # segment 0 ends on v2, segment 1 (the highest) on v1: the trajectory counts as v1
@@ -109,8 +107,7 @@ def test_late_straggler_on_an_older_published_label_is_stale_and_does_not_move_t
 ) -> None:
     """A label first seen late is not ranked newest: versions rank in the order they were published, not seen."""
     settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=1)
-    source = Source(settings)
-    source.weights(["v0", "v1", "v2"])
+    source = Source(settings, ["v0", "v1", "v2"])
     with Running(settings):
         tail = Tail(settings, settings.topics.decisions)
         source.group("P", [["v1"], ["v1"]])
@@ -129,8 +126,7 @@ def test_failed_groups_are_retried_then_dropped_and_never_move_the_window(
     kafka_bootstrap: str, redis_db_url: str
 ) -> None:
     settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=1, max_retries=2)
-    source = Source(settings)
-    source.weights(["v0", "v1", "v2"])
+    source = Source(settings, ["v0", "v1", "v2"])
     with Running(settings):
         tail = Tail(settings, settings.topics.decisions)
         retries = Tail(settings, settings.topics.retries)
@@ -162,8 +158,7 @@ def test_a_dependencys_failure_does_not_use_up_the_prompts_retries(kafka_bootstr
     not the prompt) is retried with the same attempt and one more free retry; over the free cap, or
     failed for the prompt's own reason, the last attempt drops it as before."""
     settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=1, max_retries=2, max_free_retries=3)
-    source = Source(settings)
-    source.weights(["v0", "v1"])
+    source = Source(settings, ["v0", "v1"])
     with Running(settings):
         tail = Tail(settings, settings.topics.decisions)
         retries = Tail(settings, settings.topics.retries)
@@ -187,8 +182,7 @@ def test_a_group_whose_session_never_ended_is_failed_after_the_incomplete_timeou
 ) -> None:
     """Its agent died before the proxy saw the session's end: the prompt is retried, not lost."""
     settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=2, incomplete_timeout_s=2.0)
-    source = Source(settings)
-    source.weights(["v0", "v1"])
+    source = Source(settings, ["v0", "v1"])
     with Running(settings):
         tail = Tail(settings, settings.topics.decisions)
         retries = Tail(settings, settings.topics.retries)
@@ -215,8 +209,7 @@ def test_a_group_whose_session_never_ended_is_failed_after_the_incomplete_timeou
 
 def test_manifests_reference_groups_and_report_window_drops_and_gaps(kafka_bootstrap: str, redis_db_url: str) -> None:
     settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=2, batch_groups=2)
-    source = Source(settings)
-    source.weights(["v0", "v1", "v2"])
+    source = Source(settings, ["v0", "v1", "v2"])
     with Running(settings) as replica:
         batches = Tail(settings, settings.topics.batches)
         source.group("m1", [["v1"], ["v1"]])
@@ -259,8 +252,7 @@ def test_withhold_keeps_a_stale_groups_fresh_members_and_names_the_others_in_the
     kafka_bootstrap: str, redis_db_url: str
 ) -> None:
     settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=2, batch_groups=2, stale_groups="withhold")
-    source = Source(settings)
-    source.weights(["v0", "v1", "v2", "v3"])
+    source = Source(settings, ["v0", "v1", "v2", "v3"])
     with Running(settings):
         batches = Tail(settings, settings.topics.batches)
         decisions = Tail(settings, settings.topics.decisions)
@@ -292,8 +284,7 @@ def test_malformed_records_are_skipped_counted_and_the_collector_keeps_going(
 ) -> None:
     settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=2)
     settings = settings.model_copy(update={"kafka": settings.kafka.model_copy(update={"max_record_bytes": 20_000})})
-    source = Source(settings)
-    source.weights(["v0", "v1"])
+    source = Source(settings, ["v0", "v1"])
     raw = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
     poison = {
         "not_msgpack": b"\xc1\xc1garbage",
@@ -359,8 +350,7 @@ def test_groups_without_signal_are_dropped_counted_and_not_retried(
     kafka_bootstrap: str, redis_db_url: str, policy: str, decisions: dict[str, str], batches: list[list[str]]
 ) -> None:
     settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=2, batch_groups=2, no_signal_groups=policy)
-    source = Source(settings)
-    source.weights(["v0", "v1"])
+    source = Source(settings, ["v0", "v1"])
     with Running(settings) as running:
         tail = Tail(settings, settings.topics.decisions)
         retries = Tail(settings, settings.topics.retries)

@@ -44,8 +44,7 @@ def test_replay_of_a_recorded_run_gives_the_live_decisions(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     settings = make_settings(kafka_bootstrap, redis_db_url, keep_versions=1, batch_groups=2, no_signal_groups="drop")
-    source = Source(settings)
-    source.weights(["v0", "v1", "v2", "v3"])
+    source = Source(settings, ["v0", "v1", "v2", "v3"])
     with Running(settings):
         tail = Tail(settings, settings.topics.decisions)
         for gid, trajs, kw in STREAM:
