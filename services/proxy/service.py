@@ -40,12 +40,7 @@ import redis
 from services.proxy.auth import CallIds
 from services.proxy.engine_client import EngineHandle, Sampling
 from services.proxy.engine_pool import EnginePool
-from services.proxy.generation import (
-    ChunkOutcome,
-    GenerationRequest,
-    PauseController,
-    generate_preemptible,
-)
+from services.proxy.generation import ChunkOutcome, GenerationRequest, PauseController, generate_preemptible
 from services.proxy.handoff import Handoff
 from services.proxy.metrics import ProxyMetrics
 from services.proxy.pause_control import PauseControl
@@ -56,14 +51,7 @@ from services.proxy.session_snapshot import UnreadableSnapshot
 from services.proxy.sessions import Session, SessionStore
 from services.proxy.settings import ProxySettings
 from shared import log
-from shared.errors import (
-    ContextOverflow,
-    EngineLost,
-    EngineUnavailable,
-    KafkaUnavailable,
-    SessionBusy,
-    SessionMoved,
-)
+from shared.errors import ContextOverflow, EngineLost, EngineUnavailable, KafkaUnavailable, SessionBusy, SessionMoved
 from shared.membership import advertised
 from shared.model.chat import ChatTokenizer
 from shared.model.tool_calls import ToolCallFormat

@@ -2,7 +2,8 @@
 
 Pure cores stay free of I/O clients, also through what they import from this repository,
 so they keep being testable as tables; shared/ imports neither services/ nor ops/; no
-service imports another service or ops/.
+service imports another service or ops/. And no module of the product or the benchmarks is longer than
+:data:`MAX_MODULE_LINES`.
 """
 
 from __future__ import annotations
@@ -144,3 +145,13 @@ def test_no_service_imports_another() -> None:
         if others:
             bad[str(path.relative_to(REPO))] = others
     assert bad == {}
+
+
+MAX_MODULE_LINES = 400
+"""A module longer than this holds more than one job: split it along its seams."""
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    long = {str(path.relative_to(REPO)): n for package in (*FIRST_PARTY, "bench") for path in _python_files(package)
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}, f"modules over {MAX_MODULE_LINES} lines: {long}"
