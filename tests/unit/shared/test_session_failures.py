@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from shared import errors
 from shared.errors import BACKEND_DOWN_ERRORS, SESSION_FAILURES, UNCHARGED_ERRORS, ReinError
 
@@ -32,3 +34,13 @@ def test_the_prompts_and_the_policys_own_failures_are_charged_and_leave_the_gate
 def test_every_code_in_the_table_is_a_proxy_error_or_named_here() -> None:
     named = {errors.UNREACHABLE, errors.TIMEOUT, errors.INCOMPLETE, errors.SESSION_LOST}
     assert set(SESSION_FAILURES) <= _codes(ReinError) | named
+
+
+def test_an_error_declares_a_code_of_its_own_and_keeps_its_bases_status_unless_it_names_one() -> None:
+    assert (errors.MissingHeader.status, errors.MissingHeader.code) == (400, "missing_header")
+    assert (errors.EngineLost.status, errors.InvalidRequest.status) == (503, 422)
+    with pytest.raises(TypeError, match="code"):
+        type("NoCode", (errors.BadRequest,), {})
+    with pytest.raises(TypeError, match="BadRequest's already"):
+        type("Twin", (errors.BadRequest,), {}, code="bad_request")
+    assert errors.BadRequest.code == "bad_request"  # the refused twin left the original alone
