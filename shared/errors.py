@@ -26,16 +26,14 @@ class ReinError(Exception):
     status: ClassVar[int] = 500
     code: ClassVar[str] = "internal_error"
 
-    def __init_subclass__(cls, *, code: str, status: int | None = None, **kwargs: Any) -> None:
-        """Each error declares its ``code`` where it is named, and its ``status`` where it differs from its
-        base's; a subclass without a code, or with one another error has, is a TypeError at import."""
+    def __init_subclass__(cls, *, status: int, code: str, **kwargs: Any) -> None:
+        """Each error declares its HTTP ``status`` and its ``code`` where it is named; a subclass without them,
+        or with a code another error has, is a TypeError at import."""
         super().__init_subclass__(**kwargs)
         if code in _CODES:
             raise TypeError(f"{cls.__name__}: code {code!r} is {_CODES[code].__name__}'s already")
         _CODES[code] = cls
-        cls.code = code
-        if status is not None:
-            cls.status = status
+        cls.status, cls.code = status, code
 
     def __init__(self, message: str, **fields: Any) -> None:
         super().__init__(message)
@@ -64,15 +62,15 @@ class BadRequest(ReinError, status=400, code="bad_request"):
     """The request is missing something the endpoint needs (a header, a consistent id)."""
 
 
-class UnsupportedContent(BadRequest, code="unsupported_content"):
+class UnsupportedContent(BadRequest, status=400, code="unsupported_content"):
     """A message holds what the served model cannot take (an image or audio part for a text model)."""
 
 
-class UnsupportedParameter(BadRequest, code="unsupported_parameter"):
+class UnsupportedParameter(BadRequest, status=400, code="unsupported_parameter"):
     """A request parameter this proxy cannot honour (``fields`` names each); refused, never ignored."""
 
 
-class MissingHeader(BadRequest, code="missing_header"):
+class MissingHeader(BadRequest, status=400, code="missing_header"):
     """A required header (``X-Session-Id``) is absent or empty."""
 
 
@@ -88,7 +86,7 @@ class Forbidden(ReinError, status=403, code="forbidden"):
     """A valid credential of a role the route is not for (an agent's session key where the runner's is needed)."""
 
 
-class UnknownSessionKey(Unauthorized, code="unknown_session_key"):
+class UnknownSessionKey(Unauthorized, status=401, code="unknown_session_key"):
     """A chat call's API key (or the key in its path) is not a valid session key of this run."""
 
 
@@ -100,24 +98,24 @@ class SessionConflict(ReinError, status=409, code="session_conflict"):
     """The session exists but cannot take this call in its current state."""
 
 
-class SessionFinalized(SessionConflict, code="session_finalized"):
+class SessionFinalized(SessionConflict, status=409, code="session_finalized"):
     """The session was finished or rejected; it takes no more calls."""
 
 
-class SessionBusy(SessionConflict, code="session_busy"):
+class SessionBusy(SessionConflict, status=409, code="session_busy"):
     """Another call of the same session is still running (a session is one conversation)."""
 
 
-class SessionIdle(SessionConflict, code="session_idle"):
+class SessionIdle(SessionConflict, status=409, code="session_idle"):
     """The proxy rejected the session after it had no call for its idle timeout (the agent is gone)."""
 
 
-class SessionInterrupted(SessionConflict, code="session_interrupted"):
+class SessionInterrupted(SessionConflict, status=409, code="session_interrupted"):
     """The proxy that held the session died (or lost it) during a call: that call's chunks may be partly on
     Kafka, so no other replica continues the session (its chunks would number from the wrong place)."""
 
 
-class SessionMoved(SessionConflict, code="session_moved"):
+class SessionMoved(SessionConflict, status=409, code="session_moved"):
     """Another proxy replica took the session over (the balancer sent it a call while this one was out of
     its rotation): this replica's copy is stale and takes no more calls."""
 
@@ -131,7 +129,7 @@ class PayloadTooLarge(ReinError, status=413, code="request_too_large"):
     """The request body exceeds the configured size limit."""
 
 
-class ContextOverflow(BadRequest, code="context_overflow"):
+class ContextOverflow(BadRequest, status=400, code="context_overflow"):
     """The prompt leaves no room for one generated token in the context window (400, as OpenAI's
     ``context_length_exceeded`` and Anthropic's prompt too long: what agents catch to compact their history)."""
 
@@ -143,15 +141,15 @@ class RolloutRejected(ReinError, status=502, code="rollout_rejected"):
     """A staleness rule rejected the session (soft reject may turn it into an empty 200)."""
 
 
-class PartialRolloutStalenessExceeded(RolloutRejected, code="partial_rollout_staleness_exceeded"):
+class PartialRolloutStalenessExceeded(RolloutRejected, status=502, code="partial_rollout_staleness_exceeded"):
     """The session would span more than ``max_preempts + 1`` distinct real weight versions."""
 
 
-class TrajectoryVersionChanged(RolloutRejected, code="trajectory_version_changed"):
+class TrajectoryVersionChanged(RolloutRejected, status=502, code="trajectory_version_changed"):
     """Partial rollout is off and the weight version changed inside the session."""
 
 
-class GenerationPreempted(RolloutRejected, code="generation_preempted"):
+class GenerationPreempted(RolloutRejected, status=502, code="generation_preempted"):
     """Partial rollout is off and the generation was aborted mid-way (a weight update)."""
 
 
@@ -166,20 +164,20 @@ class DependencyUnavailable(ReinError, status=503, code="unavailable"):
     """A dependency did not answer within its bound; the call may be retried later."""
 
 
-class EngineUnavailable(DependencyUnavailable, code="engine_unavailable"):
+class EngineUnavailable(DependencyUnavailable, status=503, code="engine_unavailable"):
     """The inference engine could not be reached (connect / read timeout, refused)."""
 
 
-class EngineLost(EngineUnavailable, code="engine_lost"):
+class EngineLost(EngineUnavailable, status=503, code="engine_lost"):
     """The engine a session sticks to failed its health checks or left: the session, which holds tokens of
     that engine, is rejected on record (its prefix and version live there; it is not moved)."""
 
 
-class KafkaUnavailable(DependencyUnavailable, code="kafka_unavailable"):
+class KafkaUnavailable(DependencyUnavailable, status=503, code="kafka_unavailable"):
     """A record could not be written to Kafka; the call fails rather than lose training data."""
 
 
-class StateStoreUnavailable(DependencyUnavailable, code="redis_unavailable"):
+class StateStoreUnavailable(DependencyUnavailable, status=503, code="redis_unavailable"):
     """Redis did not answer where the call needs it (reading a session another replica held)."""
 
 

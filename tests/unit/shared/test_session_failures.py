@@ -36,11 +36,11 @@ def test_every_code_in_the_table_is_a_proxy_error_or_named_here() -> None:
     assert set(SESSION_FAILURES) <= _codes(ReinError) | named
 
 
-def test_an_error_declares_a_code_of_its_own_and_keeps_its_bases_status_unless_it_names_one() -> None:
+def test_an_error_declares_its_status_and_a_code_of_its_own() -> None:
     assert (errors.MissingHeader.status, errors.MissingHeader.code) == (400, "missing_header")
     assert (errors.EngineLost.status, errors.InvalidRequest.status) == (503, 422)
     with pytest.raises(TypeError, match="code"):
-        type("NoCode", (errors.BadRequest,), {})
+        type("NoCode", (errors.BadRequest,), {}, status=400)
     with pytest.raises(TypeError, match="BadRequest's already"):
-        type("Twin", (errors.BadRequest,), {}, code="bad_request")
+        type("Twin", (errors.BadRequest,), {}, status=400, code="bad_request")
     assert errors.BadRequest.code == "bad_request"  # the refused twin left the original alone
