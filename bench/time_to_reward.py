@@ -56,11 +56,13 @@ MODES: dict[str, list[str]] = {
 
 
 def finished_run(runs: Path, flags: list[str] | None = None) -> Path | None:
-    """The run directory under ``runs`` (one (mode, seed)) whose demo ended with its summary, if any;
-    with ``flags``, only if that run was made with the same ``ops.demo`` flags (``flags.json``)."""
+    """The run directory under ``runs`` (one (mode, seed)) whose demo ended with its summary and exit code 0
+    (``exit_code``; a demo that failed after writing its summary is not finished), if any; with ``flags``,
+    only if that run was made with the same ``ops.demo`` flags (``flags.json``)."""
     dirs = [d for d in runs.iterdir() if d.is_dir()] if runs.is_dir() else []
     done = [d for d in dirs if (d / "summary.json").is_file()]
-    if len(done) != 1:
+    code = runs / "exit_code"
+    if len(done) != 1 or (code.is_file() and code.read_text().strip() != "0"):
         return None
     if flags is not None:
         recorded = runs / "flags.json"
@@ -101,14 +103,16 @@ def warm_up(args: argparse.Namespace, root: Path) -> Path | None:
 def run_one(mode: str, seed: int, args: argparse.Namespace, root: Path, init: Path | None = None) -> Path:
     """Run the demo once (from the warm-up's checkpoint ``init`` if any); its run directory."""
     return _run(root / f"{mode}-s{seed}", demo_flags(mode, seed, args, init), f"{mode} seed {seed}",
-                args.minutes * 60 + args.startup_timeout_s)
+                args.minutes * 60 + args.startup_timeout_s, keep_weights=False)
 
 
-def _run(runs: Path, flags: list[str], label: str, timeout_s: float) -> Path:
+def _run(runs: Path, flags: list[str], label: str, timeout_s: float, *, keep_weights: bool = True) -> Path:
     """Run ``ops.demo`` with ``flags`` under ``runs``; its run directory. A run that ended before with the
-    same flags (its summary written) is re-read, not repeated, so that the same command continues an
-    invocation that was stopped; what a stopped run left behind is removed and that run starts again. A
-    finished run made with other flags is never overwritten: that is an error."""
+    same flags (its summary written, exit code 0) is re-read, not repeated, so that the same command continues
+    an invocation that was stopped; what a stopped or failed run left behind is removed and that run starts
+    again. A finished run made with other flags is never overwritten: that is an error. Without
+    ``keep_weights`` the run's checkpoints are removed once it ends (the analysis reads its metrics and logs;
+    SmolLM2 leaves about 3 GB a run, which a grid of dozens of runs would pile up)."""
     done = finished_run(runs, flags)
     if done is not None:
         print(f"{label}: finished before, re-read from {done}", flush=True)
@@ -124,9 +128,12 @@ def _run(runs: Path, flags: list[str], label: str, timeout_s: float) -> Path:
     with (runs / "demo.out").open("w") as out:
         code = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=False,
                               timeout=timeout_s).returncode
+    (runs / "exit_code").write_text(f"{code}\n")
     found = finished_run(runs)
     if code != 0 or found is None:
         raise SystemExit(f"{label}: demo exited {code}; see {runs / 'demo.out'}")
+    if not keep_weights:
+        shutil.rmtree(found / "weights", ignore_errors=True)
     return found
 
 

@@ -1,5 +1,5 @@
 """``bench/time_to_reward.py --runs-dir`` continues a stopped invocation: a finished run is re-read, not
-repeated; a finished run made with other flags is never overwritten.
+repeated; a failed one is made again; a finished run made with other flags is never overwritten.
 
 The runs here are written by hand (``tests/support/demo_runs.py``): a run the script would start instead
 of re-reading fails the test, because no stack can come up in the time it allows.
@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.time_to_reward import finished_run as finished
 from tests.support.demo_runs import finished_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,3 +85,16 @@ def test_a_warm_up_run_is_made_once_and_every_arm_starts_from_its_last_checkpoin
 
     again = _script(runs, out, "--warm-up-steps", "2")  # a warm-up made with other flags is kept, not redone
     assert again.returncode != 0 and "made with other flags" in again.stdout + again.stderr
+
+
+def test_a_run_whose_demo_failed_after_writing_its_summary_is_not_finished(tmp_path: Path) -> None:
+    """The demo writes its summary on the way out even when a service died (a full disk killed a trainer this
+    way): such a run is made again on resume, never re-read as a result. Runs from before the exit code was
+    kept (no ``exit_code`` file) still count."""
+    runs = tmp_path / "runs"
+    run = finished_run(runs, "sync", 0, reward=0.25, flags=_flags("sync", 0))
+    assert finished(run.parent, _flags("sync", 0)) == run
+    (run.parent / "exit_code").write_text("1\n")
+    assert finished(run.parent, _flags("sync", 0)) is None
+    (run.parent / "exit_code").write_text("0\n")
+    assert finished(run.parent, _flags("sync", 0)) == run
