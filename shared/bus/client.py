@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kafka.errors import NoBrokersAvailable
+from kafka.errors import NoBrokersAvailable, UnrecognizedBrokerVersion
 
 from shared import log
 from shared.codec import DecodeError
@@ -51,12 +51,14 @@ def servers(settings: KafkaSettings) -> list[str]:
 
 
 def connect(factory: Callable[[], object], what: str, settings: KafkaSettings, attempts: int = 5) -> object:
-    """Build a client, retrying a bounded number of times on an unreachable broker."""
+    """Build a client, retrying a bounded number of times on an unreachable broker, or on one whose API
+    versions did not answer in time (on a loaded machine the admin client then guesses a version too old to
+    find the controller and raises ``UnrecognizedBrokerVersion``: a rollout runner died of it at start)."""
     delay = 0.5
     for attempt in range(1, attempts + 1):
         try:
             return factory()
-        except NoBrokersAvailable as exc:
+        except (NoBrokersAvailable, UnrecognizedBrokerVersion) as exc:
             if attempt == attempts:
                 raise BusUnavailable(
                     f"{what}: no Kafka broker answered at {settings.bootstrap_servers} after {attempts} attempts"

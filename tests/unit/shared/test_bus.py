@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 
 import pytest
 import structlog
-from kafka.errors import KafkaTimeoutError
+from kafka.errors import KafkaTimeoutError, UnrecognizedBrokerVersion
 
 from shared import log
 from shared.bus import BusUnavailable, Producer
+from shared.bus.client import connect
 from shared.bus.consumer import _trail
 from shared.schemas import WeightApplied
+from shared.settings import KafkaSettings
 
 
 @dataclass
@@ -155,3 +157,18 @@ def test_a_group_members_trail_names_where_each_partition_starts_and_any_gap(
         assert [(e["event"], e["after"], e["offset"]) for e in lines] == [("offset_gap", 41, 45)]
     finally:
         structlog.reset_defaults()
+
+
+def test_a_client_whose_broker_versions_did_not_answer_in_time_is_built_again() -> None:
+    """A loaded broker's late ApiVersions answer makes kafka-python's admin client raise
+    ``UnrecognizedBrokerVersion`` in its constructor: a transient failure, retried like an unreachable broker."""
+    tries: list[int] = []
+
+    def factory() -> str:
+        tries.append(1)
+        if len(tries) < 2:
+            raise UnrecognizedBrokerVersion("cannot determine the controller")
+        return "client"
+
+    assert connect(factory, "admin", KafkaSettings(bootstrap_servers="127.0.0.1:1")) == "client"
+    assert len(tries) == 2
