@@ -212,11 +212,13 @@ class Agent:
         status = "failed" if result.outcome == "failed" else result.outcome
         error = (result.error or "")[:200] if status == "failed" else ""
         delivered = await self.finish(http, finish_as or result.session_id, result.reward, status, error)
-        if delivered == "conflict_first":
-            # The proxy had already closed the session (it rejected it, e.g. a soft reject).
-            result.outcome, result.error = "rejected", result.error or "session_closed"
-        elif delivered in ("ok", "conflict_retry"):
+        if delivered in ("ok", "conflict_retry"):
             result.reported = result.on_record = True
+        elif delivered.startswith("conflict_"):
+            # The proxy had closed the session (it rejected it, e.g. a soft reject), or refuses to end it (its
+            # replica died in a call: ``session_interrupted``): rejected, and the runner puts its end on record.
+            why = "session_closed" if delivered == "conflict_first" else delivered.removeprefix("conflict_")
+            result.outcome, result.error = "rejected", result.error or why
         else:
             logger.warning("finish_not_delivered", reason=delivered, status=status)
             result.error = result.error or f"finish_{delivered}"
@@ -231,9 +233,11 @@ class Agent:
         stays open) and 409 ``session_busy`` (a timed-out call is still running there).
         Returns ``ok``; ``conflict_first`` (409 ``session_finalized`` on the first try:
         the session had been closed, i.e. rejected); ``conflict_retry`` (the same after
-        a try whose answer was lost: our earlier call went through); ``not_found``;
-        ``http_<status>``; or ``unreachable`` / ``busy`` / ``unavailable`` when the tries
-        ran out.
+        a try whose answer was lost: our earlier call went through); ``conflict_<error>``
+        for any other 409 (``session_interrupted``: a replica took the finish over from one
+        that died in a call, perhaps this finish's earlier try, so nothing says the end is on
+        Kafka); ``not_found``; ``http_<status>``; or ``unreachable`` / ``busy`` /
+        ``unavailable`` when the tries ran out.
         """
         path = f"/v1/sessions/{session_id}/finish"
         delay, last, sent = 0.2, "unreachable", False
@@ -255,8 +259,10 @@ class Agent:
             if response.status == 409 and name == "session_busy":
                 last = "busy"
                 continue
-            if response.status == 409:
+            if response.status == 409 and name in ("", "session_finalized"):
                 return "conflict_retry" if sent else "conflict_first"
+            if response.status == 409:
+                return f"conflict_{name}"
             if response.status == 503:
                 last = "unavailable"
                 continue

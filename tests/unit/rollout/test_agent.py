@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from ops.local.ports import free_port
 from services.rollout.agent import Agent, EpisodeResult, SessionIds, classify, error_name
 from services.rollout.env_time import EnvTime
-from services.rollout.proxy_http import ProxyHttp, Timeout, Unreachable
+from services.rollout.proxy_http import Answer, ProxyHttp, Timeout, Unreachable
 from services.rollout.task import GuessEpisode, binary_search_policy
 from shared.lender import Lender
 from tests.support.proxy import ServerThread
@@ -75,11 +75,26 @@ def _serve(proxy: FakeProxy) -> ServerThread:
     return server
 
 
-def _run(proxy: FakeProxy, payload: dict[str, Any] = PAYLOAD, env_time: EnvTime | None = None) -> EpisodeResult:
+class _FirstFinishAnswerLost(ProxyHttp):
+    """The first finish reaches the proxy, but its answer is lost on the way back (its replica died)."""
+
+    lost = False
+
+    async def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> Answer:
+        answer = await super().post(path, body, headers)
+        if path.endswith("/finish") and not self.lost:
+            self.lost = True
+            raise Unreachable("the connection closed before the answer")
+        return answer
+
+
+def _run(proxy: FakeProxy, payload: dict[str, Any] = PAYLOAD, env_time: EnvTime | None = None,
+         lose_first_finish: bool = False) -> EpisodeResult:
     server = _serve(proxy)
 
     async def go() -> EpisodeResult:
-        http = ProxyHttp(server.url, {"Authorization": "Bearer k"}, 5.0)
+        http = (_FirstFinishAnswerLost if lose_first_finish else ProxyHttp)(server.url, {"Authorization": "Bearer k"},
+                                                                           5.0)
         try:
             agent = Agent(Lender(lambda: http), proxy_url=server.url, model="rein-tiny", max_tokens=3,
                           temperature=1.0, finish_attempts=2, env_time=env_time)
@@ -186,6 +201,27 @@ def test_finish_answers(replies: list[tuple[int, Any]], outcome: str, reported: 
     result = _run(proxy)
     assert (result.outcome, result.reported, len(proxy.finishes)) == (outcome, reported, calls)
     assert result.on_record is reported  # no confirmed end: the runner must publish one itself
+
+
+INTERRUPTED = (409, {"detail": {"error": "session_interrupted"}})
+
+
+@pytest.mark.parametrize(
+    ("replies", "lose_first", "outcome", "error", "on_record"),
+    [
+        ([FINALIZED], True, "completed", "", True),  # the try whose answer was lost ended the session
+        # Another replica refused the retry: the first try's replica died in the finish, maybe before the
+        # end reached Kafka, so the runner must put one on record (else the group waits forever).
+        ([INTERRUPTED], True, "rejected", "session_interrupted", False),
+        ([INTERRUPTED], False, "rejected", "session_interrupted", False),
+    ],
+)
+def test_a_finish_refused_after_a_lost_answer_is_on_record_only_when_the_session_ended(
+        replies: list[tuple[int, Any]], lose_first: bool, outcome: str, error: str, on_record: bool) -> None:
+    proxy = FakeProxy(_binary, finish_replies=[(200, {}), *replies] if lose_first else replies)
+    result = _run(proxy, lose_first_finish=lose_first)
+    assert (result.outcome, result.error, result.on_record) == (outcome, error, on_record)
+    assert len(proxy.finishes) == (2 if lose_first else 1)
 
 
 def test_unreachable_proxy_fails_fast_without_hanging() -> None:
