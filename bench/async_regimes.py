@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.run_curves import analyse, ended_groups
 from bench.time_to_reward import demo_flags, finished_run, run_one
+from ops.report import rows_so_far
 from ops.stack_flags import preset_stack
 
 ARMS = ("sync", "async")
@@ -108,7 +109,7 @@ def measure(run_dir: Path, minutes: float) -> dict[str, Any]:
     groups = [rec for ts, rec in ended_groups(run_dir / "logs" / "rollout.log") if ts <= end]
     steps = max(1, int(result["steps"]))
     timing = summary.get("seconds_per_step") or {}
-    rows = [json.loads(x) for x in (run_dir / "trainer" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = rows_so_far(run_dir / "trainer" / "metrics.jsonl")  # none: no step in the budget (censored)
     trained = [r for r in rows if float(r.get("ts", math.inf)) <= end and not r.get("skipped")]
     no_signal = [float(r.get("degenerate_group_fraction") or 0.0) for r in trained]
     signal = sum(int(r.get("samples") or 0) * (1 - f) for r, f in zip(trained, no_signal, strict=True))
@@ -149,14 +150,16 @@ def cell_runs(multiple: float, sigma: float, median_s: float, args: argparse.Nam
     return out
 
 
+def f(v: float | None, nd: int = 3) -> str:
+    """A figure of the table, or — where there is none."""
+    return "—" if v is None else f"{v:.{nd}f}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| env median (× g) | sigma | sync s/step measured / predicted | async s/step measured / predicted "
              "| async ÷ sync, trained samples/s | async ÷ sync, samples with signal/s "
              "| idle engine, trainer (sync / async) |",
              "|---|---|---|---|---|---|---|"]
-
-    def f(v: float | None, nd: int = 3) -> str:
-        return "—" if v is None else f"{v:.{nd}f}"
 
     for r in rows:
         m = r.get("measured") or {}
@@ -181,10 +184,14 @@ def summarise_cell(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         trainer = statistics.fmean(s["trainer"] for s in shares)
         return (f"{statistics.fmean(eng):.2f}" if eng else "—") + f", {trainer:.2f}"
 
+    def ratio(key: str) -> float | None:
+        """async ÷ sync; None when sync trained nothing in its budget (a censored cell: no ratio to give)."""
+        sync = mean("sync", key)
+        return mean("async", key) / sync if sync > 0 else None
+
     return {
         "sync_step_s": mean("sync", "step_s"), "async_step_s": mean("async", "step_s"),
-        "speedup": mean("async", "trained_samples_per_s") / max(1e-9, mean("sync", "trained_samples_per_s")),
-        "signal_speedup": mean("async", "signal_samples_per_s") / max(1e-9, mean("sync", "signal_samples_per_s")),
+        "speedup": ratio("trained_samples_per_s"), "signal_speedup": ratio("signal_samples_per_s"),
         "idle": f"{idle('sync')} / {idle('async')}",
         "reward_end": {arm: [r["reward_end"] for r in runs[arm]] for arm in ARMS},
     }
@@ -225,7 +232,7 @@ def main() -> int:
                      "predicted": predicted, "measured": None if runs is None else summarise_cell(runs)})
         print(f"{cell_name(multiple, sigma)}: predicted speed-up in samples with signal "
               f"{predicted['signal_speedup']:.2f}"
-              + ("" if runs is None else f", measured {rows[-1]['measured']['signal_speedup']:.2f}"), flush=True)
+              + ("" if runs is None else f", measured {f(rows[-1]['measured']['signal_speedup'], 2)}"), flush=True)
     todo = sum(r["measured"] is None for r in rows) * len(ARMS) * len(args.seeds)
     print(table(rows))
     print(f"per-turn generation time g = {base['per_turn_generation_s'] * 1000:.1f} ms; runs still to do: {todo} "

@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ops.report import waste
+from ops.report import rows_so_far, waste
 
 
 def ended_groups(rollout_log: Path) -> list[tuple[float, dict[str, Any]]]:
@@ -60,8 +60,7 @@ def analyse(run_dir: Path, minutes: float, checkpoints: list[float], threshold: 
         raise SystemExit(f"{run_dir}/summary.json has no train_started_ts (a demo from before it was recorded)")
     end = start + minutes * 60
     eps = [(ts, r) for ts, r in episodes(run_dir / "logs" / "rollout.log") if ts <= end]
-    rows = [json.loads(x) for x in (run_dir / "trainer" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    rows = [r for r in rows if float(r.get("ts", math.inf)) <= end]
+    rows = [r for r in rows_so_far(run_dir / "trainer" / "metrics.jsonl") if float(r.get("ts", math.inf)) <= end]
     steps = [r for r in rows if not r.get("skipped")]
     trained = sum(int(r.get("trained_tokens") or 0) for r in steps)
     samples = 0

@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             print("stopped every process the demo started", flush=True)
     wall = time.monotonic() - started
     rows = rows_so_far(config.run_dir / "trainer" / "metrics.jsonl") or rows  # a stopping trainer adds its last step
-    if rows:
+    if rows or stopped_by == "time":  # a budget with no step in it is a result too (censored), not a failure
         if tool_calls is not None:
             calls.annotate(rows)
             tool_calls["series"] = calls.samples
