@@ -10,6 +10,7 @@ calls by session (a key in the path, else ``X-Session-Id``, else the API key). T
 
 from __future__ import annotations
 
+import signal
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -71,10 +72,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # One proxy dies: its registration lapses, the other carries the run and continues its sessions. It
         # dies while it holds sessions between calls (not in the middle of an update's pause, which holds
         # every call in flight).
-        wait_on_stack("proxy-1 holding sessions between calls", lambda: list(
-            _sessions_of(redis, local.urls["proxy-1"]).values()).count("between") >= 3, PROGRESS_TIMEOUT_S, local)
+        held = _frozen_holding_sessions(local, redis, "proxy-1")
         data |= kill_replica(local, "proxy-1", proxies, [local.urls["proxy-0"]], PROGRESS_TIMEOUT_S,
-                             at_kill=lambda: _sessions_of(redis, local.urls["proxy-1"]))
+                             at_kill=lambda: held)
         data["takeovers"] = _metric(local, "proxy-0", "rein_proxy_session_takeovers_total")
         data |= stop_and_read(local, allow_dead=("proxy-1",))
         data["chunks"] = read_chunks(local)
@@ -87,6 +87,34 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         redis.close()
         local.stop()
     return data
+
+
+def _frozen_holding_sessions(local: LocalStack, redis: Any, name: str) -> dict[str, str]:
+    """Stop replica ``name`` (SIGSTOP) at a moment it holds sessions between calls, and return the sessions it
+    holds (:func:`_sessions_of`): frozen, it changes none of them until it is killed, so they are what it held at
+    its death. Read while it runs, its sessions could all end in the moments before the kill (a wave's last
+    finishes, with the pacing holding the next prompts back for a step)."""
+    proc = next(s for s in local.stack.services if s.name == name).proc
+    assert proc is not None
+
+    def frozen_holding() -> dict[str, str] | None:
+        if list(_sessions_of(redis, local.urls[name]).values()).count("between") < 3:
+            return None
+        proc.send_signal(signal.SIGSTOP)
+        held = _sessions_of(redis, local.urls[name])
+        if "between" in held.values():
+            return held
+        proc.send_signal(signal.SIGCONT)
+        return None
+
+    found: dict[str, str] = {}
+
+    def holding() -> bool:
+        found.update(frozen_holding() or {})
+        return bool(found)
+
+    wait_on_stack(f"{name} holding sessions between calls", holding, PROGRESS_TIMEOUT_S, local)
+    return found
 
 
 def _served_version(local: LocalStack) -> str:
@@ -105,15 +133,19 @@ def _metric(local: LocalStack, name: str, series: str) -> dict[str, float]:
 
 
 def _sessions_of(redis: Any, url: str) -> dict[str, str]:
-    """The sessions the dead proxy at ``url`` held when it died (its handoff hashes, read right after the kill):
-    ``between`` calls (every chunk in its snapshot; or already taken over from it) or ``in_call``."""
+    """The sessions the proxy at ``url`` holds (its handoff hashes, all read in one round trip: the read is
+    short while the proxy is frozen): ``between`` calls (every chunk in its snapshot; or already taken over
+    from it) or ``in_call``."""
+    keys = list(redis.scan_iter(match=f"{RedisKeys().session('')}*", count=10_000))
+    pipe = redis.pipeline(transaction=False)
+    for key in keys:
+        pipe.hmget(key, "taken_from", "owner", "end", "calls", "saved")
     held = {}
-    for key in redis.scan_iter(match=f"{RedisKeys().session('')}*", count=1000):
-        h = redis.hgetall(key)
-        if str(h.get("taken_from", "")).startswith(f"{url}#"):
+    for key, (taken_from, owner, end, calls, saved) in zip(keys, pipe.execute(), strict=True):
+        if str(taken_from or "").startswith(f"{url}#"):
             held[key.rsplit(":", 1)[1]] = "between"
-        elif str(h.get("owner", "")).startswith(f"{url}#") and "end" not in h:
-            held[key.rsplit(":", 1)[1]] = "between" if h.get("calls") == h.get("saved") else "in_call"
+        elif str(owner or "").startswith(f"{url}#") and end is None:
+            held[key.rsplit(":", 1)[1]] = "between" if calls == saved else "in_call"
     return held
 
 
