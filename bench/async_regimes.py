@@ -155,6 +155,14 @@ def f(v: float | None, nd: int = 3) -> str:
     return "—" if v is None else f"{v:.{nd}f}"
 
 
+def spread(values: list[float | None]) -> str:
+    """Median [min–max] of the seeds' figures; a seed without one (sync made no step) is named apart."""
+    known = sorted(v for v in values if v is not None)
+    missing = len(values) - len(known)
+    text = f"{statistics.median(known):.2f} [{known[0]:.2f}–{known[-1]:.2f}]" if known else "—"
+    return text + (f", {missing} with no sync step" if missing else "")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| env median (× g) | sigma | sync s/step measured / predicted | async s/step measured / predicted "
              "| async ÷ sync, trained samples/s | async ÷ sync, samples with signal/s "
@@ -189,9 +197,16 @@ def summarise_cell(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         sync = mean("sync", key)
         return mean("async", key) / sync if sync > 0 else None
 
+    def per_seed(key: str) -> list[float | None]:
+        """async ÷ sync of each seed (the arms' runs are in the seeds' order)."""
+        return [a[key] / s[key] if s[key] > 0 else None for s, a in zip(runs["sync"], runs["async"], strict=True)]
+
     return {
         "sync_step_s": mean("sync", "step_s"), "async_step_s": mean("async", "step_s"),
         "speedup": ratio("trained_samples_per_s"), "signal_speedup": ratio("signal_samples_per_s"),
+        "speedup_per_seed": per_seed("trained_samples_per_s"),
+        "signal_speedup_per_seed": per_seed("signal_samples_per_s"),
+        "steps": {arm: [r["steps"] for r in runs[arm]] for arm in ARMS},
         "idle": f"{idle('sync')} / {idle('async')}",
         "reward_end": {arm: [r["reward_end"] for r in runs[arm]] for arm in ARMS},
     }
@@ -224,6 +239,8 @@ def main() -> int:
                       "signal_speedup": speedup / (1 - base["sync_no_signal_share"])}
     rows: list[dict[str, Any]] = [{"multiple": 0.0, "sigma": 0.0, "env_median_s": 0.0, "predicted": base_predicted,
                                    "measured": summarise_cell(base_runs)}]
+    print(f"{cell_name(*BASE)}: measured speed-up in samples with signal {f(rows[0]['measured']['signal_speedup'], 2)} "
+          f"(per seed {spread(rows[0]['measured']['signal_speedup_per_seed'])})", flush=True)
     for cell in args.cells:
         multiple, sigma = (float(x) for x in cell.split(":"))
         predicted = predict(base, multiple, sigma, wave, group, in_flight, args.draws)
@@ -232,7 +249,8 @@ def main() -> int:
                      "predicted": predicted, "measured": None if runs is None else summarise_cell(runs)})
         print(f"{cell_name(multiple, sigma)}: predicted speed-up in samples with signal "
               f"{predicted['signal_speedup']:.2f}"
-              + ("" if runs is None else f", measured {f(rows[-1]['measured']['signal_speedup'], 2)}"), flush=True)
+              + ("" if runs is None else f", measured {f(rows[-1]['measured']['signal_speedup'], 2)} (per seed "
+                 f"{spread(rows[-1]['measured']['signal_speedup_per_seed'])})"), flush=True)
     todo = sum(r["measured"] is None for r in rows) * len(ARMS) * len(args.seeds)
     print(table(rows))
     print(f"per-turn generation time g = {base['per_turn_generation_s'] * 1000:.1f} ms; runs still to do: {todo} "
