@@ -150,7 +150,7 @@ def cell_runs(multiple: float, sigma: float, median_s: float, args: argparse.Nam
     return out
 
 
-def f(v: float | None, nd: int = 3) -> str:
+def fmt(v: float | None, nd: int = 3) -> str:
     """A figure of the table, or — where there is none."""
     return "—" if v is None else f"{v:.{nd}f}"
 
@@ -173,10 +173,11 @@ def table(rows: list[dict[str, Any]]) -> str:
         m = r.get("measured") or {}
         lines.append(
             f"| {r['env_median_s']:.3f} s ({r['multiple']:g}) | {r['sigma']:g} "
-            f"| {f(m.get('sync_step_s'))} / {f(r['predicted']['sync_step_s'])} "
-            f"| {f(m.get('async_step_s'))} / {f(r['predicted']['async_step_s'])} "
-            f"| {f(m.get('speedup'), 2)} / {f(r['predicted']['speedup'], 2)} "
-            f"| {f(m.get('signal_speedup'), 2)} / {f(r['predicted']['signal_speedup'], 2)} | {m.get('idle', '—')} |")
+            f"| {fmt(m.get('sync_step_s'))} / {fmt(r['predicted']['sync_step_s'])} "
+            f"| {fmt(m.get('async_step_s'))} / {fmt(r['predicted']['async_step_s'])} "
+            f"| {fmt(m.get('speedup'), 2)} / {fmt(r['predicted']['speedup'], 2)} "
+            f"| {fmt(m.get('signal_speedup'), 2)} / {fmt(r['predicted']['signal_speedup'], 2)} "
+            f"| {m.get('idle', '—')} |")
     return "\n".join(lines)
 
 
@@ -239,8 +240,9 @@ def main() -> int:
                       "signal_speedup": speedup / (1 - base["sync_no_signal_share"])}
     rows: list[dict[str, Any]] = [{"multiple": 0.0, "sigma": 0.0, "env_median_s": 0.0, "predicted": base_predicted,
                                    "measured": summarise_cell(base_runs)}]
-    print(f"{cell_name(*BASE)}: measured speed-up in samples with signal {f(rows[0]['measured']['signal_speedup'], 2)} "
-          f"(per seed {spread(rows[0]['measured']['signal_speedup_per_seed'])})", flush=True)
+    base_measured = rows[0]["measured"]
+    print(f"{cell_name(*BASE)}: measured speed-up in samples with signal {fmt(base_measured['signal_speedup'], 2)} "
+          f"(per seed {spread(base_measured['signal_speedup_per_seed'])})", flush=True)
     for cell in args.cells:
         multiple, sigma = (float(x) for x in cell.split(":"))
         predicted = predict(base, multiple, sigma, wave, group, in_flight, args.draws)
@@ -249,7 +251,7 @@ def main() -> int:
                      "predicted": predicted, "measured": None if runs is None else summarise_cell(runs)})
         print(f"{cell_name(multiple, sigma)}: predicted speed-up in samples with signal "
               f"{predicted['signal_speedup']:.2f}"
-              + ("" if runs is None else f", measured {f(rows[-1]['measured']['signal_speedup'], 2)} (per seed "
+              + ("" if runs is None else f", measured {fmt(rows[-1]['measured']['signal_speedup'], 2)} (per seed "
                  f"{spread(rows[-1]['measured']['signal_speedup_per_seed'])})"), flush=True)
     todo = sum(r["measured"] is None for r in rows) * len(ARMS) * len(args.seeds)
     print(table(rows))

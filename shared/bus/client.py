@@ -52,8 +52,8 @@ def servers(settings: KafkaSettings) -> list[str]:
 
 def connect(factory: Callable[[], object], what: str, settings: KafkaSettings, attempts: int = 5) -> object:
     """Build a client, retrying a bounded number of times on an unreachable broker, or on one whose API
-    versions did not answer in time (on a loaded machine the admin client then guesses a version too old to
-    find the controller and raises ``UnrecognizedBrokerVersion``: a rollout runner died of it at start)."""
+    versions did not answer in time (kafka-python then guesses a version too old to find the controller and
+    raises ``UnrecognizedBrokerVersion``, which a loaded machine makes as transient as a broker's restart)."""
     delay = 0.5
     for attempt in range(1, attempts + 1):
         try:
@@ -61,7 +61,8 @@ def connect(factory: Callable[[], object], what: str, settings: KafkaSettings, a
         except (NoBrokersAvailable, UnrecognizedBrokerVersion) as exc:
             if attempt == attempts:
                 raise BusUnavailable(
-                    f"{what}: no Kafka broker answered at {settings.bootstrap_servers} after {attempts} attempts"
+                    f"{what}: no Kafka broker answered at {settings.bootstrap_servers} after {attempts} attempts "
+                    f"({type(exc).__name__}: {exc})"
                 ) from exc
             _log.warning("kafka_unavailable", what=what, attempt=attempt, retry_in_s=delay)
             time.sleep(delay)

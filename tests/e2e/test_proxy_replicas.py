@@ -97,24 +97,21 @@ def _frozen_holding_sessions(local: LocalStack, redis: Any, name: str) -> dict[s
     proc = next(s for s in local.stack.services if s.name == name).proc
     assert proc is not None
 
-    def frozen_holding() -> dict[str, str] | None:
+    held: dict[str, str] = {}
+
+    def frozen_holding() -> bool:
         if list(_sessions_of(redis, local.urls[name]).values()).count("between") < 3:
-            return None
+            return False
         proc.send_signal(signal.SIGSTOP)
-        held = _sessions_of(redis, local.urls[name])
+        held.update(_sessions_of(redis, local.urls[name]))
         if "between" in held.values():
-            return held
+            return True
+        held.clear()
         proc.send_signal(signal.SIGCONT)
-        return None
+        return False
 
-    found: dict[str, str] = {}
-
-    def holding() -> bool:
-        found.update(frozen_holding() or {})
-        return bool(found)
-
-    wait_on_stack(f"{name} holding sessions between calls", holding, PROGRESS_TIMEOUT_S, local)
-    return found
+    wait_on_stack(f"{name} holding sessions between calls", frozen_holding, PROGRESS_TIMEOUT_S, local)
+    return held
 
 
 def _served_version(local: LocalStack) -> str:
