@@ -32,8 +32,12 @@ infra:
 	bash deploy/kafka.sh fetch
 	bash deploy/redis.sh install
 
+# The run writes bytecode (into the checkout's ignored __pycache__ dirs) even where the environment says not to
+# (PYTHONDONTWRITEBYTECODE): each of the run's ~250 Python processes would otherwise compile rein's modules again,
+# and each worker rewrite every test module's asserts again, about 3 CPU-s of its 11 s collection (docs/development.md).
 test: venv infra
-	timeout --signal=TERM --kill-after=60s $(TEST_TIMEOUT) $(PY) -m pytest -n $(TEST_WORKERS) $(TESTS) $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= timeout --signal=TERM --kill-after=60s $(TEST_TIMEOUT) $(PY) -m pytest -n $(TEST_WORKERS) \
+	    $(TESTS) $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
