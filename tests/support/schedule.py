@@ -4,8 +4,8 @@ A unit of work is a test module: one worker runs it whole, so its module fixture
 engine, a scenario run) start once. The end-to-end scenarios that start a whole stack are two units
 (:data:`STACKS` and :data:`STACKS_B`, about 300 s of a run each): within one, they run one at a time.
 The heavy units (those stacks, the compose test, the bench smoke runs) are handed out first, each to a
-worker of its own that takes nothing else until it is down to its last test; the integration and unit
-modules fill the other workers and, once a heavy unit ends, its worker.
+worker of its own that takes nothing else until it is down to its last test; the integration modules
+(the longest first) and then the unit modules fill the other workers and, once a heavy unit ends, its worker.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ COMPOSE = "tests/e2e/test_compose.py"
 BENCH = "tests/bench/test_smoke.py"
 HEAVY = (STACKS, STACKS_B, COMPOSE, BENCH)
 """Units in the order they are handed out, before every other."""
+LONG_FIRST = tuple(f"tests/integration/{name}.py" for name in (
+    "trainer/test_loop", "broadcaster/test_control_plane", "rollout/test_runner", "proxy/test_publish",
+    "agents/test_wires", "agents/test_smollm2_agents", "proxy/test_partial_rollout"))
+"""The integration modules that took 30 s or more of a run (``python -m tests.support.timeline``, docs/development.md),
+longest first, handed out before the other integration modules: taken in collection order, ``trainer/test_loop``
+(61 s) came last and ran alone at the end of a run while the other workers were done."""
 
 
 def unit_of(nodeid: str) -> str:
@@ -37,11 +43,14 @@ def unit_of(nodeid: str) -> str:
 
 
 def rank(nodeid: str) -> int:
-    """0.. for the heavy units in :data:`HEAVY` order, then integration modules, then the rest."""
+    """0.. for the heavy units in :data:`HEAVY` order, then the long integration modules in :data:`LONG_FIRST`
+    order, then the other integration modules, then the rest."""
     unit = unit_of(nodeid)
     if unit in HEAVY:
         return HEAVY.index(unit)
-    return len(HEAVY) + (0 if unit.startswith("tests/integration/") else 1)
+    if unit in LONG_FIRST:
+        return len(HEAVY) + LONG_FIRST.index(unit)
+    return len(HEAVY) + len(LONG_FIRST) + (0 if unit.startswith("tests/integration/") else 1)
 
 
 def order(items: Sequence[pytest.Item]) -> list[pytest.Item]:

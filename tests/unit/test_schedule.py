@@ -10,7 +10,16 @@ from collections import OrderedDict
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.support.schedule import COMPOSE, STACKS, STACKS_B, STACKS_B_MODULES, ModulesHeavyFirst, order, unit_of
+from tests.support.schedule import (
+    COMPOSE,
+    LONG_FIRST,
+    STACKS,
+    STACKS_B,
+    STACKS_B_MODULES,
+    ModulesHeavyFirst,
+    order,
+    unit_of,
+)
 
 COLLECTION = [
     COMPOSE + "::test_whole",
@@ -73,7 +82,7 @@ def run(sched: ModulesHeavyFirst, w: Worker) -> str:
     assert sched.collection is not None
     index = w.queue.pop(0)
     sched.mark_test_complete(w, index)
-    return sched.collection[index]
+    return str(sched.collection[index])
 
 
 def test_a_heavy_units_last_test_starts_without_waiting_for_the_queue_to_empty() -> None:
@@ -107,3 +116,13 @@ def test_the_whole_stack_scenarios_are_two_units_and_every_listed_one_exists() -
     assert unit_of(COMPOSE + "::test_x") == COMPOSE
     root = Path(__file__).resolve().parents[2]
     assert [m for m in sorted(STACKS_B_MODULES) if not (root / m).is_file()] == []
+
+
+def test_the_long_integration_modules_go_first_in_their_order_and_each_exists() -> None:
+    names = ["tests/unit/test_u.py::test_1", "tests/integration/test_short.py::test_1",
+             *[f"{m}::test_1" for m in reversed(LONG_FIRST)], "tests/e2e/test_a.py::test_1"]
+    ordered = [item.nodeid for item in order([SimpleNamespace(nodeid=n) for n in names])]  # type: ignore[misc]
+    assert ordered == ["tests/e2e/test_a.py::test_1", *[f"{m}::test_1" for m in LONG_FIRST],
+                       "tests/integration/test_short.py::test_1", "tests/unit/test_u.py::test_1"]
+    root = Path(__file__).resolve().parents[2]
+    assert [m for m in LONG_FIRST if not (root / m).is_file()] == []
