@@ -33,7 +33,7 @@ infra:
 	bash deploy/redis.sh install
 
 # The run writes bytecode (into the checkout's ignored __pycache__ dirs) even where the environment says not to
-# (PYTHONDONTWRITEBYTECODE): each of the run's ~250 Python processes would otherwise compile rein's modules again,
+# (PYTHONDONTWRITEBYTECODE): every Python process of the run would otherwise compile rein's modules again,
 # and each worker rewrite every test module's asserts again, about 3 CPU-s of its 11 s collection (docs/development.md).
 test: venv infra
 	PYTHONDONTWRITEBYTECODE= timeout --signal=TERM --kill-after=60s $(TEST_TIMEOUT) $(PY) -m pytest -n $(TEST_WORKERS) \

@@ -39,8 +39,12 @@ class Smoke:
 
 def _json(path: Path, *keys: str) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(path.read_text())
+    return _has(data, path.name, *keys)
+
+
+def _has(data: dict[str, Any], name: str, *keys: str) -> dict[str, Any]:
     missing = [k for k in keys if k not in data]
-    assert not missing, f"{path.name} lacks {missing}: {sorted(data)}"
+    assert not missing, f"{name} lacks {missing}: {sorted(data)}"
     return data
 
 
@@ -60,8 +64,7 @@ def _engine_vs_generate(out: Path) -> None:
 
 def _trainer_ranks(data: dict[str, Any]) -> None:
     """What bench/trainer_ranks.py writes (``scale_out`` runs it)."""
-    missing = {"model", "samples", "threads", "rows"} - set(data)
-    assert not missing, f"trainer_ranks.json lacks {sorted(missing)}: {sorted(data)}"
+    _has(data, "trainer_ranks.json", "model", "samples", "threads", "rows")
     assert [r["variant"] for r in data["rows"]] == ["1 rank", "2 ranks"]
     assert all(r["step_s"] > 0 for r in data["rows"]) and data["rows"][0]["x_one_rank"] == 1.0
 

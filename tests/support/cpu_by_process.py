@@ -60,31 +60,36 @@ def _read(pid: str) -> tuple[str, float] | None:
     return fields[19], (int(fields[11]) + int(fields[12])) / _TICK  # starttime, utime + stime (proc(5))
 
 
-def _describe(pid: str) -> tuple[str, str]:
-    """(kind, test module) of ``pid``."""
+def _kind(pid: str) -> str:
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        return kind_of(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip())
+    except OSError:
+        return "?"
+
+
+def _module(pid: str) -> str:
+    """The test module ``pid`` was started in (``PYTEST_CURRENT_TEST``), or ``""``."""
+    try:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
-        return "?", ""
+        return ""
     current = next((e.split(b"=", 1)[1].decode(errors="replace") for e in env
                     if e.startswith(b"PYTEST_CURRENT_TEST=")), "")
-    return kind_of(cmdline), current.split("::", 1)[0]
+    return current.split("::", 1)[0]
 
 
 def sample(seen: dict[tuple[str, str], Seen], first: bool = False) -> None:
     """Update ``seen`` ((pid, start time) -> what it is and its CPU so far) from /proc; on the ``first`` pass
     the CPU each process already had is its base. The kind is read again each time (a container's first
-    process execs its server; one seen mid-exec has no command line yet)."""
+    process execs its server; one seen mid-exec has no command line yet), the module only once."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or (read := _read(entry)) is None:
             continue
-        kind, module = _describe(entry)
-        key = (entry, read[0])
+        kind, key = _kind(entry), (entry, read[0])
         if key in seen:
             seen[key].kind, seen[key].cpu_s = kind if kind != "?" else seen[key].kind, read[1]
         else:
-            seen[key] = Seen(kind, module, read[1], read[1] if first else 0.0)
+            seen[key] = Seen(kind, _module(entry), read[1], read[1] if first else 0.0)
 
 
 def summary(seen: dict[tuple[str, str], Seen]) -> dict[str, dict[str, list[float]]]:
