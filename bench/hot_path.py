@@ -7,6 +7,9 @@ Starts the local stack as ``make demo`` does for the tiny policy (``bench/pipeli
 * CPU seconds of every process (``utime + stime`` from ``/proc/<pid>/stat``, with its
   descendants; ``bench/procstat.py``), its share of the busy CPU, and CPU milliseconds per chat call;
 * chat calls and episodes per second (the proxy's and the runner's ``/metrics``);
+* with ``--idle S``: after the window, the rollout runner stopped (SIGSTOP, so no episode starts; in-flight
+  work gets ``IDLE_SETTLE_S`` to end), CPU milliseconds per second of every process over S seconds: what
+  a stack costs while it waits (a sync wave's trainer phase, a run paced by its trainer, the tests' stacks);
 * with ``--profile proxy rollout ...``: a ``py-spy record`` of each named process over
   the window (raw collapsed stacks, no line numbers), summarised as the top entries by
   self and by cumulative samples; ``--gil`` keeps only samples holding the GIL, the
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import signal
@@ -46,6 +50,8 @@ from ops.local.stack import start
 from ops.report import rows_so_far
 from shared.settings import setting_loc
 
+IDLE_SETTLE_S = 3.0
+"""With ``--idle``: seconds between stopping the runner and the idle window."""
 _CHAT = re.compile(r'^rein_proxy_requests_total\{route="/v1/chat/completions",status="200"\}\s+(\S+)$', re.M)
 _EPISODES = re.compile(r"^rein_rollout_episodes_total\{[^}]*\}\s+(\S+)$", re.M)
 
@@ -87,6 +93,8 @@ def main() -> int:
     p.add_argument("--gil", action="store_true",
                    help="record only samples holding the GIL (py-spy --gil): a thread blocked in C (a queue, a "
                         "selector) otherwise counts as busy where py-spy cannot tell idle threads apart")
+    p.add_argument("--idle", type=float, default=0, metavar="S",
+                   help="after the window, measure S seconds with the rollout runner stopped (0: not)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "rein-hot-path.json")
@@ -139,6 +147,17 @@ def main() -> int:
             proc.send_signal(signal.SIGINT)
         for proc, _ in spies.values():
             proc.wait(60)
+        idle: dict[str, float] = {}
+        if args.idle:
+            os.kill(pids["rollout"], signal.SIGSTOP)
+            try:
+                time.sleep(IDLE_SETTLE_S)  # in-flight calls and groups end; a fixed span, nothing to await
+                i0, before = time.monotonic(), snapshot(pids)
+                time.sleep(args.idle)
+                after, elapsed = snapshot(pids), time.monotonic() - i0
+                idle = {n: round(1e3 * (after[n] - before[n]) / elapsed, 1) for n in pids}
+            finally:
+                os.kill(pids["rollout"], signal.SIGCONT)
     finally:
         for proc, _ in spies.values():
             if proc.poll() is None:
@@ -153,13 +172,18 @@ def main() -> int:
     profiles = {name: summarise(out, args.top) for name, (_, out) in spies.items() if out.exists()}
     result = {"wall_s": wall, "chat_calls": chats, "episodes": episodes, "chat_per_s": chats / wall,
               "episodes_per_s": episodes / wall, "busy_cpu_s": busy, "processes": rows, "profiles": profiles,
-              "profiled": args.profile, "rate": args.rate, "gil": args.gil, "run_dir": str(run_dir)}
+              "idle_cpu_ms_per_s": idle, "profiled": args.profile, "rate": args.rate, "gil": args.gil,
+              "run_dir": str(run_dir)}
     args.out.write_text(json.dumps(result, indent=2))
     print(f"window: {args.steps} steps, {wall:.1f} s, {chats:.0f} chat calls ({chats / wall:.1f}/s), "
           f"{episodes:.0f} episodes ({episodes / wall:.2f}/s), busy CPU {busy:.1f} s")
     print(f"{'process':<12} {'cpu s':>7} {'share':>6} {'cpu ms/chat':>11}")
     for r in rows:
         print(f"{r['process']:<12} {r['cpu_s']:>7.2f} {r['share']:>6.1%} {r['cpu_ms_per_chat'] or 0:>11.3f}")
+    if idle:
+        print(f"\nidle, the runner stopped ({args.idle:.0f} s): CPU ms per second, {sum(idle.values()):.1f} in all")
+        for n, v in sorted(idle.items(), key=lambda kv: -kv[1]):
+            print(f"{n:<12} {v:>7.1f}")
     for name, prof in profiles.items():
         for kind in ("self", "cumulative"):
             print(f"\n{name}: top by {kind} (% of {prof['samples'][0][1]:.0f} samples)")

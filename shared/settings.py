@@ -47,7 +47,9 @@ class KafkaSettings(BaseModel):
     that does not exist); the record fails after it."""
     fetch_min_bytes: int = Field(default=1, ge=1)
     """Bytes a consumer's fetch waits for (up to ``fetch_max_wait_ms``) before the broker answers: above 1,
-    a busy topic is read in fewer, larger fetches (less broker CPU per record), at up to that wait more latency."""
+    a busy topic is read in fewer, larger fetches (less broker CPU per record), at up to that wait more latency.
+    After a poll that returned nothing the consumer fetches 1 byte with a wait of at least 500 ms instead, until
+    records flow again: an idle consumer does not poll the broker every ``fetch_max_wait_ms``."""
     fetch_max_wait_ms: int = Field(default=500, ge=0)
     """Longest a fetch waits for ``fetch_min_bytes`` (with 1 byte: for any record at all)."""
     close_timeout_ms: int = Field(default=3_000, ge=0)

@@ -52,7 +52,8 @@ TUNING: dict[str, dict[str, Any]] = {
     "proxy": {"kafka": {"linger_ms": 20}},
     # the collectors read the busy chunk and event topics in fetches of up to 20 ms: fewer fetch requests, at most
     # 20 ms later; the other consumers (manifests, weights) keep Kafka's defaults: their records are few and each is
-    # on the path from one training step to the next
+    # on the path from one training step to the next; idle, a collector's fetch waits for any record instead
+    # (shared/bus/consumer.py's fetch_limits), so a quiet stack is not polled 50 times a second
     "collector": {"kafka": {"fetch_min_bytes": 65536, "fetch_max_wait_ms": 20}},
 }
 """Settings the local stack gives its services beyond their defaults; :attr:`StackConfig.services` overrides them."""

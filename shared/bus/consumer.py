@@ -29,6 +29,23 @@ from shared.settings import KafkaSettings
 
 _log = log.get(__name__)
 
+IDLE_FETCH_MAX_WAIT_MS = 500
+"""Longest an idle consumer's fetch waits (Kafka's default): any record ends it at once."""
+
+
+def fetch_limits(settings: KafkaSettings, idle: bool) -> tuple[int, int]:
+    """``(fetch_min_bytes, fetch_max_wait_ms)`` for a consumer's next fetches.
+
+    The configured pair batches a busy topic (with a ``fetch_min_bytes`` above 1 the broker holds each
+    fetch until it has that much or ``fetch_max_wait_ms`` passed). On a quiet topic that pair is a poll
+    loop: every fetch waits out ``fetch_max_wait_ms`` and returns empty, 50 a second at 20 ms, each
+    costing the consumer and the broker CPU. So after a poll that returned nothing the consumer asks for
+    one byte with a long wait instead: the broker answers as soon as a record arrives (no later than the
+    batched fetch would) and, until one does, twice a second."""
+    if not idle:
+        return settings.fetch_min_bytes, settings.fetch_max_wait_ms
+    return 1, max(settings.fetch_max_wait_ms, IDLE_FETCH_MAX_WAIT_MS)
+
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
     """Forwards kafka-python's rebalance callbacks (run inside ``poll`` on the caller's thread)."""
@@ -110,6 +127,17 @@ class Consumer:
         )
         if not subscribe_now and topics:
             self.subscribe(topics)
+        fetcher: Any = self._consumer._fetcher  # type: ignore[attr-defined]  # its config is read for each fetch
+        self._fetch_config: dict[str, Any] = fetcher.config
+        self._idle: bool | None = None
+        self._set_idle(True)
+
+    def _set_idle(self, idle: bool) -> None:
+        """Switch the next fetches between the batched and the idle limits (:func:`fetch_limits`)."""
+        if idle != self._idle:
+            self._idle = idle
+            min_bytes, max_wait_ms = fetch_limits(self._settings, idle)
+            self._fetch_config.update(fetch_min_bytes=min_bytes, fetch_max_wait_ms=max_wait_ms)
 
     def subscribe(self, topics: Sequence[str]) -> None:
         """Join the group on ``topics`` with the rebalance listener installed."""
@@ -140,6 +168,7 @@ class Consumer:
         Re-deliveries of offsets already tracked in this assignment are dropped; malformed
         records go to the decode hook and are marked done (poison never holds a partition)."""
         batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000))
+        self._set_idle(not batches)
         if self._hook_error is not None:
             exc, self._hook_error = self._hook_error, None
             raise exc

@@ -123,10 +123,11 @@ def _pipeline(out: Path) -> None:
 
 
 def _hot_path(out: Path) -> None:
-    data = _json(out, "wall_s", "chat_calls", "episodes_per_s", "busy_cpu_s", "processes")
+    data = _json(out, "wall_s", "chat_calls", "episodes_per_s", "busy_cpu_s", "processes", "idle_cpu_ms_per_s")
     assert data["chat_calls"] > 0 and data["episodes_per_s"] > 0
     rows = {r["process"]: r for r in data["processes"]}
     assert {"proxy", "rollout", "engine", "kafka"} <= set(rows)
+    assert set(data["idle_cpu_ms_per_s"]) == set(rows) and data["idle_cpu_ms_per_s"]["rollout"] == 0, "stopped"
     assert rows["proxy"]["cpu_ms_per_chat"] > 0
 
 
@@ -267,7 +268,7 @@ SMOKE: dict[str, Smoke] = {
         _tool_call_share, fixtures=("tiny_llama_dir",),
     ),
     "hot_path": Smoke(
-        lambda out, _: ["--warmup", "1", "--steps", "2", "--timeout-s", "240", "--out", str(out)],
+        lambda out, _: ["--warmup", "1", "--steps", "2", "--idle", "1", "--timeout-s", "240", "--out", str(out)],
         _hot_path, marks=(pytest.mark.integration, pytest.mark.slow), timeout_s=280,
     ),
 }

@@ -14,7 +14,7 @@ from kafka.errors import KafkaTimeoutError, UnrecognizedBrokerVersion
 from shared import log
 from shared.bus import BusUnavailable, Producer
 from shared.bus.client import connect
-from shared.bus.consumer import _trail
+from shared.bus.consumer import IDLE_FETCH_MAX_WAIT_MS, _trail, fetch_limits
 from shared.schemas import WeightApplied
 from shared.settings import KafkaSettings
 
@@ -172,3 +172,11 @@ def test_a_client_whose_broker_versions_did_not_answer_in_time_is_built_again() 
 
     assert connect(factory, "admin", KafkaSettings(bootstrap_servers="127.0.0.1:1")) == "client"
     assert len(tries) == 2
+
+
+def test_fetch_limits_batch_when_busy_and_wait_long_for_any_record_when_idle() -> None:
+    batched = KafkaSettings(fetch_min_bytes=65536, fetch_max_wait_ms=20)
+    assert fetch_limits(batched, idle=False) == (65536, 20)
+    assert fetch_limits(batched, idle=True) == (1, IDLE_FETCH_MAX_WAIT_MS)
+    slow = KafkaSettings(fetch_min_bytes=1, fetch_max_wait_ms=2000)  # a wait above the idle one is kept
+    assert fetch_limits(slow, idle=True) == fetch_limits(slow, idle=False) == (1, 2000)
