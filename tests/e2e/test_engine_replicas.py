@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import httpx
 import pytest
 
 from ops.local.stack import LocalStack, start
@@ -31,6 +32,11 @@ def _version(local: LocalStack, name: str) -> str:
     return str(engine_info(local, name)["weight_version"])
 
 
+def _generating(local: LocalStack, name: str) -> int:
+    """Requests engine ``name`` is generating now."""
+    return len(httpx.get(f"{local.urls[name]}/debug/active", timeout=5).json()["requests"])
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     config = small_stack(tmp_path_factory.mktemp("engines"), engines=2, services={
@@ -46,6 +52,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             local, "engine-1") != "v0", 60, local)
 
         # One engine dies: its sessions are lost on record, its registration lapses, the other carries the run.
+        # Killed mid-generation, so it has sessions to lose: paced, the engines idle between waves.
+        wait_on_stack("engine-1 generating for two sessions", lambda: _generating(local, "engine-1") >= 2,
+                      PROGRESS_TIMEOUT_S, local, interval_s=0.02)
         data |= kill_replica(local, "engine-1", members, [local.urls["engine-0"]], PROGRESS_TIMEOUT_S)
         data |= stop_and_read(local, allow_dead=("engine-1",))
         data["chunks"] = read_chunks(local)
