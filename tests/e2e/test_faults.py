@@ -14,7 +14,9 @@ The trainer's own kill -9 is in ``test_closed_loop.py``. Figures go to
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -79,6 +81,37 @@ def _kill_and_restart(local: LocalStack, name: str, while_down: Callable[[], Non
     svc.wait_healthy(timeout_s=120)
 
 
+def _live_sessions(local: LocalStack) -> int:
+    answer = httpx.get(f"{local.urls['proxy']}/v1/rollout/state", timeout=5,
+                       headers={"Authorization": f"Bearer {local.credentials.admin_token}"})
+    answer.raise_for_status()
+    return int(answer.json()["live_sessions"])
+
+
+def _freeze_with_live_sessions(local: LocalStack, name: str) -> None:
+    """Stop ``name`` (SIGSTOP) at a moment the proxy holds sessions it opened: frozen, the runner finishes none
+    of them, so its kill leaves them to the proxy's idle timeout. Checked again once frozen: its last sessions
+    could have finished between the first read and the signal."""
+    proc = _service(local, name).proc
+    assert proc is not None
+
+    def frozen_with_sessions() -> bool:
+        if _live_sessions(local) < 2:
+            return False
+        proc.send_signal(signal.SIGSTOP)
+        if _live_sessions(local) > 0:
+            return True
+        proc.send_signal(signal.SIGCONT)
+        return False
+
+    wait_on_stack(f"the proxy holding sessions of a frozen {name}", frozen_with_sessions, PROGRESS_TIMEOUT_S,
+                  local, interval_s=0.05)
+
+
+def _has_members(client: redis.Redis, key: str) -> bool:
+    return bool(client.zcard(key) > 0)
+
+
 def _dispatched(kafka: KafkaSettings) -> set[str]:
     return {r.group_id for r in read_topic(kafka, Topics().events, 60) if isinstance(r, GroupDispatched)}
 
@@ -127,16 +160,20 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 client = redis.Redis.from_url(local.infra.redis_url, decode_responses=True)
                 deleted = client.delete(keys.registry, keys.registry_order)
                 assert deleted == 2
-                wait_on_stack("registry rebuilt from the weights topic",
-                      lambda c=client: bool(c.zcard(keys.registry_order) > 0), 60, local)
-                client.close()
+                try:
+                    wait_on_stack("registry rebuilt from the weights topic",
+                                  functools.partial(_has_members, client, keys.registry_order), 60, local)
+                finally:
+                    client.close()
             elif fault == "rollout":
-                # Read once the runner is dead: a group it dispatched between a read before the kill and
-                # the kill itself would escape the check (its sessions may never reach the proxy, so only
-                # the collectors' incomplete timeout ends it).
+                # Killed while the proxy holds sessions of it (frozen first: at an arbitrary moment, under
+                # load, its open groups may have no session at the proxy yet). Read once the runner is dead:
+                # a group it dispatched between a read before the kill and the kill itself would escape the
+                # check (its sessions may never reach the proxy, so only the incomplete timeout ends it).
                 def read_open() -> None:
                     open_at["rollout"] = _dispatched(kafka)
 
+                _freeze_with_live_sessions(local, fault)
                 _kill_and_restart(local, fault, read_open)
             else:
                 _kill_and_restart(local, fault)
