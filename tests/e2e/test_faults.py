@@ -89,9 +89,10 @@ def _live_sessions(local: LocalStack) -> int:
 
 
 def _freeze_with_live_sessions(local: LocalStack, name: str) -> None:
-    """Stop ``name`` (SIGSTOP) at a moment the proxy holds sessions it opened: frozen, the runner finishes none
-    of them, so its kill leaves them to the proxy's idle timeout. Checked again once frozen: its last sessions
-    could have finished between the first read and the signal."""
+    """Stop ``name`` (SIGSTOP) at a moment the proxy holds sessions: frozen, the runner finishes none of them
+    (its kill leaves them to the proxy's idle timeout), and a frozen proxy ends none (its kill loses them).
+    A frozen runner is checked again: its last sessions could have finished between the read and the signal
+    (a frozen proxy cannot be asked; two sessions at the read leave it the same margin)."""
     proc = _service(local, name).proc
     assert proc is not None
 
@@ -99,7 +100,7 @@ def _freeze_with_live_sessions(local: LocalStack, name: str) -> None:
         if _live_sessions(local) < 2:
             return False
         proc.send_signal(signal.SIGSTOP)
-        if _live_sessions(local) > 0:
+        if name == "proxy" or _live_sessions(local) > 0:
             return True
         proc.send_signal(signal.SIGCONT)
         return False
@@ -127,10 +128,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # (tested in tests/integration/collector) made each trainer step wait for a rare group.
     config = small_stack(
         tmp_path_factory.mktemp("faults"),
-        # Unpaced, so the runner always has sessions open when it is killed (paced, the tiny engine
-        # finishes a batch's prompts long before the trainer's next step and then waits for it).
+        # Paced (the default): the proxy and the runner are each killed at a moment the proxy holds sessions.
         services={
-            "rollout": {"pacing": "off", "max_tokens": 6},
+            "rollout": {"max_tokens": 6},
             "broadcaster": {"reconcile_interval_s": 2},
             "proxy": {"session_idle_timeout_s": SESSION_IDLE_S},
             "collector": {"incomplete_timeout_s": INCOMPLETE_S},
@@ -175,6 +175,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
                 _freeze_with_live_sessions(local, fault)
                 _kill_and_restart(local, fault, read_open)
+            elif fault == "proxy":
+                _freeze_with_live_sessions(local, fault)
+                _kill_and_restart(local, fault)
             else:
                 _kill_and_restart(local, fault)
             injected_s = time.monotonic() - started
