@@ -29,7 +29,7 @@
 # and verifying them again: a broker's start took 2.0 s of CPU instead of 3.4 here (docs/development.md).
 #
 # Knobs (environment, all optional): REIN_CACHE, KAFKA_HEAP_OPTS (default -Xmx512m -Xms256m),
-# KAFKA_JVM_OPTS (extra JVM flags), KAFKA_START_TIMEOUT (seconds, default 90),
+# KAFKA_JVM_OPTS (extra JVM flags, of the brokers and the storage format), KAFKA_START_TIMEOUT (seconds, default 90),
 # KAFKA_STOP_TIMEOUT (seconds, default 30).
 set -euo pipefail
 
@@ -218,7 +218,8 @@ start_once() {
         local jvm_common=(-Djava.awt.headless=true "-Dlog4j2.configurationFile=$node/log4j2.properties"
             "-Dkafka.logs.dir=$node/logs" -cp "$LIBS/*")
         cds_flags
-        if ! java -Xmx256m "${CDS_FLAGS[@]}" "${jvm_common[@]}" kafka.tools.StorageTool format \
+        # shellcheck disable=SC2086  # the JVM option string is a word list on purpose
+        if ! java -Xmx256m "${CDS_FLAGS[@]}" ${KAFKA_JVM_OPTS:-} "${jvm_common[@]}" kafka.tools.StorageTool format \
             -t "$cluster_id" -c "$node/server.properties" >"$node/logs/format.out" 2>&1; then
             cat "$node/logs/format.out" >&2
             die "kafka-storage format failed (cluster id $cluster_id, config $node/server.properties)"
