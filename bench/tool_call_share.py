@@ -39,9 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.sampling import Sampler
 from services.rollout.calculator import INSTRUCTION, CalculatorEpisode, CalculatorTask, evaluate
-from shared.model.hf import HFFamily
-from shared.model.hf_chat import HFChatTokenizer
 from shared.model.tool_calls import parse_reply
 
 DEMONSTRATION: list[dict[str, Any]] = [
@@ -77,12 +76,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
-
-    tok = HFFamily(Path(args.model)).tokenizer
-    assert isinstance(tok, HFChatTokenizer)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    pad = tok.inner.pad_token_id if tok.inner.pad_token_id is not None else min(tok.stop_ids)
+    sampler = Sampler.load(Path(args.model))
+    tok = sampler.tok
     rows = []
     for temperature in args.temperatures:
         torch.manual_seed(args.seed)
@@ -92,16 +87,9 @@ def main() -> None:
             episode = CalculatorEpisode()
             messages = [*(DEMONSTRATION if args.demonstration else ()), *episode.reset(prompt.payload)]
             ids = tok.encode_chat(messages, add_generation_prompt=True, tools=episode.tools)
-            batch = torch.tensor([ids] * args.samples)
-            with torch.no_grad():
-                out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=temperature > 0,
-                                     temperature=temperature if temperature > 0 else None, top_p=1.0, top_k=0,
-                                     max_new_tokens=args.max_tokens, eos_token_id=sorted(tok.stop_ids),
-                                     pad_token_id=pad)
             answer = evaluate(f"{prompt.payload['a']} {prompt.payload['op']} {prompt.payload['b']}")
-            for row in out[:, len(ids):].tolist():
-                reply = parse_reply(tok.decode([t for t in row if t not in tok.stop_ids and t != pad]),
-                                    tok.tool_call_format)
+            for text in sampler.replies([ids] * args.samples, temperature, args.max_tokens):
+                reply = parse_reply(text, tok.tool_call_format)
                 counts["replies"] += 1
                 counts["calls"] += bool(reply.calls)
                 counts["malformed"] += reply.malformed

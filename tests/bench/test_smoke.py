@@ -83,6 +83,12 @@ def _tool_call_share(out: Path) -> None:
     assert all(r["replies"] == 4 and 0 <= r["call_share"] <= 1 for r in data["rows"])
 
 
+def _task_signal(out: Path) -> None:
+    data = _json(out, "model", "prompts", "samples", "rows")
+    assert [r["max_operand"] for r in data["rows"]] == [9, 2]
+    assert all(r["episodes"] == 4 and 0 <= r["signal_past_format"] <= r["signal"] <= 1 for r in data["rows"])
+
+
 def _collector(out: Path) -> None:
     data = _json(out, "throughput", "decision_cost")
     assert [r["replicas"] for r in data["throughput"]] == [1, 2]
@@ -266,6 +272,11 @@ SMOKE: dict[str, Smoke] = {
         lambda out, fx: ["--model", fx["tiny_llama_dir"], "--prompts", "2", "--samples", "2", "--temperatures", "1",
                          "0", "--max-tokens", "4", "--threads", "1", "--demonstration", "--out", str(out)],
         _tool_call_share, fixtures=("tiny_llama_dir",),
+    ),
+    "task_signal": Smoke(
+        lambda out, fx: ["--model", fx["tiny_llama_dir"], "--prompts", "2", "--samples", "2", "--max-operands", "9",
+                         "2", "--max-tokens", "4", "--out", str(out)],
+        _task_signal, fixtures=("tiny_llama_dir",),
     ),
     "hot_path": Smoke(
         lambda out, _: ["--warmup", "1", "--steps", "2", "--idle", "1", "--timeout-s", "240", "--out", str(out)],
