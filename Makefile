@@ -41,7 +41,7 @@ test: venv infra
 
 lint: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy --cache-dir "$(MYPY_CACHE)" shared services ops
+	$(VENV)/bin/mypy --cache-dir "$(MYPY_CACHE)" shared services ops bench
 	@# Only shared/settings.py reads the environment (tests and bench are exempt, as in ruff's TID251 config, and
 	@# ops/local/ports.py, a standard-library script the deploy scripts run before any venv exists).
 	@if git ls-files -co --exclude-standard -- '*.py' \

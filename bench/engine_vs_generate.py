@@ -47,7 +47,7 @@ VOCAB = 49152
 """SmolLM2's vocabulary, also the tiny Llama's."""
 
 
-def tiny_llama() -> nn.Module:
+def tiny_llama() -> Any:
     """A random Llama with SmolLM2's vocabulary and a tiny body (fast; per-forward overhead matters)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -55,7 +55,9 @@ def tiny_llama() -> nn.Module:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                       tie_word_embeddings=True)
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
+    model: Any = LlamaForCausalLM(cfg)
+    model.eval()
+    return model
 
 
 def prompts(c: int, low: int, high: int, vocab: int) -> list[list[int]]:
@@ -115,13 +117,15 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
+    model: Any
     if args.model == "tiny-llama":
         name, model = "tiny-llama (vocab 49152)", tiny_llama()
     else:
         from transformers import AutoModelForCausalLM
 
         path = Path(args.model).expanduser()
-        name, model = path.name, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        name, model = path.name, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.eval()
     pad_id = int(model.config.pad_token_id or 0)
     batch = prompts(args.concurrency, args.min_len, args.max_len, int(model.config.vocab_size))
     n = args.new_tokens

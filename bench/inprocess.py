@@ -60,7 +60,7 @@ def reward_at(rows: Sequence[dict[str, Any]], seconds: float, window: int = 5) -
     if not done:
         return None
     last = done[-window:]
-    return sum(r["reward_mean"] for r in last) / len(last)
+    return sum(float(r["reward_mean"]) for r in last) / len(last)
 
 
 def episodes_per_s(rows: Sequence[dict[str, Any]], times: Sequence[float]) -> float | None:
