@@ -76,6 +76,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sampler = Sampler.load(args.model)
     rows = []
+    header = f"{'operands':>8} {'episodes':>8} {'format':>6} {'right':>6} {'reward':>6} {'signal':>6} {'past fmt':>8}"
+    print(header, flush=True)
     for max_operand in args.max_operands:
         torch.manual_seed(args.seed)
         started = time.perf_counter()
@@ -93,10 +95,9 @@ def main() -> None:
             "signal_past_format": sum(max(g) >= 0.5 and len(set(g)) > 1 for g in rewards) / len(groups),
             "seconds": round(time.perf_counter() - started, 1),
         })
-    print(f"{'operands':>8} {'episodes':>8} {'format':>6} {'right':>6} {'reward':>6} {'signal':>6} {'past fmt':>8}")
-    for r in rows:
+        r = rows[-1]
         print(f"{'0..' + str(r['max_operand']):>8} {r['episodes']:>8} {r['format']:>6.0%} {r['right']:>6.0%} "
-              f"{r['reward']:>6.3f} {r['signal']:>6.0%} {r['signal_past_format']:>8.0%}")
+              f"{r['reward']:>6.3f} {r['signal']:>6.0%} {r['signal_past_format']:>8.0%}", flush=True)
     args.out.write_text(json.dumps({"model": str(args.model), "prompts": args.prompts, "samples": args.samples,
                                     "temperature": args.temperature, "max_tokens": args.max_tokens,
                                     "seed": args.seed, "rows": rows}, indent=2))
