@@ -32,7 +32,12 @@ from shared.bus import read_topic
 from shared.names import RedisKeys, Topics
 from shared.schemas import DecisionRecord, GroupDispatched, SessionRejected
 from shared.settings import KafkaSettings
-from tests.support.fault_runs import PROGRESS_TIMEOUT_S, assert_registry_matches_weights, wait_trained
+from tests.support.fault_runs import (
+    PROGRESS_TIMEOUT_S,
+    assert_registry_matches_weights,
+    proxy_state,
+    wait_trained,
+)
 from tests.support.readback import (
     assert_every_manifest_trained_once,
     assert_groups_accounted_for,
@@ -82,10 +87,7 @@ def _kill_and_restart(local: LocalStack, name: str, while_down: Callable[[], Non
 
 
 def _live_sessions(local: LocalStack) -> int:
-    answer = httpx.get(f"{local.urls['proxy']}/v1/rollout/state", timeout=5,
-                       headers={"Authorization": f"Bearer {local.credentials.admin_token}"})
-    answer.raise_for_status()
-    return int(answer.json()["live_sessions"])
+    return int(proxy_state(local, "proxy")["live_sessions"])
 
 
 def _freeze_with_live_sessions(local: LocalStack, name: str) -> None:

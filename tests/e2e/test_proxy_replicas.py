@@ -23,7 +23,12 @@ from shared.membership import Members
 from shared.names import RedisKeys
 from shared.schemas import SessionFinished, SessionRejected
 from shared.state import client_for
-from tests.support.fault_runs import PROGRESS_TIMEOUT_S, assert_nothing_lost_or_trained_twice, read_chunks
+from tests.support.fault_runs import (
+    PROGRESS_TIMEOUT_S,
+    assert_nothing_lost_or_trained_twice,
+    proxy_state,
+    read_chunks,
+)
 from tests.support.readback import engine_info, kill_replica, small_stack, stop_and_read, trained_steps
 from tests.support.wait import wait_on_stack
 
@@ -34,14 +39,6 @@ _CALL_ON_THE_WIRE = frozenset({"unreachable", "timeout", "http_502", "http_503",
 """...unless its agent's call was on the wire to the dead proxy: what the agent saw then."""
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
-
-
-def _state(local: LocalStack, name: str) -> dict[str, Any]:
-    answer = httpx.get(f"{local.urls[name]}/v1/rollout/state", timeout=5,
-                       headers={"Authorization": f"Bearer {local.credentials.admin_token}"})
-    answer.raise_for_status()
-    state: dict[str, Any] = answer.json()
-    return state
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +63,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
         wait_on_stack("two trainer steps", lambda: trained_steps(local) >= 2, PROGRESS_TIMEOUT_S, local)
         wait_on_stack("an update applied on the engine", updated, PROGRESS_TIMEOUT_S, local)
-        data["pauses"] = {n: _state(local, n)["pauses"] for n in ("proxy-0", "proxy-1")}
+        data["pauses"] = {n: proxy_state(local, n)["pauses"] for n in ("proxy-0", "proxy-1")}
         data["requests"] = {n: _requests(local, n) for n in ("proxy-0", "proxy-1")}
 
         # One proxy dies: its registration lapses, the other carries the run and continues its sessions. It

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
+
 from ops.local.stack import LocalStack
 from shared.bus import read_topic
 from shared.names import Topics
@@ -25,6 +27,15 @@ def wait_trained(local: LocalStack, index: int, what: str) -> None:
     """Wait until manifest ``index`` is trained (``what``: which batch that is). With ``index`` read from
     ``batches_made`` at a fault, that batch was made after it: a batch made before could still train."""
     wait_on_stack(f"{what} trained", lambda: trained_index(local) >= index, PROGRESS_TIMEOUT_S, local)
+
+
+def proxy_state(local: LocalStack, name: str) -> dict[str, Any]:
+    """Proxy ``name``'s ``/v1/rollout/state`` (pauses, live sessions, engines), read with the admin token."""
+    answer = httpx.get(f"{local.urls[name]}/v1/rollout/state", timeout=5,
+                       headers={"Authorization": f"Bearer {local.credentials.admin_token}"})
+    answer.raise_for_status()
+    state: dict[str, Any] = answer.json()
+    return state
 
 
 def read_chunks(local: LocalStack) -> list[Chunk]:
