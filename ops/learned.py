@@ -28,6 +28,7 @@ BARS: dict[str, Bar] = {
     "guess_number": Bar(rise=0.15, floor=0.219),
     # 0.2: every reply in the `Answer: <n>` format with a wrong number; above it some answers are right
     "arithmetic": Bar(rise=0.15, floor=0.2),
+    "arithmetic_small": Bar(rise=0.15, floor=0.2),
 }
 
 

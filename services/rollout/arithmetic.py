@@ -32,6 +32,9 @@ from typing import Any, ClassVar
 from services.rollout.task import EpisodeStatus, Message, Prompt
 
 MAX_OPERAND = 20
+SMALL_MAX_OPERAND = 9
+"""Operands of ``arithmetic_small``: the untrained SmolLM2 gets some answers right there, none at 0..20
+(bench/task_signal.py, docs/benchmarks.md), so its groups carry a signal past the format."""
 MAX_TURNS = 2
 FORMAT_REWARD = 0.2
 RETRY_SCALE = 0.5

@@ -111,6 +111,18 @@ def test_prompt_stream_is_seed_determined_with_unique_ids() -> None:
     assert all(0 <= p.payload["a"] <= 20 and 0 <= p.payload["b"] <= 20 for p in first)
 
 
+def test_small_arithmetic_draws_single_digits_and_names_itself() -> None:
+    """``arithmetic_small``: the same episode and grade on operands 0..9, its payloads tagged with its own name."""
+    prompts = list(itertools.islice(TASKS["arithmetic_small"]().prompts(3), 200))
+    assert {p.payload["a"] for p in prompts} | {p.payload["b"] for p in prompts} == set(range(10))
+    assert {p.payload["task"] for p in prompts} == {"arithmetic_small"}
+    p = prompts[0]
+    episode = TASKS["arithmetic_small"]().episode()
+    episode.reset(p.payload)
+    assert episode.step(f"Answer: {solve(p.payload['a'], p.payload['op'], p.payload['b'])}") is None
+    assert episode.reward() == 1.0
+
+
 @given(st.integers(0, 50), st.sampled_from(["+", "-"]), st.integers(0, 50), st.booleans())
 def test_exact_solver_policy_always_scores_one(a: int, op: str, b: int, chatty: bool) -> None:
     prefix = "Let me compute.\n" if chatty else ""

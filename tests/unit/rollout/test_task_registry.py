@@ -81,11 +81,11 @@ class ScriptedProxy(ProxyHttp):
 
 def test_a_registered_task_is_a_setting_and_a_demo_choice(registered: None) -> None:
     TASK.assert_chosen("echo")
-    assert TASK.reference_row() == "`guess_number` \\| `arithmetic` \\| `calculator` \\| `echo`"
+    assert TASK.reference_row() == "`guess_number` \\| `arithmetic` \\| `arithmetic_small` \\| `calculator` \\| `echo`"
 
 
 def test_an_unknown_task_names_every_registered_one(registered: None) -> None:
-    TASK.assert_refused("chess", "guess_number, arithmetic, calculator, echo")
+    TASK.assert_refused("chess", "guess_number, arithmetic, arithmetic_small, calculator, echo")
 
 
 def test_unregistered_after_the_test() -> None:
