@@ -2,7 +2,8 @@
 
     $(bash deploy/venv.sh --path)/bin/python bench/scale_out.py --out bench/scale_out.json
 
-Starts a throwaway Kafka and Redis (deploy/kafka.sh, deploy/redis.sh) and measures, in this order:
+Starts a throwaway Kafka and Redis (deploy/kafka.sh, deploy/redis.sh), or uses the ones ``--bootstrap`` and
+``--redis-url`` name (every topic, consumer group and key it makes is its own), and measures, in this order:
 
 1. groups/s through 1, 2 and 4 collector replicas (``bench/collector.py``'s measurement: real
    ``python -m services.collector`` processes on one 4-partition stream, groups of 8 x 256 tokens);
@@ -103,6 +104,8 @@ def trainer(work: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bootstrap", help="a running Kafka broker (with --redis-url; default: start both)")
+    parser.add_argument("--redis-url", help="a running Redis")
     parser.add_argument("--groups", type=int, default=400, help="groups per collector measurement")
     parser.add_argument("--collectors", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--concurrency", type=int, default=16, help="agents driving the proxies")
@@ -117,12 +120,14 @@ def main() -> int:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="rein-bench-scale-"))
-    bootstrap, redis_url = start_infra(work)
+    own = not (args.bootstrap and args.redis_url)
+    bootstrap, redis_url = start_infra(work) if own else (args.bootstrap, args.redis_url)
     try:
         collectors = [throughput(bootstrap, redis_url, r, args.groups) for r in args.collectors]
         proxy_rows = proxies(bootstrap, work, args)
     finally:
-        stop_infra(work)
+        if own:
+            stop_infra(work)
     ranks = trainer(work, args)
 
     base = collectors[0]["groups_per_s"]

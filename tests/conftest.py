@@ -18,6 +18,10 @@ Per-test helpers (function scope):
 - ``redis_db_url -> str``: URL of a logical DB of its own (1..63, round robin), flushed first.
 - ``redis_client -> redis.Redis`` on ``redis_db_url``; closed afterwards.
 
+Whole local stacks (``ops.local.stack``) that fault no infrastructure run on the session's broker and Redis:
+``stack_infra(name) -> SharedInfra`` (session scope, a factory) namespaces a stack's topics, consumer groups and
+Redis keys; a stack that kills or restarts Kafka or Redis starts its own.
+
 Hugging Face model fixtures (``smollm2_dir``, ``tiny_llama_dir``) live in ``tests/support/hf_model.py``.
 
 The versions that ran are printed in the terminal summary.
@@ -53,6 +57,7 @@ if TYPE_CHECKING:
     import redis
     from kafka.admin import KafkaAdminClient
 
+    from ops.local.stack import SharedInfra
     from shared.names import Topics
 
 pytest_plugins = ["tests.support.hf_model"]  # smollm2_dir, tiny_llama_dir
@@ -223,6 +228,18 @@ def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
 def redis_url(request: pytest.FixtureRequest) -> str:
     """``redis://127.0.0.1:PORT/0`` of the session's real Redis."""
     return _require(request, REDIS)
+
+
+@pytest.fixture(scope="session")
+def stack_infra(kafka_bootstrap: str, redis_url: str) -> Callable[[str], SharedInfra]:
+    """Factory: ``stack_infra(name)`` is the session's Kafka and Redis for one local stack, everything it names
+    under a namespace of its own (``s.<name>.<hex>``), so that stacks and tests running beside it stay apart."""
+    from ops.local.stack import SharedInfra
+
+    def make(name: str) -> SharedInfra:
+        return SharedInfra(kafka_bootstrap, redis_url, namespace=f"s.{name}.{uuid.uuid4().hex[:8]}")
+
+    return make
 
 
 @pytest.fixture(scope="session")

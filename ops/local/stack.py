@@ -22,7 +22,7 @@ from ops.local.credentials import Credentials
 from ops.local.launcher import Infra, LaunchError, Service, Stack, deploy_script
 from ops.local.ports import free_port
 from shared import bus
-from shared.names import Topics
+from shared.names import RedisKeys, Topics
 from shared.settings import KafkaSettings, ServiceSettings, settings_env
 from shared.staleness import WindowSettings
 
@@ -68,6 +68,27 @@ STACK_WIDE: dict[str, dict[str, str]] = {
 """The :class:`StackConfig` fields that are one value in several services: field -> service -> its setting."""
 
 
+CONSUMER_GROUPS: dict[str, str] = {
+    "collector": "consumer_group", "trainer": "consumer_group", "broadcaster": "consumer_group",
+    "rollout": "retry_consumer_group",
+}
+"""Service -> its setting naming the Kafka consumer group it joins (a shared broker's stacks each need their own)."""
+
+
+@dataclass(frozen=True)
+class SharedInfra:
+    """A running Kafka and Redis the stack uses instead of starting its own (a test session's): every topic,
+    consumer group and Redis key of the stack starts with ``namespace``, so stacks that share them stay apart.
+    The stack neither stops them nor can fault them (``Infra.restart`` needs a stack's own)."""
+
+    kafka_bootstrap: str
+    redis_url: str
+    namespace: str
+
+    def topics(self) -> Topics:
+        return Topics(**{name: f"{self.namespace}.{topic}" for name, topic in Topics().model_dump().items()})
+
+
 @dataclass
 class StackConfig:
     """A local run: its shape (replicas, brokers, ports), the values several services must share, and each
@@ -106,6 +127,8 @@ class StackConfig:
     redis_failover: bool = False
     """Redis as a primary, two replicas and three Sentinels; every service finds the primary through the
     Sentinels and acts on a window step or a registry entry only once a replica holds it."""
+    shared_infra: SharedInfra | None = None
+    """Run on this Kafka and Redis (namespaced) instead of starting a broker and a server of its own."""
     partitions: int = 4
     base_port: int = 0
     """First of a block of ports for the services; 0 picks free ports."""
@@ -122,6 +145,8 @@ class StackConfig:
             for name, setting in targets.items():
                 if setting in self.services.get(name, {}):
                     raise ValueError(f"services[{name!r}][{setting!r}]: set StackConfig.{wide} instead")
+        if self.shared_infra is not None and (self.kafka_brokers != 1 or self.redis_failover):
+            raise ValueError("shared_infra: a stack on a shared Kafka and Redis has one of each, as given")
         for name in SERVICES:
             self.env_of(name)  # every name and value checked now, before anything starts
 
@@ -148,7 +173,23 @@ class StackConfig:
                   if (setting := targets.get(service)) is not None}
         if service == "collector" and self.mode == "sync":
             shared["no_signal_groups"] = "keep"
+        if self.shared_infra is not None:
+            namespace = self.shared_infra.namespace
+            shared |= {"topics": self.shared_infra.topics().model_dump(), "redis": {"key_prefix": namespace}}
+            if (group := CONSUMER_GROUPS.get(service)) is not None:
+                default = settings_class(service).model_fields[group].default
+                shared[group] = f"{namespace}.{default}"
         return TUNING.get(service, {}), shared, self.services.get(service, {})
+
+    @property
+    def topics(self) -> Topics:
+        """The topic names the stack's services use."""
+        return Topics() if self.shared_infra is None else self.shared_infra.topics()
+
+    @property
+    def redis_keys(self) -> RedisKeys:
+        """The Redis key layout of the stack's services."""
+        return RedisKeys() if self.shared_infra is None else RedisKeys(self.shared_infra.namespace)
 
 
 @dataclass
@@ -180,7 +221,9 @@ def start(config: StackConfig) -> LocalStack:
     """Start everything; on any failure, stop what was started and re-raise."""
     run_dir = config.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    infra = Infra.start(run_dir / "infra", config.kafka_brokers, config.redis_failover)
+    shared = config.shared_infra
+    infra = (Infra(run_dir / "infra", kafka_bootstrap=shared.kafka_bootstrap, redis_url=shared.redis_url)
+             if shared is not None else Infra.start(run_dir / "infra", config.kafka_brokers, config.redis_failover))
     stack = Stack(run_dir)
     credentials = Credentials.new(run_dir.name)
     port = _port_allocator(config.base_port)
@@ -198,7 +241,7 @@ def start(config: StackConfig) -> LocalStack:
         urls[f"collector-{i}"] = f"http://127.0.0.1:{p}"
     local = LocalStack(config, infra, stack, urls, credentials)
     try:
-        bus.ensure_topology(KafkaSettings(bootstrap_servers=infra.kafka_bootstrap), Topics(), config.partitions)
+        bus.ensure_topology(KafkaSettings(bootstrap_servers=infra.kafka_bootstrap), config.topics, config.partitions)
         common = {
             "REIN_KAFKA__BOOTSTRAP_SERVERS": infra.kafka_bootstrap,
             "REIN_REDIS__URL": infra.redis_url,

@@ -263,10 +263,11 @@ SMOKE: dict[str, Smoke] = {
         _time_to_reward, fixtures=("ttr_sync_run",), marks=(pytest.mark.integration, pytest.mark.slow), timeout_s=280,
     ),
     "scale_out": Smoke(
-        lambda out, _: ["--groups", "10", "--collectors", "1", "2", "--seconds", "3", "--concurrency", "2",
-                        "--trainer-samples", "3", "--trainer-rounds", "1", "--out", str(out),
-                        "--trainer-args", "--min-len", "16", "--max-len", "24"],
-        _scale_out, timeout_s=420,
+        lambda out, fx: ["--bootstrap", fx["kafka_bootstrap"], "--redis-url", fx["redis_db_url"], "--groups", "10",
+                         "--collectors", "1", "2", "--seconds", "3", "--concurrency", "2", "--trainer-samples", "3",
+                         "--trainer-rounds", "1", "--out", str(out), "--trainer-args", "--min-len", "16", "--max-len",
+                         "24"],
+        _scale_out, fixtures=("kafka_bootstrap", "redis_db_url"), marks=(pytest.mark.integration,), timeout_s=420,
     ),
     "tool_call_share": Smoke(
         lambda out, fx: ["--model", fx["tiny_llama_dir"], "--prompts", "2", "--samples", "2", "--temperatures", "1",
@@ -284,7 +285,7 @@ SMOKE: dict[str, Smoke] = {
     ),
 }
 """Script name (``bench/<name>.py``) -> its smoke run. ``pipeline``, ``hot_path`` and ``time_to_reward`` start
-their own Kafka and Redis (the demo's stack); the others take the session's."""
+their own Kafka and Redis (the demo's stack); the others that need them take the session's."""
 
 RUN_BY_ANOTHER = {"trainer_ranks": "scale_out"}
 """Scripts whose smoke run is another's: ``scale_out`` runs ``bench/trainer_ranks.py`` (``--tiny-llama --samples 3

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 
-from ops.local.stack import LocalStack, StackConfig, start
+from ops.local.stack import LocalStack, SharedInfra, StackConfig, start
 from ops.report import optimizer_steps, rows_so_far
 from shared.bus import read_topic
 from shared.checkpoint import load as load_checkpoint
-from shared.names import Topics
 from shared.schemas import BatchManifest, Chunk, CompletedGroup, WeightApplied, WeightPublished
 from shared.settings import KafkaSettings
 from shared.versions import real_version
@@ -45,10 +45,11 @@ def _last_trainable_version(mask: list[int], versions: list[str | None]) -> str 
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+def run(tmp_path_factory: pytest.TempPathFactory, stack_infra: Callable[[str], SharedInfra]) -> dict[str, object]:
     config = small_stack(
         tmp_path_factory.mktemp("closed-loop"),
         collectors=COLLECTORS,
+        shared_infra=stack_infra("closed-loop"),
         services={
             # Unpaced: the engine keeps generating while the trainer steps, so updates land on
             # generations in flight and the token mask is exercised. Paced, the runner starts a batch's
@@ -73,7 +74,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         trainer.start()
         engine_info = wait_bounded_run(local, STEPS, 420, 60, 120)
         kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
-        topics = Topics()
+        topics = local.config.topics
         data = {
             "config": config,
             "engine_info": engine_info,

@@ -9,14 +9,14 @@ no ``REIN_ENGINE_URLS`` (``REIN_DISCOVER_ENGINES``) and neither has the broadcas
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-from ops.local.stack import LocalStack, start
+from ops.local.stack import LocalStack, SharedInfra, start
 from shared.membership import Members
-from shared.names import RedisKeys
 from shared.schemas import SessionFinished, SessionRejected, WeightApplied
 from shared.state import client_for
 from tests.support.fault_runs import PROGRESS_TIMEOUT_S, assert_nothing_lost_or_trained_twice, read_chunks
@@ -38,12 +38,12 @@ def _generating(local: LocalStack, name: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    config = small_stack(tmp_path_factory.mktemp("engines"), engines=2, services={
+def run(tmp_path_factory: pytest.TempPathFactory, stack_infra: Callable[[str], SharedInfra]) -> dict[str, Any]:
+    config = small_stack(tmp_path_factory.mktemp("engines"), engines=2, shared_infra=stack_infra("engines"), services={
         "engine": {"heartbeat_s": 0.5, "registration_ttl_s": 3}, "proxy": {"engine_health_interval_s": 0.5}})
     local = start(config)
     redis = client_for(local.infra.redis_settings())
-    members = Members(redis, RedisKeys(), "engine")
+    members = Members(redis, local.config.redis_keys, "engine")
     data: dict[str, Any] = {"urls": dict(local.urls)}
     try:
         data["registered"] = members.live(forget=False)

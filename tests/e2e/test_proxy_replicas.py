@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import signal
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-from ops.local.stack import LocalStack, start
+from ops.local.stack import LocalStack, SharedInfra, start
 from shared.errors import SESSION_LOST
 from shared.membership import Members
-from shared.names import RedisKeys
 from shared.schemas import SessionFinished, SessionRejected
 from shared.state import client_for
 from tests.support.fault_runs import (
@@ -42,15 +42,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(120
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    config = small_stack(tmp_path_factory.mktemp("replicas"), proxies=2,
+def run(tmp_path_factory: pytest.TempPathFactory, stack_infra: Callable[[str], SharedInfra]) -> dict[str, Any]:
+    config = small_stack(tmp_path_factory.mktemp("replicas"), proxies=2, shared_infra=stack_infra("replicas"),
                          services={"proxy": {"heartbeat_s": 0.5, "registration_ttl_s": 3},
                                    # each agent step waits as a tool would: sessions spend most of their time
                                    # between calls, where a dead proxy's sessions are continued by the other
                                    "rollout": {"env_time_median_s": 0.2}})
     local = start(config)
     redis = client_for(local.infra.redis_settings())
-    proxies = Members(redis, RedisKeys(), "proxy")
+    proxies = Members(redis, local.config.redis_keys, "proxy")
     data: dict[str, Any] = {}
     try:
         data["registered"] = proxies.live(forget=False)
@@ -97,10 +97,10 @@ def _frozen_holding_sessions(local: LocalStack, redis: Any, name: str) -> dict[s
     held: dict[str, str] = {}
 
     def frozen_holding() -> bool:
-        if list(_sessions_of(redis, local.urls[name]).values()).count("between") < 3:
+        if list(_sessions_of(local, redis, local.urls[name]).values()).count("between") < 3:
             return False
         proc.send_signal(signal.SIGSTOP)
-        held.update(_sessions_of(redis, local.urls[name]))
+        held.update(_sessions_of(local, redis, local.urls[name]))
         if "between" in held.values():
             return True
         held.clear()
@@ -126,11 +126,11 @@ def _metric(local: LocalStack, name: str, series: str) -> dict[str, float]:
             for line in text.splitlines() if line.startswith(series)}
 
 
-def _sessions_of(redis: Any, url: str) -> dict[str, str]:
+def _sessions_of(local: LocalStack, redis: Any, url: str) -> dict[str, str]:
     """The sessions the proxy at ``url`` holds (its handoff hashes, all read in one round trip: the read is
     short while the proxy is frozen): ``between`` calls (every chunk in its snapshot; or already taken over
     from it) or ``in_call``."""
-    keys = list(redis.scan_iter(match=f"{RedisKeys().session('')}*", count=10_000))
+    keys = list(redis.scan_iter(match=f"{local.config.redis_keys.session('')}*", count=10_000))
     pipe = redis.pipeline(transaction=False)
     for key in keys:
         pipe.hmget(key, "taken_from", "owner", "end", "calls", "saved")

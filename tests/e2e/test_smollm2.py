@@ -15,17 +15,17 @@ sampled tokens is close to the engine's (``train_rollout_logprob_abs_diff``, pri
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from ops.local.stack import StackConfig, start
+from ops.local.stack import SharedInfra, StackConfig, start
 from ops.report import optimizer_steps, rows_so_far
 from shared.bus import read_topic
 from shared.model import load_family
-from shared.names import Topics
 from shared.schemas import BatchManifest, Chunk, CompletedGroup, WeightApplied
 from shared.settings import KafkaSettings
 from shared.versions import real_version
@@ -41,9 +41,11 @@ Measured: ~3.5e-6 per step; a shifted token, a wrong temperature or a stale weig
 
 
 @pytest.fixture(scope="module")
-def run(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def run(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+        stack_infra: Callable[[str], SharedInfra]) -> dict[str, Any]:
     config = StackConfig(
         run_dir=tmp_path_factory.mktemp("smollm2"),
+        shared_infra=stack_infra("smollm2"),
         collectors=1,
         batch_groups=1,
         mode="sync",
@@ -60,7 +62,7 @@ def run(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     try:
         engine_info = wait_bounded_run(local, STEPS, 600, 120, 180)
         kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
-        topics = Topics()
+        topics = local.config.topics
         data: dict[str, Any] = {
             "config": config,
             "engine_info": engine_info,

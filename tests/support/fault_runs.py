@@ -13,7 +13,6 @@ import httpx
 
 from ops.local.stack import LocalStack
 from shared.bus import read_topic
-from shared.names import Topics
 from shared.schemas import Chunk, WeightPublished
 from shared.settings import KafkaSettings
 from tests.support.readback import assert_every_manifest_trained_once, assert_groups_accounted_for, trained_index
@@ -41,7 +40,7 @@ def proxy_state(local: LocalStack, name: str) -> dict[str, Any]:
 def read_chunks(local: LocalStack) -> list[Chunk]:
     """Every chunk the run published: which engine served each call, in order within a session."""
     kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
-    return [r for r in read_topic(kafka, Topics().chunks, 60) if isinstance(r, Chunk)]
+    return [r for r in read_topic(kafka, local.config.topics.chunks, 60) if isinstance(r, Chunk)]
 
 
 def assert_nothing_lost_or_trained_twice(run: dict[str, Any]) -> None:

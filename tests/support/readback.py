@@ -18,10 +18,8 @@ import httpx
 from ops.local.stack import LocalStack, StackConfig
 from ops.report import optimizer_steps, rows_so_far
 from ops.status_parts import kafka_part
-from services.collector.settings import CollectorSettings
 from shared.bus import read_topic
 from shared.membership import Members
-from shared.names import RedisKeys, Topics
 from shared.schemas import BatchManifest, DecisionRecord
 from shared.settings import KafkaSettings
 from shared.state import client_for
@@ -103,17 +101,17 @@ def batches_made(local: LocalStack) -> int:
     """Manifests the collectors have made so far (the shared window's counter): the next one is made later."""
     client = client_for(local.infra.redis_settings())
     try:
-        return int(client.hget(RedisKeys().window, "batches") or 0)
+        return int(client.hget(local.config.redis_keys.window, "batches") or 0)
     finally:
         client.close()
 
 
-def collectors_caught_up(kafka: KafkaSettings) -> bool:
+def collectors_caught_up(local: LocalStack, kafka: KafkaSettings) -> bool:
     """The collectors' consumer group has committed past every record on its topics: every group the
     runner ended is folded, written to ``rollout.groups``, decided by a window step and its outbox entries
     published (a collector commits a record only after all of that)."""
-    group = CollectorSettings().consumer_group
-    report = kafka_part(kafka, Topics(), {group: ["chunks", "events"]}, 10)
+    group = local.config.setting("collector", "consumer_group")
+    report = kafka_part(kafka, local.config.topics, {group: ["chunks", "events"]}, 10)
     return bool(report["groups"][group].get("lag") == 0)
 
 
@@ -129,28 +127,28 @@ def stop_and_read(local: LocalStack, allow_dead: tuple[str, ...] = ()) -> dict[s
     assert trainer.proc is not None and trainer.proc.returncode == 0, "the trainer did not stop cleanly"
     kafka = KafkaSettings(bootstrap_servers=local.infra.kafka_bootstrap)
     # Without this, a group the runner ended as it stopped can be on rollout.groups before its window step.
-    wait_on_stack("the collectors to take every record", lambda: collectors_caught_up(kafka), 120, local,
+    wait_on_stack("the collectors to take every record", lambda: collectors_caught_up(local, kafka), 120, local,
                   allow_dead=("rollout", "trainer", *allow_dead))
-    keys = RedisKeys()
+    keys, topics = local.config.redis_keys, local.config.topics
     client = client_for(local.infra.redis_settings())  # the current primary, after a failover too
     try:
         def outbox_empty() -> bool:
             return client.llen(keys.outbox) == 0
 
         wait_on_stack("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer", *allow_dead))
-        decisions = read_topic(kafka, Topics().decisions, 60)
+        decisions = read_topic(kafka, topics.decisions, 60)
         pending = set(client.lrange(keys.pending_order, 0, -1))
         wait_on_stack("outbox drained", outbox_empty, 60, local, allow_dead=("rollout", "trainer", *allow_dead))
-        batches = read_topic(kafka, Topics().batches, 60)
+        batches = read_topic(kafka, topics.batches, 60)
         registry = client.zrange(keys.registry_order, 0, -1, withscores=True)
     finally:
         client.close()
     return {
         "rows": rows_so_far(local.trainer_metrics),
-        "events": read_topic(kafka, Topics().events, 60),
+        "events": read_topic(kafka, topics.events, 60),
         "batches": batches,
         "decisions": decisions,
-        "weights": read_topic(kafka, Topics().weights, 60),
+        "weights": read_topic(kafka, topics.weights, 60),
         "pending": pending,
         "registry": registry,
     }

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from ops.local.stack import SERVICES, STACK_WIDE, StackConfig, settings_class
-from shared.settings import SettingsError
+from ops.local.credentials import Credentials
+from ops.local.stack import CONSUMER_GROUPS, SERVICES, STACK_WIDE, SharedInfra, StackConfig, settings_class
+from shared.names import Topics
+from shared.settings import SettingsError, load
 
 
 def test_a_knob_left_out_keeps_the_services_default_and_one_given_reaches_only_its_service(tmp_path: Path) -> None:
@@ -52,3 +54,30 @@ def test_a_typo_a_bad_value_or_a_shared_value_set_per_service_is_refused_at_once
         StackConfig(run_dir=tmp_path, services={"trainer": {"lr": -1.0}})
     with pytest.raises(ValueError, match=r"services\['rollout'\]\['groups_per_step'\]: set StackConfig.batch_groups"):
         StackConfig(run_dir=tmp_path, services={"rollout": {"groups_per_step": 2}})
+
+
+
+def test_a_stack_on_shared_infrastructure_names_everything_under_its_namespace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = SharedInfra("127.0.0.1:1", "redis://127.0.0.1:2/0", namespace="s.x")
+    config = StackConfig(run_dir=tmp_path, shared_infra=shared)
+    assert config.topics.all() == [f"s.x.{t}" for t in Topics().all()]
+    assert config.redis_keys.window == "{s.x}:window"
+    groups = {"collector": "s.x.rein-collector", "trainer": "s.x.rein-trainer",
+              "broadcaster": "s.x.rein-weight-broadcaster", "rollout": "s.x.rein-rollout"}
+    credentials = Credentials.new("x")  # what the stack adds to the settings: the services' secrets
+    secrets = {"proxy": credentials.proxy_env(), "broadcaster": credentials.broadcaster_env(),
+               "rollout": credentials.runner_env()}
+    for service in SERVICES:  # what each service makes of its environment
+        with monkeypatch.context() as env:
+            for name, value in {**secrets.get(service, {}), **config.env_of(service)}.items():
+                env.setenv(name, value)
+            settings = load(settings_class(service))
+        assert settings.topics == config.topics and settings.redis.key_prefix == "s.x", service
+        if service in groups:
+            assert config.setting(service, CONSUMER_GROUPS[service]) == groups[service]
+            assert getattr(settings, CONSUMER_GROUPS[service]) == groups[service]
+    assert StackConfig(run_dir=tmp_path).topics == Topics(), "a stack of its own keeps the default names"
+    with pytest.raises(ValueError, match="one of each"):
+        StackConfig(run_dir=tmp_path, shared_infra=shared, kafka_brokers=3)
