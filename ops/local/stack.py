@@ -260,43 +260,20 @@ def start(config: StackConfig) -> LocalStack:
         def port_of(name: str) -> str:
             return urls[name].rsplit(":", 1)[1]
 
-        stack.add(
-            Service(
-                "trainer",
-                "services.trainer",
-                env(
-                    "trainer",
-                    {
-                        "REIN_WEIGHTS_DIR": str(weights),
-                        "REIN_RUN_DIR": str(run_dir / "trainer"),
-                        "REIN_METRICS_PORT": port_of("trainer"),
-                    },
-                ),
-                f"{urls['trainer']}/health",
-                logs / "trainer.log",
-            ),
-            timeout_s=config.startup_timeout_s,
-        )
+        def add(name: str, service: str, values: dict[str, str], timeout_s: float = 90) -> None:
+            """Start ``name``, one of the stack's ``service`` processes, and wait for its ``/health``."""
+            module = SERVICES[service].partition(".settings")[0]
+            stack.add(Service(name, module, env(service, values), f"{urls[name]}/health", logs / f"{name}.log"),
+                      timeout_s=timeout_s)
+
+        add("trainer", "trainer", {"REIN_WEIGHTS_DIR": str(weights), "REIN_RUN_DIR": str(run_dir / "trainer"),
+                                   "REIN_METRICS_PORT": port_of("trainer")}, config.startup_timeout_s)
         v0 = _first_checkpoint(weights, stack, timeout_s=config.startup_timeout_s)
         for name in engines:
-            stack.add(
-                Service(
-                    name,
-                    "services.engine",
-                    env(
-                        "engine",
-                        {
-                            "REIN_PORT": port_of(name),
-                            "REIN_WEIGHTS_DIR": str(weights),
-                            "REIN_MODEL_PATH": str(v0),
-                            **({"REIN_ADVERTISE_URL": urls[name]} if config.engines > 1 else {}),
-                        },
-                    ),
-                    f"{urls[name]}/health",
-                    logs / f"{name}.log",
-                ),
-                timeout_s=config.startup_timeout_s,
-            )
+            add(name, "engine", {"REIN_PORT": port_of(name), "REIN_WEIGHTS_DIR": str(weights),
+                                 "REIN_MODEL_PATH": str(v0),
+                                 **({"REIN_ADVERTISE_URL": urls[name]} if config.engines > 1 else {})},
+                config.startup_timeout_s)
         # Replicas register themselves: the proxies and the broadcaster find them in Redis.
         engine_urls = json.dumps([urls["engine"]] if config.engines == 1 else [])
         proxy_env = {
@@ -305,72 +282,27 @@ def start(config: StackConfig) -> LocalStack:
             **credentials.proxy_env(),
         }
         if config.proxies == 1:
-            stack.add(
-                Service("proxy", "services.proxy", env("proxy", {**proxy_env, "REIN_PORT": port_of("proxy")}),
-                        f"{urls['proxy']}/health", logs / "proxy.log"),
-                timeout_s=config.startup_timeout_s,
-            )
+            add("proxy", "proxy", {**proxy_env, "REIN_PORT": port_of("proxy")}, config.startup_timeout_s)
         else:
             replicas = [f"proxy-{i}" for i in range(config.proxies)]
             for name in replicas:
-                values = {**proxy_env, "REIN_PORT": port_of(name), "REIN_ADVERTISE_URL": urls[name]}
-                stack.add(Service(name, "services.proxy", env("proxy", values), f"{urls[name]}/health",
-                                  logs / f"{name}.log"), timeout_s=config.startup_timeout_s)
+                add(name, "proxy", {**proxy_env, "REIN_PORT": port_of(name), "REIN_ADVERTISE_URL": urls[name]},
+                    config.startup_timeout_s)
             deploy_script("haproxy.sh", "install", timeout_s=900)
             balancer = deploy_script("haproxy.sh", "start", str(run_dir / "haproxy"),
                                      *(urls[n].removeprefix("http://") for n in replicas))
             urls["proxy"] = balancer["url"]
-        stack.add(
-            Service(
-                "broadcaster",
-                "services.weight_broadcaster",
-                env(
-                    "broadcaster",
-                    {
-                        # Replicas register themselves: the broadcaster finds them in Redis.
-                        "REIN_PROXY_URLS": json.dumps([urls["proxy"]] if config.proxies == 1 else []),
-                        "REIN_ENGINE_URLS": engine_urls,
-                        **credentials.broadcaster_env(),
-                        "REIN_METRICS_PORT": port_of("broadcaster"),
-                    },
-                ),
-                f"{urls['broadcaster']}/health",
-                logs / "broadcaster.log",
-            )
-        )
+        add("broadcaster", "broadcaster", {
+            # Replicas register themselves: the broadcaster finds them in Redis.
+            "REIN_PROXY_URLS": json.dumps([urls["proxy"]] if config.proxies == 1 else []),
+            "REIN_ENGINE_URLS": engine_urls, **credentials.broadcaster_env(),
+            "REIN_METRICS_PORT": port_of("broadcaster"),
+        })
         for i in range(config.collectors):
-            name = f"collector-{i}"
-            stack.add(
-                Service(
-                    name,
-                    "services.collector",
-                    env(
-                        "collector",
-                        {
-                            "REIN_REPLICA_ID": name,
-                            "REIN_METRICS_PORT": port_of(name),
-                        },
-                    ),
-                    f"{urls[name]}/health",
-                    logs / f"{name}.log",
-                )
-            )
-        stack.add(
-            Service(
-                "rollout",
-                "services.rollout",
-                env(
-                    "rollout",
-                    {
-                        "REIN_PROXY_URL": urls["proxy"],
-                        **credentials.runner_env(),
-                        "REIN_METRICS_PORT": port_of("rollout"),
-                    },
-                ),
-                f"{urls['rollout']}/health",
-                logs / "rollout.log",
-            )
-        )
+            add(f"collector-{i}", "collector", {"REIN_REPLICA_ID": f"collector-{i}",
+                                                 "REIN_METRICS_PORT": port_of(f"collector-{i}")})
+        add("rollout", "rollout", {"REIN_PROXY_URL": urls["proxy"], **credentials.runner_env(),
+                                   "REIN_METRICS_PORT": port_of("rollout")})
         (run_dir / "stack.json").write_text(
             json.dumps(
                 {"config": asdict(config), "urls": urls, "infra": asdict(infra),
