@@ -71,6 +71,8 @@ class RunDir:
     admin_token: str
     redis_sentinels: tuple[str, ...] = ()
     """Set when the run's Redis fails over: the primary is whoever they name."""
+    namespace: str = ""
+    """Set when the stack ran on a shared Kafka and Redis: its topics, consumer groups and Redis keys are under it."""
 
     @property
     def proxies(self) -> list[str]:
@@ -96,6 +98,7 @@ def read_run_dir(path: Path) -> RunDir:
         urls={str(k): str(v) for k, v in (obj.get("urls") or {}).items()},
         admin_token=str(obj.get("admin_token") or ""),
         redis_sentinels=tuple(str(s) for s in infra.get("redis_sentinels") or ()),
+        namespace=str(((obj.get("config") or {}).get("shared_infra") or {}).get("namespace") or ""),
     )
 
 

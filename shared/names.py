@@ -32,6 +32,15 @@ class Topics(BaseModel):
     def all(self) -> list[str]:
         return [self.chunks, self.events, self.groups, self.batches, self.weights, self.decisions, self.retries]
 
+    def under(self, namespace: str) -> Topics:
+        """These names under ``namespace``: a stack's own on a broker it shares (``ops.local.stack.SharedInfra``)."""
+        return Topics(**{name: namespaced(topic, namespace) for name, topic in self.model_dump().items()})
+
+
+def namespaced(name: str, namespace: str) -> str:
+    """A topic or consumer group ``name`` under ``namespace`` (``""``: the name itself)."""
+    return f"{namespace}.{name}" if namespace else name
+
 
 class RedisKeys:
     """Redis key layout. ``prefix`` namespaces one deployment (tests use a fresh one each).

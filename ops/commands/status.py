@@ -19,6 +19,7 @@ from ops.status import (
     redis_target,
 )
 from ops.status_render import render
+from shared.names import namespaced
 from shared.settings import SettingsError, load
 
 EPILOG = """\
@@ -75,7 +76,8 @@ def targets_from_args(args: argparse.Namespace, settings: StatusSettings) -> Tar
     bootstrap = args.kafka or (run_dir.kafka_bootstrap if run_dir else None)
     if bootstrap:
         kafka = kafka.model_copy(update={"bootstrap_servers": bootstrap})
-    redis = redis_target(settings.redis, run_dir, args.redis, args.key_prefix)
+    namespace = run_dir.namespace if run_dir else ""
+    redis = redis_target(settings.redis, run_dir, args.redis, args.key_prefix or namespace or None)
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be positive, got {args.timeout}")
     kafka = kafka.model_copy(update={"request_timeout_ms": int(args.timeout * 1000)})
@@ -83,16 +85,16 @@ def targets_from_args(args: argparse.Namespace, settings: StatusSettings) -> Tar
     proxies = args.proxy or (run_dir.proxies if run_dir else None) or list(settings.proxy_urls)
     engines = args.engine or (run_dir.engines if run_dir else None) or list(settings.engine_urls)
     token = args.admin_token or (run_dir.admin_token if run_dir else "") or settings.admin_token
-    groups = dict(DEFAULT_GROUPS)
+    groups = {namespaced(g, namespace): topics for g, topics in DEFAULT_GROUPS.items()}
     if args.group:
-        groups = {g: DEFAULT_GROUPS.get(g, ()) for g in args.group}
+        groups = {g: groups.get(g, ()) for g in args.group}
     services = {}
     if run_dir is not None:
         services = {name: url for name, url in run_dir.urls.items() if name not in ("proxy", "engine")}
     return Targets(
         kafka=kafka,
         redis=redis,
-        topics=settings.topics,
+        topics=settings.topics.under(namespace),
         groups=groups,
         proxies=proxies,
         engines=engines,

@@ -22,7 +22,7 @@ from ops.local.credentials import Credentials
 from ops.local.launcher import Infra, LaunchError, Service, Stack, deploy_script
 from ops.local.ports import free_port
 from shared import bus
-from shared.names import RedisKeys, Topics
+from shared.names import RedisKeys, Topics, namespaced
 from shared.settings import KafkaSettings, ServiceSettings, settings_env
 from shared.staleness import WindowSettings
 
@@ -79,14 +79,15 @@ CONSUMER_GROUPS: dict[str, str] = {
 class SharedInfra:
     """A running Kafka and Redis the stack uses instead of starting its own (a test session's): every topic,
     consumer group and Redis key of the stack starts with ``namespace``, so stacks that share them stay apart.
-    The stack neither stops them nor can fault them (``Infra.restart`` needs a stack's own)."""
+    The stack neither stops them nor can fault them (``Infra.restart`` needs a stack's own); ``rein status
+    --run-dir`` reads the namespace from ``stack.json``."""
 
     kafka_bootstrap: str
     redis_url: str
     namespace: str
 
     def topics(self) -> Topics:
-        return Topics(**{name: f"{self.namespace}.{topic}" for name, topic in Topics().model_dump().items()})
+        return Topics().under(self.namespace)
 
 
 @dataclass
@@ -178,7 +179,7 @@ class StackConfig:
             shared |= {"topics": self.shared_infra.topics().model_dump(), "redis": {"key_prefix": namespace}}
             if (group := CONSUMER_GROUPS.get(service)) is not None:
                 default = settings_class(service).model_fields[group].default
-                shared[group] = f"{namespace}.{default}"
+                shared[group] = namespaced(default, namespace)
         return TUNING.get(service, {}), shared, self.services.get(service, {})
 
     @property

@@ -228,6 +228,22 @@ def test_run_dir_fills_in_what_flags_do_not_give(tmp_path: Path) -> None:
     assert set(targets.groups) == {"rein-collector", "rein-trainer", "rein-weight-broadcaster", "rein-rollout"}
 
 
+def test_a_stack_on_shared_infrastructure_is_read_under_its_namespace(tmp_path: Path) -> None:
+    """``StackConfig.shared_infra``: the run directory names the namespace of its topics, groups and keys."""
+    (tmp_path / "stack.json").write_text(json.dumps({
+        "config": {"shared_infra": {"kafka_bootstrap": "k:9", "redis_url": "redis://r:6/0", "namespace": "s.x"}},
+        "urls": {}, "infra": {"kafka_bootstrap": "k:9", "redis_url": "redis://r:6/0"}, "admin_token": "tok",
+    }))
+    args = build_parser().parse_args(["status", "--run-dir", str(tmp_path)])
+    targets = targets_from_args(args, StatusSettings())
+    assert targets.topics.chunks == "s.x.rollout.chunks" and targets.topics.weights == "s.x.weights"
+    assert targets.groups["s.x.rein-collector"] == ("chunks", "events") and len(targets.groups) == 4
+    assert targets.redis is not None and targets.redis.key_prefix == "s.x"
+    told = targets_from_args(build_parser().parse_args(["status", "--run-dir", str(tmp_path), "--key-prefix", "p"]),
+                             StatusSettings())
+    assert told.redis is not None and told.redis.key_prefix == "p", "a flag over the run directory"
+
+
 def test_help_and_missing_run_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from ops.cli import main
 
