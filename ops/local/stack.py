@@ -2,8 +2,8 @@
 
 One place composes every service's environment from one :class:`StackConfig`, so
 the demo, ``rein up`` and the end-to-end test run the same system. Start order:
-Kafka + Redis -> topics -> trainer (writes and publishes ``v0``) -> engine (loads
-``v0``) -> proxy -> broadcaster -> collectors -> rollout runner.
+Kafka + Redis (unless ``StackConfig.shared_infra`` names running ones) -> topics -> trainer
+(writes and publishes ``v0``) -> engine (loads ``v0``) -> proxy -> broadcaster -> collectors -> rollout runner.
 """
 
 from __future__ import annotations
@@ -85,9 +85,6 @@ class SharedInfra:
     kafka_bootstrap: str
     redis_url: str
     namespace: str
-
-    def topics(self) -> Topics:
-        return Topics().under(self.namespace)
 
 
 @dataclass
@@ -176,7 +173,7 @@ class StackConfig:
             shared["no_signal_groups"] = "keep"
         if self.shared_infra is not None:
             namespace = self.shared_infra.namespace
-            shared |= {"topics": self.shared_infra.topics().model_dump(), "redis": {"key_prefix": namespace}}
+            shared |= {"topics": self.topics.model_dump(), "redis": {"key_prefix": namespace}}
             if (group := CONSUMER_GROUPS.get(service)) is not None:
                 default = settings_class(service).model_fields[group].default
                 shared[group] = namespaced(default, namespace)
@@ -185,7 +182,7 @@ class StackConfig:
     @property
     def topics(self) -> Topics:
         """The topic names the stack's services use."""
-        return Topics() if self.shared_infra is None else self.shared_infra.topics()
+        return Topics().under(self.shared_infra.namespace if self.shared_infra else "")
 
     @property
     def redis_keys(self) -> RedisKeys:
