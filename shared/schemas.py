@@ -7,6 +7,7 @@ producer carries real labels or None and the rules downstream take them as they 
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from typing import Any, ClassVar, Literal
@@ -22,7 +23,9 @@ def _now() -> float:
 
 _ID_BITS = random.Random()
 """This process's own generator, seeded from ``os.urandom``: ids must be unique, not secret, and a
-``getrandom`` syscall per id (``uuid4``) showed in the proxy's profile (two ids per chat call)."""
+``getrandom`` syscall per id (``uuid4``) showed in the proxy's profile (two ids per chat call). Seeded again
+in a forked child (a warm start, ``ops/local/warm.py``), which would otherwise repeat its parent's ids."""
+os.register_at_fork(after_in_child=_ID_BITS.seed)
 
 
 def new_id(prefix: str) -> str:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import msgpack
@@ -140,6 +141,20 @@ def test_ids_are_never_prefixes_of_each_other() -> None:
     ids = [schemas.new_id(prefix) for prefix in ("rid", "rid-1", "r") for _ in range(100)]
     assert len(set(ids)) == len(ids)
     assert not any(a != b and b.startswith(a) for a in ids for b in ids)
+
+
+def test_a_forked_child_draws_ids_of_its_own() -> None:
+    """Services forked from one warm server (ops/local/warm.py) must not repeat each other's group ids."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its first id to the parent, then out without pytest's exit handlers
+        os.write(write, schemas.new_id("g").encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 100).decode()
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert child.startswith("g-") and child != schemas.new_id("g")
 
 
 def test_chunk_carries_per_token_versions_across_the_wire() -> None:
