@@ -42,10 +42,11 @@ test: venv infra
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy --cache-dir "$(MYPY_CACHE)" shared services ops bench
-	@# Only shared/settings.py reads the environment (tests and bench are exempt, as in ruff's TID251 config, and
-	@# ops/local/ports.py, a standard-library script the deploy scripts run before any venv exists).
+	@# Only shared/settings.py reads the environment (tests and bench are exempt, as in ruff's TID251 config,
+	@# ops/local/ports.py, a standard-library script the deploy scripts run before any venv exists, and
+	@# ops/local/warm.py, whose forked children take a service's environment in place of the server's).
 	@if git ls-files -co --exclude-standard -- '*.py' \
-	    | grep -vE '^(shared/settings\.py|ops/local/ports\.py|tests/|bench/)' \
+	    | grep -vE '^(shared/settings\.py|ops/local/(ports|warm)\.py|tests/|bench/)' \
 	    | xargs -r grep -nE 'os\.(environ|getenv)|from os import .*\b(environ|getenv)\b'; then \
 	    echo "lint: read the environment only in shared/settings.py" >&2; exit 1; \
 	fi

@@ -177,8 +177,8 @@ def rein_cache() -> Path:
 
 S = TypeVar("S", bound=BaseSettings)
 
-NOT_SETTINGS = frozenset({"REIN_CACHE", "REIN_EXTRAS", "REIN_PORT_BLOCK"})
-"""``REIN_*`` variables read by the deploy scripts, not by any service."""
+NOT_SETTINGS = frozenset({"REIN_CACHE", "REIN_EXTRAS", "REIN_PORT_BLOCK", "REIN_WARM_START"})
+"""``REIN_*`` variables read by the deploy scripts or the launcher (``ops/local``), not by any service."""
 
 
 def unknown_variables(cls: type[BaseSettings], environ: Mapping[str, str]) -> list[str]:

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import hypothesis
 import pytest
 
+from ops.local import warm
 from tests.support.infra import KAFKA, NEEDS, REDIS, InfraError, RunInfra
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ storage format, 0.4-0.5 CPU-s instead of 0.7-1.0. Set ``KAFKA_JVM_OPTS`` to over
 def pytest_configure(config: pytest.Config) -> None:
     global _REDIS_DBS
     os.environ.setdefault("KAFKA_JVM_OPTS", TEST_KAFKA_JVM_OPTS)
+    os.environ.setdefault(warm.ENV_FLAG, "1")  # services forked from a warm server (ops/local/warm.py)
     worker = _worker(config)
     if worker is not None:  # one broker and Redis for the run; ports and Redis DBs of its own
         from ops.local import ports

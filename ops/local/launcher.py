@@ -21,14 +21,30 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
+from ops.local import warm
 from shared import log
 from shared.settings import RedisSettings, child_env, with_env
 
 _log = log.get(__name__)
 REPO = Path(__file__).resolve().parents[2]
+
+
+class Child(Protocol):
+    """A started service: a :class:`subprocess.Popen`, or a :class:`ops.local.warm.Child` forked by a warm server."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
 
 
 class LaunchError(RuntimeError):
@@ -145,15 +161,24 @@ class Service:
     new_session: bool = True
     """Own session: Ctrl-C in the terminal reaches only the parent, which stops children in order.
     Test services share pytest's process group, so a signal to the whole run reaches them too."""
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Child | None = None
 
     def start(self) -> None:
+        """``python -m module``: exec'd, or forked from this process's warm server with ``REIN_WARM_START=1``."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = child_env({"PYTHONUNBUFFERED": "1", **self.env})
+        if warm.enabled():
+            try:
+                server = warm.server(REPO, child_env({"PYTHONUNBUFFERED": "1"}), self.log_path.parent)
+                self.proc = server.spawn(warm.Spec(self.module, env, str(REPO), str(self.log_path), self.new_session))
+            except RuntimeError as exc:
+                raise LaunchError(f"{self.name}: {exc}") from exc
+            return
         with self.log_path.open("ab") as handle:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", self.module],
                 cwd=REPO,
-                env=child_env({"PYTHONUNBUFFERED": "1", **self.env}),
+                env=env,
                 stdout=handle,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -161,7 +186,7 @@ class Service:
             )
 
     @property
-    def popen(self) -> subprocess.Popen[bytes]:
+    def process(self) -> Child:
         """The started process (an error before :meth:`start`)."""
         if self.proc is None:
             raise LaunchError(f"{self.name} was never started")
@@ -169,7 +194,7 @@ class Service:
 
     @property
     def pid(self) -> int:
-        return self.popen.pid
+        return self.process.pid
 
     def tail(self, lines: int = 60) -> str:
         return _tail(self.log_path, lines)

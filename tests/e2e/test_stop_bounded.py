@@ -37,7 +37,7 @@ def test_every_service_stops_within_the_bound(dead: str, tmp_path: Path) -> None
         for name in ("kafka", "redis") if dead == "both" else (dead,):
             deploy_script(f"{name}.sh", "kill", str(local.infra.data_dir / name))
         time.sleep(RUN_INTO_IT_S)  # what is measured is a stop while waits on the dead part are under way
-        running = {s.name: s.popen for s in local.stack.services if s.alive()}
+        running = {s.name: s.process for s in local.stack.services if s.alive()}
         assert set(running) == {"trainer", "engine", "proxy", "broadcaster", "collector-0", "rollout"}, (
             f"a service died of the {dead} kill itself: {sorted(running)}")
         started = time.monotonic()

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from ops.local import warm
+
 _TICK = os.sysconf("SC_CLK_TCK")
 _KINDS = (  # (pattern in the command line, kind), the first match wins
     (r"kafka\.Kafka", "kafka broker"), (r"StorageTool", "kafka storage format"), (r"-m (services\.\w+)", r"\1"),
@@ -32,10 +34,16 @@ _KINDS = (  # (pattern in the command line, kind), the first match wins
 )
 
 
-def kind_of(cmdline: str) -> str:
-    """The kind of a process from its command line; ``?`` for an empty one (a kernel thread, an exec under way)."""
+def kind_of(cmdline: str, comm: str = "") -> str:
+    """The kind of a process from its command line; ``?`` for an empty one (a kernel thread, an exec under way).
+    A service forked by a warm server (``ops/local/warm.py``) has the server's command line and its own name
+    (``comm``, 15 characters at most)."""
     if not cmdline:
         return "?"
+    if re.search(r"-m ops\.local\.warm\b", cmdline):
+        if comm in ("", "python", "python3"):
+            return "warm server"
+        return next((f"services.{name}" for name in warm.SERVICES if name[:15] == comm), f"warm child: {comm}")
     for pattern, kind in _KINDS:
         if m := re.search(pattern, cmdline):
             return m.expand(kind)
@@ -62,7 +70,8 @@ def _read(pid: str) -> tuple[str, float] | None:
 
 def _kind(pid: str) -> str:
     try:
-        return kind_of(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        return kind_of(cmdline, Path(f"/proc/{pid}/comm").read_text().strip())
     except OSError:
         return "?"
 

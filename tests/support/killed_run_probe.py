@@ -16,7 +16,7 @@ def test_hold_a_broker_redis_and_a_service(kafka_bootstrap: str, redis_url: str,
         out = Path(os.environ["PROBE_OUT"])
         staged = out.with_suffix(".partial")  # renamed whole: the test polls and must never read half a file
         staged.write_text(json.dumps({
-            "mark": os.environ["PYTEST_REIN_RUN"], "engine": engine.proc.popen.pid,
+            "mark": os.environ["PYTEST_REIN_RUN"], "engine": engine.proc.process.pid,
             "kafka": kafka_bootstrap, "redis": redis_url}))
         staged.replace(out)
         threading.Event().wait(300)  # until killed (bounded: a probe never killed still ends)

@@ -8,9 +8,7 @@ must be exactly what the task computes for it.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -22,12 +20,12 @@ from typing import Any
 import httpx
 import pytest
 
+from ops.local.launcher import Child, Service
 from services.rollout.task import NumberGuessTask
 from shared.names import Topics
 from shared.schemas import Chunk, GroupDispatched, SessionFinished, SessionRejected
 from shared.tokenizer import TOKENIZER
 from tests.support.kafka_io import read_all
-from tests.support.procs import REPO_ROOT
 from tests.support.wait import wait_until
 
 RUN_TIMEOUT_S = 200
@@ -47,12 +45,10 @@ class RunnerStack:
 
 
 def runner_env(stack: RunnerStack, group: str, retries: str, weights: str, **extra: str) -> dict[str, str]:
-    """The runner's environment; ``retries`` / ``weights`` are the test's own topics (the runner
+    """The runner's ``REIN_*`` variables; ``retries`` / ``weights`` are the test's own topics (the runner
     reads them from the beginning, so records of another test must not be there)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REIN_")}
-    env.update(
+    env = (
         {
-            "PYTHONUNBUFFERED": "1",
             "REIN_PROXY_URL": stack.proxy_url,
             "REIN_RUNNER_TOKEN": stack.runner_token,
             "REIN_KAFKA__BOOTSTRAP_SERVERS": stack.bootstrap,
@@ -73,22 +69,16 @@ def runner_env(stack: RunnerStack, group: str, retries: str, weights: str, **ext
     return env
 
 
-def start_runner(stack: RunnerStack, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
+def start_runner(stack: RunnerStack, env: dict[str, str]) -> tuple[Child, Path]:
+    """``python -m services.rollout`` with ``env`` (the launcher adds the rest of this process's, minus ``REIN_*``)."""
     log_path = stack.log_dir / f"rollout-{uuid.uuid4().hex[:6]}.log"
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.rollout"],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    return proc, log_path
+    service = Service("rollout", "services.rollout", env, None, log_path, new_session=False)
+    service.start()
+    return service.process, log_path
 
 
 @contextmanager
-def running(stack: RunnerStack, env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+def running(stack: RunnerStack, env: dict[str, str]) -> Iterator[tuple[Child, Path]]:
     """A runner process and its log, killed on the way out if it is still running."""
     proc, log_path = start_runner(stack, env)
     try:
@@ -122,7 +112,7 @@ def wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
     return wait_until(condition, timeout_s, what, interval_s=0.2)
 
 
-def wait_exit(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = RUN_TIMEOUT_S) -> None:
+def wait_exit(proc: Child, log_path: Path, timeout_s: float = RUN_TIMEOUT_S) -> None:
     """Wait for the runner to exit by itself (killed and failed past ``timeout_s``); it must exit 0."""
     try:
         code = proc.wait(timeout_s)

@@ -27,6 +27,15 @@ def test_a_process_is_named_by_its_command_line(cmdline: str, kind: str) -> None
     assert kind_of(cmdline) == kind
 
 
+@pytest.mark.parametrize(
+    ("comm", "kind"),
+    [("python", "warm server"), ("engine", "services.engine"), ("weight_broadcas", "services.weight_broadcaster"),
+     ("warm_probe", "warm child: warm_probe")],
+)
+def test_a_warm_child_is_named_by_its_process_name(comm: str, kind: str) -> None:
+    assert kind_of("/venv/bin/python -m ops.local.warm", comm) == kind
+
+
 def test_the_totals_leave_out_what_a_process_had_used_before_the_sampling() -> None:
     seen = {
         ("10", "1"): Seen("kafka broker", "tests/e2e/test_a.py", 12.0, base_s=10.0),  # running before: 2 s count

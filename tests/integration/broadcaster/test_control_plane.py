@@ -362,8 +362,8 @@ def test_broadcaster_killed_between_pause_and_resume(stack: Stack, tmp_path: Pat
 
         agent = threading.Thread(target=chat, name="agent", daemon=True)
         agent.start()
-        first.popen.kill()
-        first.popen.wait(10)
+        first.process.kill()
+        first.process.wait(10)
         killed_at = time.monotonic()
         assert stack.proxy_state()["paused"], "the pause outlives its broadcaster until the lease runs out"
         wait_until(lambda: not stack.proxy_state()["paused"], lease_s + 5, "the proxy to resume by itself")

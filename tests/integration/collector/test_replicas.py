@@ -140,8 +140,8 @@ def test_kill_9_of_a_replica_mid_stream_loses_and_duplicates_no_group(
         for gid in failed[:2]:
             source.group(gid, [["v1"]], attempt=2, rejected=[0])
         batches.wait(lambda rs: len(manifests_by_index(rs)) >= 2, "manifests before the kill")
-        victim.popen.send_signal(signal.SIGKILL)
-        victim.popen.wait(10)
+        victim.process.send_signal(signal.SIGKILL)
+        victim.process.wait(10)
         for gid in kept[20:]:
             source.group(gid, [["v1"], ["v1"]])
         for gid in failed[2:]:

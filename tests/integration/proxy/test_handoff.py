@@ -92,8 +92,8 @@ def pair(engine: Engine, kafka_bootstrap: str, unique_topic: Callable[..., str],
 
 
 def _kill(proxy: ProxyProcess) -> None:
-    proxy.proc.popen.kill()
-    proxy.proc.popen.wait(timeout=10)
+    proxy.proc.process.kill()
+    proxy.proc.process.wait(timeout=10)
 
 
 def _call(pair: Pair, proxy: ProxyProcess, sid: str, gid: str, messages: list[dict[str, Any]],

@@ -9,9 +9,7 @@ off on the test broker).
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -23,11 +21,11 @@ import httpx
 import openai
 import pytest
 
+from ops.local.launcher import Child, Service
 from shared.bus import read_topic
 from shared.names import Topics
 from shared.schemas import Chunk, GroupDispatched, Record, SessionFinished, SessionRejected
 from shared.settings import KafkaSettings
-from tests.support.procs import REPO_ROOT
 from tests.support.proxy import ADMIN, Proxy, ProxyFactory, count_records, proxy_factory
 from tests.support.stack import Engine, proxy_process, temp_engine
 from tests.support.wait import wait_until
@@ -186,8 +184,8 @@ def test_a_proxy_killed_before_its_acks_leaves_nothing_on_kafka_and_the_runner_e
             metrics = f"{proxy.url}/metrics"
             wait_until(lambda: 'route="/v1/chat/completions",status="200"' in httpx.get(metrics, timeout=10).text,
                        timeout_s=150, what="an answered chat call", proc=proxy.proc)
-            proxy.proc.popen.kill()  # kill -9 between the answer and its chunk's ack (120 s away)
-            proxy.proc.popen.wait(30)
+            proxy.proc.process.kill()  # kill -9 between the answer and its chunk's ack (120 s away)
+            proxy.proc.process.wait(30)
             assert count_records(kafka_bootstrap, topics.chunks) == 0  # the answered chunk never reached Kafka
             settings = KafkaSettings(bootstrap_servers=kafka_bootstrap)
 
@@ -213,21 +211,19 @@ def test_a_proxy_killed_before_its_acks_leaves_nothing_on_kafka_and_the_runner_e
 def _start_runner(
     proxy_url: str, runner_token: str, bootstrap: str, topics: Topics, redis_url: str,
     unique_topic: Callable[..., str], logs: Path,
-) -> tuple[subprocess.Popen[bytes], Path]:
+) -> tuple[Child, Path]:
     """``python -m services.rollout`` for one group of two, on the test's topics (stopped by the test)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REIN_")}
     tag = uuid.uuid4().hex[:8]
-    env.update({
-        "PYTHONUNBUFFERED": "1", "REIN_PROXY_URL": proxy_url, "REIN_RUNNER_TOKEN": runner_token,
+    env = {
+        "REIN_PROXY_URL": proxy_url, "REIN_RUNNER_TOKEN": runner_token,
         "REIN_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
         "REIN_TOPICS__EVENTS": topics.events, "REIN_TOPICS__CHUNKS": topics.chunks,
         "REIN_TOPICS__RETRIES": unique_topic(), "REIN_TOPICS__WEIGHTS": unique_topic(),
         "REIN_RETRY_CONSUMER_GROUP": f"g-{tag}", "REIN_REDIS__URL": redis_url, "REIN_REDIS__KEY_PREFIX": f"t-{tag}",
         "REIN_METRICS_PORT": "0", "REIN_GROUP_SIZE": "2", "REIN_MAX_GROUPS": "1", "REIN_REQUEST_TIMEOUT_S": "30",
         "REIN_STARTUP_TIMEOUT_S": "120", "REIN_DRAIN_TIMEOUT_S": "5",
-    })
+    }
     log_path = logs / f"rollout-{tag}.log"
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "services.rollout"], cwd=REPO_ROOT, env=env, stdout=log_file,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    return proc, log_path
+    runner = Service("rollout", "services.rollout", env, None, log_path, new_session=False)
+    runner.start()
+    return runner.process, log_path

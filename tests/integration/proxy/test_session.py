@@ -333,7 +333,7 @@ def test_a_stopping_proxy_cancels_calls_held_by_a_pause_that_never_ends(
         proc, url = proxy.proc, proxy.url
         took, outcome = _stop_while_a_call_is_held(proc, url, proxy.runner_token)
     assert took < 2 + 5, f"the proxy took {took:.1f}s to stop"
-    assert proc.popen.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+    assert proc.process.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
     assert "error" in outcome, f"the held call was not failed: {outcome}"
     assert "timeout graceful shutdown exceeded" in proc.log_path.read_text()
 
@@ -359,8 +359,8 @@ def _stop_while_a_call_is_held(proc: Proc, url: str, runner: str) -> tuple[float
         assert admin.post("/v1/rollout/pause", json={"reason": "test"}).json()["preempted"]  # and no resume
         wait_until(lambda: admin.get("/v1/rollout/state").json()["held"] == 1, timeout_s=30, what="a held call")
         started = time.monotonic()
-        proc.popen.terminate()
-        proc.popen.wait(timeout=30)
+        proc.process.terminate()
+        proc.process.wait(timeout=30)
         took = time.monotonic() - started
         caller.join(timeout=30)
     finally:

@@ -184,8 +184,8 @@ def test_sigkill_mid_run_trains_each_manifest_once(env: TrainerEnv) -> None:
             assert proc.alive(), proc.tail()
             assert time.monotonic() < deadline, proc.tail()
             time.sleep(0.02)
-        proc.popen.kill()
-        proc.popen.wait(10)
+        proc.process.kill()
+        proc.process.wait(10)
     finally:
         proc.stop()
     env.manifests(manifests[3:])
