@@ -170,7 +170,8 @@ class Service:
         if warm.enabled():
             try:
                 server = warm.server(REPO, child_env({"PYTHONUNBUFFERED": "1"}), self.log_path.parent)
-                self.proc = server.spawn(warm.Spec(self.module, env, str(REPO), str(self.log_path), self.new_session))
+                self.proc = server.spawn(warm.Spec(("-m", self.module), env, str(REPO), str(self.log_path),
+                                                  self.new_session))
             except RuntimeError as exc:
                 raise LaunchError(f"{self.name}: {exc}") from exc
             return

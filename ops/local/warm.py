@@ -4,16 +4,19 @@ Importing a service is most of the CPU its start takes: 2.4 CPU-s for the engine
 the trainer, about 0.5 for the others, paid again by every process, and the test suite starts some 180
 (docs/development.md). A warm server (``python -m ops.local.warm``) imports every service once, then forks a
 child per request; the child takes the service's environment, working directory, log and session and runs
-the module as ``python -m`` would, as ``__main__``. The launcher (:mod:`ops.local.launcher`) uses it when
-``REIN_WARM_START=1`` (the test suite sets it); ``make demo`` and ``rein up`` exec each service, so that ``ps``
-shows its command line (a warm child shows the server's, and its service's name as the process name).
+what ``python ARGS`` would (``-m module`` or a script) as ``__main__``. The launcher (:mod:`ops.local.launcher`)
+uses it when ``REIN_WARM_START=1`` (the test suite sets it, for services and bench scripts); ``make demo`` and
+``rein up`` exec each service, so that ``ps`` shows its command line (a warm child shows the server's, and its
+service's name as the process name).
 
-One line of JSON each way on the server's stdin and stdout: a request ``{"module", "env", "cwd", "log",
+One line of JSON each way on the server's stdin and stdout: a request ``{"args", "env", "cwd", "log",
 "new_session"}`` is answered ``{"started": pid}`` (or ``{"error": ...}``), and every child's end is reported as
 ``{"exited": pid, "returncode": rc}`` (``-N`` for a signal, as :class:`subprocess.Popen` has it) once the
 server has reaped it; its ``started`` line always comes first. The server exits when its stdin closes, leaving
 its children running. The import starts one thread, OpenBLAS's pool (numpy's), which stops itself around a
-fork (``pthread_atfork``); the server refuses to serve with any Python thread besides its own.
+fork (``pthread_atfork``); the server refuses to serve with any Python thread besides its own. What a library
+reads from the environment when it is imported (``OMP_NUM_THREADS``, ``HF_HUB_OFFLINE``) has the server's
+value in every child: services take their settings from ``REIN_*`` variables, read when they start.
 """
 
 from __future__ import annotations
@@ -46,9 +49,10 @@ SERVICES = ("engine", "trainer", "proxy", "collector", "rollout", "weight_broadc
 
 @dataclass(frozen=True)
 class Spec:
-    """What a child becomes: ``python -m module`` in ``cwd`` with exactly ``env``, its output appended to ``log``."""
+    """What a child becomes: ``python *args`` (``-m module ...`` or ``script.py ...``) in ``cwd`` with exactly
+    ``env``, its output appended to ``log``."""
 
-    module: str
+    args: tuple[str, ...]
     env: dict[str, str]
     cwd: str
     log: str
@@ -57,11 +61,31 @@ class Spec:
     @classmethod
     def parse(cls, line: bytes) -> Spec:
         raw = json.loads(line)
-        spec = cls(str(raw["module"]), {str(k): str(v) for k, v in raw["env"].items()}, str(raw["cwd"]),
-                   str(raw["log"]), bool(raw["new_session"]))
-        if not spec.module or not spec.log:
-            raise ValueError("a request needs a module and a log path")
+        spec = cls(tuple(str(a) for a in raw["args"]), {str(k): str(v) for k, v in raw["env"].items()},
+                   str(raw["cwd"]), str(raw["log"]), bool(raw["new_session"]))
+        if not spec.log or not spec.args or (spec.args[0] == "-m" and len(spec.args) < 2):
+            raise ValueError("a request needs a log path and a module (-m name) or a script")
         return spec
+
+    @property
+    def module(self) -> str | None:
+        return self.args[1] if self.args[0] == "-m" else None
+
+    @property
+    def name(self) -> str:
+        """The module's last part or the script's stem: the child's process name."""
+        return self.module.rsplit(".", 1)[-1] if self.module else Path(self.args[0]).stem
+
+    def run(self) -> None:
+        """In the child, once it is set up: run it as ``__main__`` (returns when it ends without ``sys.exit``)."""
+        if self.module:
+            sys.argv = [self.module, *self.args[2:]]  # runpy puts the module's file in sys.argv[0]
+            runpy.run_module(self.module, run_name="__main__", alter_sys=True)
+        else:
+            script = str(Path(self.args[0]).resolve())
+            sys.argv = list(self.args)
+            sys.path[0] = str(Path(script).parent)  # as for `python script.py`
+            runpy.run_path(script, run_name="__main__")
 
 
 def preload() -> None:
@@ -109,9 +133,8 @@ def _become(spec: Spec, wakeup: tuple[int, int]) -> None:
         os.environ.clear()
         os.environ.update(spec.env)
         os.chdir(spec.cwd)
-        sys.argv = [spec.module]
         with contextlib.suppress(OSError):  # `ps` and `top` show the service's name (the command line: the server's)
-            Path("/proc/self/comm").write_text(spec.module.rsplit(".", 1)[-1][:15])
+            Path("/proc/self/comm").write_text(spec.name[:15])
     except BaseException:
         traceback.print_exc()
         os._exit(127)
@@ -205,7 +228,7 @@ class Server:
         return not self._gone
 
     def spawn(self, spec: Spec, timeout_s: float = 30) -> Child:
-        request = json.dumps({"module": spec.module, "env": spec.env, "cwd": spec.cwd, "log": spec.log,
+        request = json.dumps({"args": spec.args, "env": spec.env, "cwd": spec.cwd, "log": spec.log,
                               "new_session": spec.new_session}).encode() + b"\n"
         with self._requests:  # one request at a time: the next answer is this one's
             try:
@@ -216,10 +239,10 @@ class Server:
             with self._changed:
                 self._changed.wait_for(lambda: bool(self._answers) or self._gone, timeout_s)
                 if not self._answers:
-                    raise RuntimeError(f"no answer from the warm server for {spec.module} in {timeout_s}s; {self.log}")
+                    raise RuntimeError(f"no answer from the warm server for {spec.name} in {timeout_s}s; {self.log}")
                 answer = self._answers.pop(0)
         if "error" in answer:
-            raise RuntimeError(f"the warm server could not start {spec.module}: {answer['error']}")
+            raise RuntimeError(f"the warm server could not start {spec.name}: {answer['error']}")
         return Child(self, int(str(answer["started"])))
 
     def returncode(self, pid: int) -> int | None:
@@ -318,7 +341,7 @@ def server(repo: Path, env: dict[str, str], log_dir: Path) -> Server:
 def main() -> None:
     preload()
     spec = serve()
-    runpy.run_module(spec.module, run_name="__main__", alter_sys=True)
+    spec.run()
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ def _read(pid: str) -> tuple[str, float] | None:
 def _kind(pid: str) -> str:
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        return kind_of(cmdline, Path(f"/proc/{pid}/comm").read_text().strip())
+        warm_run = "ops.local.warm" in cmdline  # a warm server or its child: only there does the name say more
+        return kind_of(cmdline, Path(f"/proc/{pid}/comm").read_text().strip() if warm_run else "")
     except OSError:
         return "?"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 def main() -> None:
     seen = {
-        "name": __name__, "argv0": sys.argv[0], "cwd": os.getcwd(), "env": dict(os.environ),
+        "name": __name__, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "env": dict(os.environ),
         "sid": os.getsid(0), "pgid": os.getpgid(0), "comm": Path("/proc/self/comm").read_text().strip(),
         "stdin": sys.stdin.read(),
     }

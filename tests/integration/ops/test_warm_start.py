@@ -39,7 +39,7 @@ def _seen(log: Path) -> dict[str, object]:
 
 
 def _spec(tmp_path: Path, name: str, env: dict[str, str], new_session: bool = True) -> warm.Spec:
-    return warm.Spec(PROBE, env, str(tmp_path), str(tmp_path / f"{name}.log"), new_session)
+    return warm.Spec(("-m", PROBE), env, str(tmp_path), str(tmp_path / f"{name}.log"), new_session)
 
 
 def test_a_child_sees_exactly_its_environment_directory_log_and_session(server: warm.Server, tmp_path: Path) -> None:
@@ -49,13 +49,24 @@ def test_a_child_sees_exactly_its_environment_directory_log_and_session(server: 
     seen = _seen(tmp_path / "own.log")
     assert seen["env"] == env, "the server's variables leaked into the child, or its own were lost"
     assert (seen["name"], seen["cwd"], seen["stdin"]) == ("__main__", str(tmp_path), "")
-    assert str(seen["argv0"]).endswith("tests/support/warm_probe.py")
+    argv = seen["argv"]
+    assert isinstance(argv, list) and str(argv[0]).endswith("tests/support/warm_probe.py") and len(argv) == 1
     assert seen["sid"] == child.pid and seen["pgid"] == child.pid, "new_session: a session of its own"
     assert seen["comm"] == "warm_probe"
 
     shared = server.spawn(_spec(tmp_path, "shared", env, new_session=False))
     assert shared.wait(30) == 3
     assert _seen(tmp_path / "shared.log")["pgid"] == os.getpgid(0), "without new_session: the launcher's group"
+
+
+def test_a_script_runs_as_python_script_py_would(server: warm.Server, tmp_path: Path) -> None:
+    script = REPO / "tests" / "support" / "warm_probe.py"
+    child = server.spawn(warm.Spec((str(script.relative_to(REPO)), "--flag", "x"), {"PATH": os.environ["PATH"]},
+                                   str(REPO), str(tmp_path / "script.log"), True))
+    assert child.wait(30) == 0
+    seen = _seen(tmp_path / "script.log")
+    assert (seen["name"], seen["argv"], seen["path0"]) == ("__main__", [str(script), "--flag", "x"], str(script.parent))
+    assert seen["comm"] == "warm_probe"
 
 
 def test_signals_and_waits_answer_as_popen_does(server: warm.Server, tmp_path: Path) -> None:
@@ -74,7 +85,7 @@ def test_signals_and_waits_answer_as_popen_does(server: warm.Server, tmp_path: P
 
 def test_a_bad_request_is_refused_and_the_server_serves_on(server: warm.Server, tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="could not start"):
-        server.spawn(warm.Spec(PROBE, {}, str(tmp_path), "", True))  # no log path
+        server.spawn(warm.Spec(("-m", PROBE), {}, str(tmp_path), "", True))  # no log path
     ok = server.spawn(_spec(tmp_path, "ok", {"PATH": os.environ["PATH"]}))
     assert ok.wait(30) == 0
 
