@@ -4,7 +4,8 @@
 ``python -m tests.support.timeline /tmp/timeline.jsonl``: which units each worker ran, when, where a worker
 sat idle, and the modules that cost the most CPU (docs/development.md). A test's CPU is its worker's own over
 the test plus that of the worker's child processes that ended in it (a module's services stopped at its end
-count in its last test; brokers and containers, which are not the worker's children, are not counted).
+count in its last test; brokers and containers, which are not the worker's children, are not counted, nor are
+services forked by a warm server, which are the server's: ``REIN_WARM_START=0`` execs them, counted again).
 Nothing is written unless ``PYTEST_TIMELINE`` is set.
 """
 
