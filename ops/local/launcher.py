@@ -4,7 +4,8 @@ The one process launcher: ``make demo``, ``rein up`` / ``rein down``, the end-to
 tests (through :mod:`ops.local.stack`) and the integration tests (:func:`start_service`)
 start services with :class:`Service`. A child runs ``python -m <module>`` from the
 repository root with this process's environment minus every ``REIN_*`` variable plus its
-own, so a run is hermetic whatever the shell exports. Each process writes its log to a
+own, so a run is hermetic whatever the shell exports; exec'd, or with ``REIN_WARM_START=1``
+forked from a server that imported every service once (:mod:`ops.local.warm`). Each process writes its log to a
 file whose tail is shown when it fails to start; everything started is stopped by PID
 (never a broad ``pkill``), in reverse order, also on Ctrl-C.
 """
