@@ -170,7 +170,7 @@ class Service:
         env = child_env({"PYTHONUNBUFFERED": "1", **self.env})
         if warm.enabled():
             try:
-                server = warm.server(REPO, child_env({"PYTHONUNBUFFERED": "1"}), self.log_path.parent)
+                server = warm.server(REPO, self.log_path.parent)
                 self.proc = server.spawn(warm.Spec(("-m", self.module), env, str(REPO), str(self.log_path),
                                                   self.new_session))
             except RuntimeError as exc:

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from shared.settings import child_env
+
 ENV_FLAG = "REIN_WARM_START"
 """``1``: the launcher forks services from a warm server instead of exec'ing each (read by the launcher only)."""
 UNKNOWN = -255
@@ -327,12 +329,14 @@ _server: Server | None = None
 _server_lock = threading.Lock()
 
 
-def server(repo: Path, env: dict[str, str], log_dir: Path) -> Server:
-    """This process's warm server, started (``env`` its environment, its log in ``log_dir``) if none is alive."""
+def server(repo: Path, log_dir: Path) -> Server:
+    """This process's warm server, started if none is alive (its log in ``log_dir``; its environment this
+    process's minus ``REIN_*``, as a service's: what its children inherit is replaced by each request's)."""
     global _server
     with _server_lock:
         if _server is None or not _server.alive:
             log_dir.mkdir(parents=True, exist_ok=True)
+            env = child_env({"PYTHONUNBUFFERED": "1"})
             _server = Server(repo, env, log_dir / f"warm-server-{os.getpid()}.log")
             atexit.register(_server.close)
         return _server

@@ -21,7 +21,6 @@ import pytest
 
 from ops.local import warm
 from ops.stack_flags import preset_stack
-from shared.settings import child_env
 from tests.support.demo_runs import finished_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -327,7 +326,7 @@ def _run_script(script: Path, args: list[str], log_dir: Path, timeout_s: float) 
                               stderr=subprocess.STDOUT, text=True, timeout=timeout_s, check=False)
         return done.returncode, done.stdout
     log = log_dir / f"{script.stem}.out"
-    server = warm.server(REPO, child_env({"PYTHONUNBUFFERED": "1"}), log_dir)
+    server = warm.server(REPO, log_dir)
     child = server.spawn(warm.Spec((str(script), *args), dict(os.environ), str(REPO), str(log), False))
     try:
         code = child.wait(timeout_s)

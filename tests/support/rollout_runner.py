@@ -47,24 +47,22 @@ class RunnerStack:
 def runner_env(stack: RunnerStack, group: str, retries: str, weights: str, **extra: str) -> dict[str, str]:
     """The runner's ``REIN_*`` variables; ``retries`` / ``weights`` are the test's own topics (the runner
     reads them from the beginning, so records of another test must not be there)."""
-    env = (
-        {
-            "REIN_PROXY_URL": stack.proxy_url,
-            "REIN_RUNNER_TOKEN": stack.runner_token,
-            "REIN_KAFKA__BOOTSTRAP_SERVERS": stack.bootstrap,
-            "REIN_TOPICS__EVENTS": stack.topics.events,
-            "REIN_TOPICS__CHUNKS": stack.topics.chunks,
-            "REIN_TOPICS__RETRIES": retries,
-            "REIN_TOPICS__WEIGHTS": weights,
-            "REIN_RETRY_CONSUMER_GROUP": group,
-            "REIN_REDIS__URL": stack.redis_url,
-            "REIN_REDIS__KEY_PREFIX": f"t-{group}",  # a prompt cursor of the test's own
-            "REIN_METRICS_PORT": "0",
-            "REIN_GROUP_SIZE": "4",
-            "REIN_REQUEST_TIMEOUT_S": "30",
-            "REIN_STARTUP_TIMEOUT_S": "120",
-        }
-    )
+    env = {
+        "REIN_PROXY_URL": stack.proxy_url,
+        "REIN_RUNNER_TOKEN": stack.runner_token,
+        "REIN_KAFKA__BOOTSTRAP_SERVERS": stack.bootstrap,
+        "REIN_TOPICS__EVENTS": stack.topics.events,
+        "REIN_TOPICS__CHUNKS": stack.topics.chunks,
+        "REIN_TOPICS__RETRIES": retries,
+        "REIN_TOPICS__WEIGHTS": weights,
+        "REIN_RETRY_CONSUMER_GROUP": group,
+        "REIN_REDIS__URL": stack.redis_url,
+        "REIN_REDIS__KEY_PREFIX": f"t-{group}",  # a prompt cursor of the test's own
+        "REIN_METRICS_PORT": "0",
+        "REIN_GROUP_SIZE": "4",
+        "REIN_REQUEST_TIMEOUT_S": "30",
+        "REIN_STARTUP_TIMEOUT_S": "120",
+    }
     env.update(extra)
     return env
 
