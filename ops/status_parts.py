@@ -178,6 +178,8 @@ def kafka_part(
     from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
     from kafka.errors import NoBrokersAvailable
 
+    from shared.bus import new_client
+
     servers = [s.strip() for s in settings.bootstrap_servers.split(",") if s.strip()]
     timeout_ms = max(1000, int(timeout_s * 1000))
     common: dict[str, Any] = {
@@ -187,14 +189,14 @@ def kafka_part(
         "reconnect_backoff_max_ms": 1000,
     }
     try:
-        admin = KafkaAdminClient(client_id=f"{settings.client_id}-status", **common)
+        admin = new_client(lambda: KafkaAdminClient(client_id=f"{settings.client_id}-status", **common))
     except NoBrokersAvailable:
         raise NoBrokersAvailable(f"no Kafka broker answered at {settings.bootstrap_servers}") from None
     consumer = None
     try:
-        consumer = KafkaConsumer(
+        consumer = new_client(lambda: KafkaConsumer(
             client_id=f"{settings.client_id}-status", group_id=None, enable_auto_commit=False, **common
-        )
+        ))
         out: dict[str, Any] = {}
         for group, fields in groups.items():
             try:

@@ -34,6 +34,7 @@ from kafka import ConsumerRebalanceListener, KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
+from shared.bus import new_client
 from shared.codec import DecodeError, decode
 from shared.settings import KafkaSettings
 
@@ -210,7 +211,7 @@ class Tailer:
         servers = [s.strip() for s in self.settings.bootstrap_servers.split(",") if s.strip()]
         reset = "latest" if self.options.follow else "earliest"
         try:
-            return KafkaConsumer(
+            return new_client(lambda: KafkaConsumer(
                 bootstrap_servers=servers,
                 client_id=f"{self.settings.client_id}-tail",
                 group_id=self.options.group_id,
@@ -219,7 +220,7 @@ class Tailer:
                 request_timeout_ms=max(self.settings.request_timeout_ms, 15_000),
                 max_partition_fetch_bytes=max(self.settings.max_record_bytes, 1024 * 1024),
                 fetch_max_bytes=max(self.settings.max_record_bytes, 1024 * 1024) * 4,
-            )
+            ))
         except KafkaError as exc:  # 3.x: KafkaTimeoutError "Unable to bootstrap"; 2.x: NoBrokersAvailable
             raise TailError(f"no Kafka broker answered at {self.settings.bootstrap_servers}: {exc}") from exc
 

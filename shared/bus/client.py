@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
+from kafka.client_async import KafkaClient
 from kafka.errors import NoBrokersAvailable, UnrecognizedBrokerVersion
 
 from shared import log
@@ -50,14 +53,44 @@ def servers(settings: KafkaSettings) -> list[str]:
     return [s.strip() for s in settings.bootstrap_servers.split(",") if s.strip()]
 
 
-def connect(factory: Callable[[], object], what: str, settings: KafkaSettings, attempts: int = 5) -> object:
+T = TypeVar("T")
+
+
+def new_client(factory: Callable[[], T]) -> T:
+    """Call a kafka-python client's constructor; where it raises, close the connections it opened first.
+
+    A constructor that fails after connecting (``KafkaAdminClient`` whose broker accepted the connection but did
+    not answer its API-versions probe in time: a busy broker, or a container's published port with the broker
+    down) is never closed, and its client sits in reference cycles: the socket stays open until some later garbage
+    collection finds it and warns, in whatever code runs then."""
+    try:
+        return factory()
+    except BaseException as exc:
+        _close_half_built(exc)
+        raise
+
+
+def _close_half_built(exc: BaseException) -> None:
+    closed: set[int] = set()
+    frame = exc.__traceback__
+    while frame is not None:
+        owner = frame.tb_frame.f_locals.get("self")
+        for client in (owner, getattr(owner, "_client", None)):
+            if isinstance(client, KafkaClient) and id(client) not in closed:
+                closed.add(id(client))
+                with contextlib.suppress(Exception):  # half built: closing what exists is all there is to do
+                    client.close()
+        frame = frame.tb_next
+
+
+def connect(factory: Callable[[], T], what: str, settings: KafkaSettings, attempts: int = 5) -> T:
     """Build a client, retrying a bounded number of times on an unreachable broker, or on one whose API
     versions did not answer in time (kafka-python then guesses a version too old to find the controller and
     raises ``UnrecognizedBrokerVersion``, which a loaded machine makes as transient as a broker's restart)."""
     delay = 0.5
     for attempt in range(1, attempts + 1):
         try:
-            return factory()
+            return new_client(factory)
         except (NoBrokersAvailable, UnrecognizedBrokerVersion) as exc:
             if attempt == attempts:
                 raise BusUnavailable(

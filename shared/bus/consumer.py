@@ -127,7 +127,7 @@ class Consumer:
         )
         if not subscribe_now and topics:
             self.subscribe(topics)
-        fetcher: Any = self._consumer._fetcher  # type: ignore[attr-defined]  # its config is read for each fetch
+        fetcher: Any = self._consumer._fetcher  # its config is read for each fetch
         self._fetch_config: dict[str, Any] = fetcher.config
         self._idle: bool | None = None
         self._set_idle(True)

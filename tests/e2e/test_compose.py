@@ -45,7 +45,7 @@ from kafka.admin import KafkaAdminClient
 from kafka.errors import NoBrokersAvailable
 
 from ops.local.ports import free_ports
-from shared.bus import read_topic
+from shared.bus import new_client, read_topic
 from shared.schemas import (
     BatchManifest,
     Chunk,
@@ -247,7 +247,8 @@ def _collector_members(compose: Compose) -> int:
     """Members of the collectors' group; -1 while the broker does not answer (busy with the scale-up: one
     CI run's admin client timed out on its API-version probe), so the wait polls again instead of failing."""
     try:
-        admin = KafkaAdminClient(bootstrap_servers=compose.kafka.bootstrap_servers, request_timeout_ms=10_000)
+        admin = new_client(lambda: KafkaAdminClient(bootstrap_servers=compose.kafka.bootstrap_servers,
+                                                    request_timeout_ms=10_000))
     except NoBrokersAvailable:
         return -1
     try:

@@ -18,7 +18,7 @@ from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
 from ops.local.stack import start
-from shared.bus import topic_configs
+from shared.bus import new_client, topic_configs
 from shared.names import Topics
 from shared.schemas import WeightPublished
 from shared.settings import KafkaSettings
@@ -34,7 +34,8 @@ def _partitions(bootstrap: str) -> dict[tuple[str, int], dict[str, Any]]:
     or a broker is down, on a loaded machine): the question is what the cluster says, not how soon."""
     def read() -> dict[tuple[str, int], dict[str, Any]] | None:
         try:
-            admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), request_timeout_ms=10_000)
+            admin = new_client(lambda: KafkaAdminClient(bootstrap_servers=bootstrap.split(","),
+                                                        request_timeout_ms=10_000))
         except KafkaError:
             return None
         try:
